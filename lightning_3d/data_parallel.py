@@ -1,0 +1,33 @@
+"""Data parallelism over the dp dimension of the mesh.
+
+Each pipeline stage module is wrapped with ``replicate`` (DDP semantics built on FSDP2's machinery), which,
+unlike ``DistributedDataParallel``, takes tensor-parallel DTensor parameters as they are and keeps them
+visible as parameters (so optimizers, clipping and state dicts see them). ``PipelineStage`` recognises the
+wrapped module: every micro-batch's backward runs without gradient sync and the gradients are all-reduced
+once, after the last micro-batch. Across gradient-accumulation batches the pipeline defers even that sync
+(see ``pipeline.py``), so there is one all-reduce per optimizer step.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+DP_MODES = ("replicate",)
+
+
+def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, mode: str = "replicate") -> nn.Module:
+    """Wrap a stage module for data parallelism over ``dp_mesh`` (no-op when the dp size is 1).
+
+    Args:
+        module: the stage's module, already tensor-parallel.
+        dp_mesh: the 1-D data-parallel sub-mesh.
+        mode: ``"replicate"`` (DDP semantics). FSDP2 sharding is a planned mode.
+    """
+    if mode not in DP_MODES:
+        raise ValueError(f"Unknown data-parallel mode {mode!r}; supported: {DP_MODES}.")
+    if dp_mesh.size() == 1:
+        return module
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate(module, mesh=dp_mesh)

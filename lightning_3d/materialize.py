@@ -1,0 +1,148 @@
+"""Materialising meta-device layers one at a time, and loading full (single-device) weights into shards.
+
+Large models are built in ``configure_model()`` on the meta device, so no rank ever allocates the whole
+model. After the body is pruned to a rank's stages, each kept layer is materialised on its own: allocate
+it (full size, one layer at a time), initialise every submodule with ``reset_parameters()`` under a seed
+derived from the run seed and the submodule's name, then let tensor parallelism shard it, which frees the
+full copy. Seeding by name makes the initial model the same whatever the (tp, pp, dp) layout, and the same
+on every rank of a tensor-parallel group, with no communication.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _tensors(module, recurse=True))
+
+
+def _tensors(module: nn.Module, recurse: bool) -> Iterable[torch.Tensor]:
+    yield from module.parameters(recurse=recurse)
+    yield from module.buffers(recurse=recurse)
+
+
+def check_materializable(module: nn.Module, prefix: str) -> None:
+    """Refuse meta tensors that nothing would initialise (modules without ``reset_parameters``).
+
+    Raises:
+        ValueError: naming every such module and what it holds.
+    """
+    missing = []
+    for name, sub in module.named_modules(prefix=prefix):
+        own = [n for n, t in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)] if t.is_meta]
+        if own and not callable(getattr(sub, "reset_parameters", None)):
+            missing.append(f"{name or type(sub).__name__} ({type(sub).__name__}: {', '.join(own)})")
+    if missing:
+        raise ValueError(
+            "These modules were built on the meta device (in configure_model) and own tensors that nothing can "
+            "initialise: " + "; ".join(missing) + ". Give each a reset_parameters() method that initialises its own "
+            "parameters and buffers (nn.Linear, nn.Embedding and nn.LayerNorm already have one), or build the "
+            "model in __init__."
+        )
+
+
+def module_seed(base_seed: int, name: str) -> int:
+    """A 63-bit seed for one submodule, from the run seed and the submodule's name."""
+    return (base_seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def materialize(module: nn.Module, device: torch.device, base_seed: int, prefix: str) -> None:
+    """Allocate ``module`` (meta) on ``device`` and initialise it, children first, seeded by name.
+
+    Children are reset before their parents so that a parent's ``reset_parameters`` may override its
+    children's default initialisation (e.g. GPT-2's scaled residual projections).
+    """
+    module.to_empty(device=device)
+    named = list(module.named_modules(prefix=prefix))
+    for name, sub in reversed(named):  # reverse pre-order: children before parents
+        reset = getattr(sub, "reset_parameters", None)
+        if not callable(reset):
+            continue
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            torch.manual_seed(module_seed(base_seed, name))
+            reset()
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_full_state_dict` did."""
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _local_targets(module: nn.Module) -> dict[str, torch.Tensor]:
+    persistent = set(module.state_dict(keep_vars=True).keys())
+    targets = {n: p for n, p in module.named_parameters()}
+    targets.update({n: b for n, b in module.named_buffers() if n in persistent})
+    return targets
+
+
+def load_full_state_dict(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    full_keys: Iterable[str] | None = None,
+    strict: bool = True,
+) -> LoadReport:
+    """Copy a single-device (unsharded, unsplit) state dict into this rank's shard of the model.
+
+    Each rank takes the slices of the tensors it holds: tensor-parallel shards of DTensors are cut locally
+    (no communication), and layers of other pipeline stages are ignored. Nothing is changed unless every
+    check passes.
+
+    Args:
+        module: the rank's (pruned, sharded) module, e.g. the LightningModule after setup.
+        state_dict: full tensors keyed like the single-device module's ``state_dict()``.
+        full_keys: every key of the unsplit model (to tell "another stage's key" from "unexpected");
+            defaults to the local keys.
+        strict: raise on missing or unexpected keys and on shape mismatches.
+
+    Returns:
+        A :class:`LoadReport`.
+
+    Raises:
+        KeyError: with ``strict``, naming missing and unexpected keys.
+        ValueError: a tensor's shape differs from the model's.
+    """
+    targets = _local_targets(module)
+    known = set(full_keys) if full_keys is not None else set(targets)
+    report = LoadReport(
+        missing=sorted(k for k in targets if k not in state_dict),
+        unexpected=sorted(k for k in state_dict if k not in known and k not in targets),
+    )
+    if strict and (report.missing or report.unexpected):
+        raise KeyError(
+            f"State dict does not match the model: missing keys {report.missing[:10]}"
+            f"{' ...' if len(report.missing) > 10 else ''}, unexpected keys {report.unexpected[:10]}"
+            f"{' ...' if len(report.unexpected) > 10 else ''}. Nothing was loaded."
+        )
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name, target in targets.items():
+        if name not in state_dict:
+            continue
+        full = state_dict[name]
+        shape = tuple(target.shape)  # DTensor: the global shape
+        if tuple(full.shape) != shape:
+            raise ValueError(f"Shape mismatch for {name!r}: checkpoint {tuple(full.shape)}, model {shape}. Nothing was loaded.")
+        if isinstance(target, DTensor):
+            local = distribute_tensor(
+                full.detach().to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            ).to_local()
+            staged.append((target.to_local(), local))
+        else:
+            staged.append((target, full.detach()))
+        report.loaded.append(name)
+    with torch.no_grad():
+        for dst, src in staged:
+            dst.copy_(src.to(dst.device, dst.dtype))
+    return report

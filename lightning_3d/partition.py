@@ -1,0 +1,244 @@
+"""Finding the model body and splitting it into pipeline stages.
+
+The user contract: the LightningModule holds its model body as ONE ``nn.Sequential`` (embedding first, head
+last) and ``forward`` applies it. This module finds that body, checks that no parameter lives outside it,
+assigns its layers to stages with a pluggable partitioner, and prunes a rank's copy of the body down to the
+layers of the stages it owns. Pruning removes entries from the Sequential's ``_modules`` instead of building
+a new Sequential, so every kept layer keeps the name it had in the unsplit model (``body.7.attn.q_proj``):
+checkpoint keys never depend on the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+CONTRACT = (
+    "lightning_3d needs the model body as ONE nn.Sequential attribute of the LightningModule (embedding layer "
+    "first, head last) that forward() applies, e.g. `self.body = nn.Sequential(embed, *blocks, head)` and "
+    "`def forward(self, x): return self.body(x)`."
+)
+
+
+@dataclass
+class BodyRef:
+    """Where the body lives: ``parent.<attr>`` is the Sequential, ``fqn`` its name in the LightningModule."""
+
+    parent: nn.Module
+    attr: str
+    fqn: str
+    module: nn.Sequential
+
+
+def find_body(root: nn.Module, name: str | None = None) -> BodyRef:
+    """Locate the ``nn.Sequential`` body of ``root``.
+
+    Args:
+        root: the LightningModule.
+        name: dotted attribute path of the body; ``None`` finds the single outermost Sequential.
+
+    Raises:
+        ValueError: no Sequential, several candidates, or ``name`` is not a Sequential.
+    """
+    if name is not None:
+        try:
+            module = root.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"ThreeDStrategy(body={name!r}): the module has no submodule {name!r}. {CONTRACT}") from None
+        if not isinstance(module, nn.Sequential):
+            raise ValueError(
+                f"ThreeDStrategy(body={name!r}): {name!r} is a {type(module).__name__}, not an nn.Sequential. {CONTRACT}"
+            )
+        candidates = [name]
+    else:
+        sequentials = [n for n, m in root.named_modules() if n and isinstance(m, nn.Sequential)]
+        candidates = [n for n in sequentials if not any(n.startswith(o + ".") for o in sequentials if o != n)]
+        if not candidates:
+            raise ValueError(f"{type(root).__name__} has no nn.Sequential submodule. {CONTRACT}")
+        if len(candidates) > 1:
+            raise ValueError(
+                f"{type(root).__name__} has several nn.Sequential submodules ({', '.join(candidates)}); say which one "
+                f"is the body with ThreeDStrategy(body='...'). {CONTRACT}"
+            )
+    fqn = candidates[0]
+    parent_name, _, attr = fqn.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    module = getattr(parent, attr)
+    if len(module) == 0:
+        raise ValueError(f"The body {fqn!r} is an empty nn.Sequential. {CONTRACT}")
+    return BodyRef(parent=parent, attr=attr, fqn=fqn, module=module)
+
+
+def check_no_outside_parameters(root: nn.Module, body: BodyRef) -> None:
+    """Refuse parameters outside the body: they would be on no stage and never be trained."""
+    prefix = body.fqn + "."
+    outside = [n for n, _ in root.named_parameters() if not n.startswith(prefix)]
+    if outside:
+        shown = ", ".join(outside[:8]) + (" ..." if len(outside) > 8 else "")
+        raise ValueError(
+            f"Parameters outside the body {body.fqn!r}: {shown}. Under pipeline parallelism only the body is split "
+            f"into stages; move these layers into the nn.Sequential. {CONTRACT}"
+        )
+
+
+class Partitioner(Protocol):
+    """A policy that assigns the body's layers to stages: contiguous, non-empty ranges in order."""
+
+    def __call__(self, layers: Sequence[tuple[str, nn.Module]], num_stages: int) -> list[range]: ...
+
+
+def _units(layers: Sequence[tuple[str, nn.Module]]) -> list[list[int]]:
+    """Group layers into units: each parameter-free layer (an activation, dropout) joins the layer before it
+    (or, at the start, the one after it), so that no stage is left without parameters to train."""
+    units: list[list[int]] = []
+    pending: list[int] = []
+    for i, (_, module) in enumerate(layers):
+        has_params = any(True for _ in module.parameters())
+        if has_params:
+            units.append([*pending, i])
+            pending = []
+        elif units:
+            units[-1].append(i)
+        else:
+            pending.append(i)
+    if pending:  # no layer has parameters at all
+        units.append(pending)
+    return units
+
+
+class UniformPartitioner:
+    """Equal numbers of layers per stage (the first ``layers % stages`` stages take one more).
+
+    Layers without parameters (activations, dropout) are not counted: they stay with the layer before them.
+    """
+
+    def __call__(self, layers: Sequence[tuple[str, nn.Module]], num_stages: int) -> list[range]:
+        units = _units(layers)
+        if len(units) < num_stages:
+            raise ValueError(
+                f"The body has {len(units)} layers with parameters ({len(layers)} entries) but {num_stages} pipeline "
+                f"stages were asked for: every stage needs at least one layer with parameters. Use pp <= {len(units)}."
+            )
+        base, extra = divmod(len(units), num_stages)
+        ranges, start = [], 0
+        for stage in range(num_stages):
+            size = base + (1 if stage < extra else 0)
+            members = [i for unit in units[start : start + size] for i in unit]
+            ranges.append(range(members[0], members[-1] + 1))
+            start += size
+        return ranges
+
+
+class ParameterPartitioner:
+    """Balance stages by parameter count (greedy, contiguous); a policy for uneven layers."""
+
+    def __call__(self, layers: Sequence[tuple[str, nn.Module]], num_stages: int) -> list[range]:
+        sizes = [sum(p.numel() for p in m.parameters()) or 1 for _, m in layers]
+        ranges, start, remaining = [], 0, float(sum(sizes))
+        for stage in range(num_stages):
+            stages_left = num_stages - stage
+            if stages_left == 1:
+                ranges.append(range(start, len(layers)))
+                break
+            target, acc, end = remaining / stages_left, 0.0, start
+            # leave at least one layer for every later stage
+            while end < len(layers) - (stages_left - 1) and (end == start or acc + sizes[end] / 2 <= target):
+                acc += sizes[end]
+                end += 1
+            ranges.append(range(start, end))
+            remaining -= acc
+            start = end
+        return ranges
+
+
+PARTITIONERS: dict[str, type] = {"uniform": UniformPartitioner, "parameters": ParameterPartitioner}
+
+
+def get_partitioner(spec: str | Partitioner) -> Partitioner:
+    if callable(spec) and not isinstance(spec, str):
+        return spec
+    try:
+        return PARTITIONERS[spec]()
+    except KeyError:
+        raise ValueError(f"Unknown partitioner {spec!r}; choose one of {sorted(PARTITIONERS)} or pass a callable.") from None
+
+
+@dataclass
+class StagePlan:
+    """Which layers (by their names in the body) make up each pipeline stage."""
+
+    layer_names: list[list[str]]
+    body_fqn: str = "body"
+    stage_to_rank: list[int] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.layer_names)
+
+    def describe(self, modules: dict[str, nn.Module] | None = None) -> str:
+        lines = []
+        for index, names in enumerate(self.layer_names):
+            kinds = ""
+            if modules is not None:
+                kinds = " (" + ", ".join(type(modules[n]).__name__ for n in names) + ")"
+            rank = f" on pp rank {self.stage_to_rank[index]}" if self.stage_to_rank else ""
+            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{', '.join(names)}]{kinds}")
+        return "\n".join(lines)
+
+
+def plan_stages(body: BodyRef, pp: int, partitioner: Partitioner, stages_per_rank: int = 1) -> StagePlan:
+    """Split ``body`` into ``pp * stages_per_rank`` stages; stage ``s`` runs on pp rank ``s % pp`` (looping)."""
+    layers = list(body.module.named_children())
+    num_stages = pp * stages_per_rank
+    if len(layers) < num_stages:
+        raise ValueError(
+            f"The body {body.fqn!r} has {len(layers)} layers but {num_stages} pipeline stages were asked for "
+            f"(pp={pp}{f' x {stages_per_rank} stages per rank' if stages_per_rank > 1 else ''}): every stage needs "
+            f"at least one layer. Use pp <= {len(layers) // stages_per_rank}, or split the model into more layers."
+        )
+    ranges = partitioner(layers, num_stages)
+    flat = [i for r in ranges for i in r]
+    if len(ranges) != num_stages or flat != list(range(len(layers))) or any(len(r) == 0 for r in ranges):
+        raise ValueError(
+            f"Partitioner {partitioner!r} returned {ranges}: expected {num_stages} contiguous non-empty ranges "
+            f"covering layers 0..{len(layers) - 1} in order."
+        )
+    names = [[layers[i][0] for i in r] for r in ranges]
+    return StagePlan(names, body.fqn, [s % pp for s in range(num_stages)])
+
+
+def prune_body(body: BodyRef, keep: Sequence[str]) -> None:
+    """Drop every layer of the body that is not in ``keep``; kept layers keep their names."""
+    keep_set = set(keep)
+    for name in list(body.module._modules):
+        if name not in keep_set:
+            del body.module._modules[name]
+
+
+def stage_container(body: BodyRef, names: Sequence[str]) -> nn.Sequential:
+    """A Sequential holding the given layers of the body under their original names (shared modules)."""
+    container = nn.Sequential()
+    for name in names:
+        container._modules[name] = body.module._modules[name]
+    return container
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_parameter: bool
+
+
+def full_model_spec(root: nn.Module) -> dict[str, TensorSpec]:
+    """Shapes and dtypes of every parameter and persistent buffer of the unsplit model (meta-safe)."""
+    spec = {n: TensorSpec(tuple(p.shape), p.dtype, True) for n, p in root.named_parameters()}
+    state_keys = set(root.state_dict(keep_vars=True).keys())
+    for n, b in root.named_buffers():
+        if n in state_keys:
+            spec[n] = TensorSpec(tuple(b.shape), b.dtype, False)
+    return spec
