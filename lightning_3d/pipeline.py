@@ -1,0 +1,214 @@
+"""Pipeline stages and schedules: the rank's stage holder over ``torch.distributed.pipelining``.
+
+A rank holds one or more stages (one for 1F1B and GPipe; several for interleaved schedules). For each
+distinct micro-batch shape (training batches, a short last batch, validation batches of another size) a
+``PipelineStage`` and a schedule are created once and cached, because a stage allocates its receive
+buffers from the first micro-batch it sees.
+
+Schedules, by name: ``"1f1b"`` (default; warm-up of p - 1 - stage forwards, then one forward / one backward
+in steady state, then a cool-down of the remaining backwards), ``"gpipe"`` (all forwards, then all
+backwards), and torch's multi-stage schedules (``"interleaved1f1b"``, ``"loopedbfs"``, ...) when a rank
+holds several stages. Evaluation always runs forward-only GPipe order: with no backward there is nothing
+to interleave.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
+)
+
+SINGLE_STAGE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule class for a (case-insensitive) name such as ``"1f1b"`` or ``"interleaved1f1b"``."""
+    return get_schedule_class(SINGLE_STAGE_SCHEDULES.get(name.lower(), name))
+
+
+def is_multi_stage(name: str) -> bool:
+    return issubclass(schedule_class(name), PipelineScheduleMulti)
+
+
+def min_micro_batches(name: str, pp: int) -> int:
+    """Fewest micro-batches a schedule accepts: 1F1B-style schedules need one per stage in flight."""
+    return 1 if schedule_class(name) is ScheduleGPipe else pp
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` that can defer its data-parallel gradient all-reduce.
+
+    Under gradient accumulation the gradients of every batch but the last of an accumulation window stay
+    local (``defer_grad_sync``), so data parallelism all-reduces once per optimizer step, as Lightning's DDP
+    does with ``no_sync``. The stage still runs its end-of-step bookkeeping (``replicate``/FSDP post-backward,
+    which puts the parameters back in their sharded form and keeps the gradients accumulating), only with
+    gradient sync switched off.
+    """
+
+    defer_grad_sync: bool = False
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        module = self.submod
+        if not (self.defer_grad_sync and isinstance(module, FSDPModule)):
+            super().perform_reduce_grad(grad_scale_factor)
+            return
+        # torch's implementation turns gradient sync on before its post-backward; keep it off instead.
+        real = module.set_requires_gradient_sync
+        module.__dict__["set_requires_gradient_sync"] = lambda requires, **kw: real(False, **kw)
+        try:
+            super().perform_reduce_grad(grad_scale_factor)
+        finally:
+            module.__dict__.pop("set_requires_gradient_sync", None)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage this rank runs: its global index and its module (tensor- and data-parallel already)."""
+
+    index: int
+    module: nn.Module
+
+
+class PipelineRuntime:
+    """Runs whole batches through this rank's stages with a cached schedule per micro-batch shape.
+
+    Args:
+        stages: the stages this rank holds, in increasing index order.
+        num_stages: total number of stages in the pipeline.
+        group: the pipeline process group (``None`` when pp == 1).
+        device: the device of this rank.
+        schedule: schedule name for training.
+        loss_fn: called by the last stage as ``loss_fn(output, target)`` for every micro-batch, training and
+            evaluation alike.
+        cache_size: how many (shape, micro-batch count, mode) schedules to keep.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[StageSpec],
+        num_stages: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        schedule: str,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        cache_size: int = 8,
+    ) -> None:
+        self.stages = list(stages)
+        self.num_stages = num_stages
+        self.group = group
+        self.device = device
+        self.schedule_name = schedule
+        self.loss_fn = loss_fn
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self.defer_grad_sync = False
+        self.current: Any = None
+        self._sync_pending = False
+
+    @property
+    def has_first(self) -> bool:
+        return self.stages[0].index == 0
+
+    @property
+    def has_last(self) -> bool:
+        return self.stages[-1].index == self.num_stages - 1
+
+    def _build(self, n_micro: int, train: bool, name: str) -> Any:
+        cls = schedule_class(name) if train else ScheduleGPipe
+        if len(self.stages) > 1 and (cls is ScheduleGPipe or not train):
+            cls = schedule_class("loopedbfs")  # forward-only or fill-drain order over several local stages
+        built = [_Stage(s.module, s.index, self.num_stages, self.device, group=self.group) for s in self.stages]
+        kwargs = {"loss_fn": self.loss_fn, "scale_grads": False}
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(built[0], n_micro, **kwargs)
+        return cls(built, n_micro, **kwargs)
+
+    def schedule(self, n_micro: int, shape_key: tuple, train: bool, name: str | None = None) -> Any:
+        """The cached schedule for this micro-batch count, batch shape and mode (built on first use)."""
+        name = name or self.schedule_name
+        key = (n_micro, shape_key, train, name)
+        sched = self._cache.get(key)
+        if sched is None:
+            if self._sync_pending:
+                # A new stage runs torch's shape inference, which clears the module's gradients: reduce the
+                # gradients held back so far first (the caller has moved them aside).
+                self.flush_deferred_grads()
+            sched = self._build(n_micro, train, name)
+            self._cache[key] = sched
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return sched
+
+    def run(
+        self,
+        body_input: torch.Tensor | None,
+        target: torch.Tensor,
+        n_micro: int,
+        shape_key: tuple,
+        train: bool,
+        schedule: str | None = None,
+    ) -> None:
+        """Run one batch: forward (and backward when ``train``) of ``n_micro`` micro-batches.
+
+        Args:
+            body_input: the body's input for the whole batch (read on the rank holding stage 0).
+            target: passed to ``loss_fn`` on the last stage, split on dim 0 like the input.
+            n_micro: number of micro-batches.
+            shape_key: identifies the micro-batch shapes (a new key builds new stages).
+            train: forward and backward, or forward only.
+            schedule: schedule name for this batch (default: the runtime's).
+        """
+        sched = self.schedule(n_micro, shape_key, train, schedule)
+        defer = self.defer_grad_sync and train
+        for stage in _stages_of(sched):
+            stage.defer_grad_sync = defer
+        args = (body_input,) if self.has_first else ()
+        kwargs: dict[str, Any] = {"target": target} if self.has_last else {}
+        self.current = sched
+        try:
+            if train:
+                sched.step(*args, **kwargs)
+            else:
+                sched.eval(*args, **kwargs)
+        finally:
+            self.current = None
+        if train:
+            self._sync_pending = defer
+
+    def current_initialised(self) -> bool:
+        """Whether the running schedule has finished torch's shape inference (its dummy loss call)."""
+        sched = self.current
+        flag = getattr(sched, "_stage_backward_initialized", None)
+        if flag is None:
+            flag = getattr(sched, "_stages_backward_initialized", True)
+        return bool(flag)
+
+    def flush_deferred_grads(self) -> None:
+        """All-reduce the gradients held back by ``defer_grad_sync`` (one all-reduce per stage module)."""
+        done: set[int] = set()
+        for sched in self._cache.values():
+            for stage in _stages_of(sched):
+                if stage.stage_index not in done:
+                    done.add(stage.stage_index)
+                    PipelineStage.perform_reduce_grad(stage, 1)
+        self._sync_pending = False
+
+
+def _stages_of(sched: Any) -> list[_Stage]:
+    if hasattr(sched, "_stage"):
+        return [sched._stage]
+    return list(getattr(sched, "_stages", []))

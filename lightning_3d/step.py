@@ -1,0 +1,227 @@
+"""Running the user's unchanged ``training_step`` (and evaluation steps) through the pipeline.
+
+The user's step calls ``self(x)`` once and computes a loss. Under pipeline parallelism the body runs
+stage by stage, so the step is run in two places:
+
+* On the rank holding stage 0, once per batch, with the body replaced by a stub that stops the step as
+  soon as the body is called: whatever ``forward`` computed before the body (usually just ``x``) is the
+  pipeline's input. ``self.log`` is silenced there.
+* On the rank holding the last stage, once per micro-batch, as the schedule's loss function: the step
+  gets that micro-batch's slice of the batch, and the body is replaced by a stub that returns the
+  pipeline's output for it. The user's loss, post-processing and ``self.log`` calls run unchanged; the
+  loss is weighted by the micro-batch's share of the batch (and 1 / accumulate_grad_batches), so the
+  summed gradients equal those of the whole batch's mean loss.
+
+The schedule's metadata inference also calls the loss function once, on dummy data, before the first
+real micro-batch of a new schedule; that call never reaches the user's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+
+from .log_relay import LogRecorder, StepLogs, silenced
+from .partition import CONTRACT, BodyRef
+
+
+class _BodyCalled(Exception):
+    """Raised by the capture stub to stop the user's step once the body's input is known."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("body input captured")
+        self.args, self.kwargs = args, kwargs
+
+
+@contextlib.contextmanager
+def body_replaced(body: BodyRef, stub: Callable[..., Any]) -> Iterator[None]:
+    """Make ``parent.<attr>`` resolve to ``stub`` (the real Sequential stays registered underneath)."""
+    body.parent.__dict__[body.attr] = stub
+    try:
+        yield
+    finally:
+        body.parent.__dict__.pop(body.attr, None)
+
+
+def capture_body_input(
+    module: LightningModule, body: BodyRef, step_fn: Callable[..., Any], step_args: Sequence[Any], hook: str
+) -> torch.Tensor:
+    """Run the user's step until it calls the body; return the body's input for the whole batch."""
+
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        raise _BodyCalled(args, kwargs)
+
+    with body_replaced(body, stub), silenced(module):
+        try:
+            step_fn(*step_args)
+        except _BodyCalled as called:
+            if len(called.args) != 1 or called.kwargs or not isinstance(called.args[0], torch.Tensor):
+                raise ValueError(
+                    f"{hook} called the body {body.fqn!r} with {len(called.args)} positional and "
+                    f"{sorted(called.kwargs)} keyword arguments; a pipeline body takes exactly one tensor. {CONTRACT}"
+                ) from None
+            return called.args[0]
+    raise ValueError(
+        f"{type(module).__name__}.{hook} returned without calling the body {body.fqn!r} (self(x) or "
+        f"self.{body.fqn}(x)); under ThreeDStrategy every {hook} must run the body once. {CONTRACT}"
+    )
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch: dim 0 of its first tensor."""
+    for leaf in _leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ValueError("ThreeDStrategy could not find a tensor with a batch dimension in the batch.")
+
+
+def shape_key(batch: Any) -> tuple:
+    """Shapes and dtypes of the batch's tensors: a new key means the pipeline's buffers change."""
+    return tuple((tuple(t.shape), t.dtype) for t in _leaves(batch) if isinstance(t, torch.Tensor))
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _leaves(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _leaves(value)
+    else:
+        yield obj
+
+
+def slice_batch(batch: Any, start: int, length: int, total: int) -> Any:
+    """Samples ``[start, start + length)`` of a batch whose sample dimension (dim 0) has size ``total``.
+
+    Tensors with ``total`` rows are narrowed (views); lists of ``total`` non-tensor items (e.g. strings) are
+    sliced; containers are walked; everything else is passed unchanged.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.narrow(0, start, length) if batch.dim() > 0 and batch.shape[0] == total else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: slice_batch(v, start, length, total) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        if len(batch) == total and batch and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in batch):
+            return batch[start : start + length]
+        items = [slice_batch(v, start, length, total) for v in batch]
+        if hasattr(batch, "_fields"):  # namedtuple
+            return type(batch)(*items)
+        return type(batch)(items)
+    return batch
+
+
+def extract_loss(output: Any, hook: str) -> torch.Tensor | None:
+    if output is None or isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and "loss" in output:
+        return output["loss"]
+    raise ValueError(f"{hook} must return the loss tensor or a dict with a 'loss' key, got {type(output).__name__}.")
+
+
+class StepAdapter:
+    """The schedule's loss function: the user's step on one micro-batch, on the last stage.
+
+    ``begin`` sets up one batch; the pipeline then calls the adapter once per micro-batch with the
+    stage's output and an index tensor naming the micro-batch's samples.
+    """
+
+    def __init__(self, module: LightningModule, body: BodyRef, is_initialised: Callable[[], bool]) -> None:
+        self.module = module
+        self.body = body
+        self.is_initialised = is_initialised
+        self.logs = StepLogs()
+        self.outputs: list[Any] = []
+        self._recorder = LogRecorder(module, self.logs)
+        self._step_fn: Callable[..., Any] | None = None
+        self._step_args: tuple[Any, ...] = ()
+        self._batch: Any = None
+        self._total = 0
+        self._scale = 1.0
+        self._train = True
+        self._hook = "training_step"
+
+    def begin(
+        self, hook: str, step_fn: Callable[..., Any], batch: Any, rest: tuple[Any, ...], total: int, scale: float, train: bool
+    ) -> None:
+        self._hook, self._step_fn, self._batch, self._step_args = hook, step_fn, batch, rest
+        self._total, self._scale, self._train = total, scale, train
+        self.logs = StepLogs()
+        self._recorder.logs = self.logs
+        self.outputs = []
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        if self._train and not self.is_initialised():
+            # torch's shape inference for a new schedule: a loss that depends on the output, nothing else.
+            return sum((o.float().sum() * 0.0 for o in _as_tuple(output)), torch.zeros(()))
+        assert self._step_fn is not None
+        start, length = int(target[0]), int(target.numel())
+        micro_batch = slice_batch(self._batch, start, length, self._total)
+        called = []
+
+        def stub(*args: Any, **kwargs: Any) -> Any:
+            called.append(True)
+            return output
+
+        with body_replaced(self.body, stub), self._recorder.recording(length):
+            result = self._step_fn(micro_batch, *self._step_args)
+        if not called:
+            raise ValueError(f"{self._hook} did not call the body {self.body.fqn!r}. {CONTRACT}")
+        if not self._train:
+            self.outputs.append(result)
+            loss = extract_loss(result, self._hook) if isinstance(result, (torch.Tensor, Mapping)) else None
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                self.logs.add_loss(loss, length)
+            return torch.zeros(())
+        loss = extract_loss(result, self._hook)
+        if loss is None:
+            raise ValueError(
+                f"{self._hook} returned None: skipping a batch is not supported under pipeline parallelism "
+                "(every stage has already run it)."
+            )
+        if loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError(
+                f"{self._hook} must return a scalar loss computed from the body's output (got shape "
+                f"{tuple(loss.shape)}, requires_grad={loss.requires_grad})."
+            )
+        self.logs.add_loss(loss, length)
+        return loss * (length / self._total * self._scale)
+
+
+def _as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
+
+
+class GradStash:
+    """Moves gradients aside so Lightning's ``zero_grad`` (which runs after ``training_step``) cannot wipe
+    the gradients the schedule has just computed; ``restore`` adds them back in ``backward``."""
+
+    def __init__(self) -> None:
+        self._params: list[torch.nn.Parameter] = []
+        self._grads: list[torch.Tensor | None] = []
+
+    @staticmethod
+    def take(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    @staticmethod
+    def put(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+
+    def hold(self, params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+        self._params, self._grads = list(params), list(grads)
+
+    def restore(self) -> None:
+        for p, g in zip(self._params, self._grads, strict=True):
+            if g is None:
+                continue
+            p.grad = g if p.grad is None else p.grad + g
+        self._params, self._grads = [], []

@@ -1,0 +1,585 @@
+"""``ThreeDStrategy``: a Lightning strategy for tensor x pipeline x data parallel training.
+
+This file is the orchestrator only. The work is done by one module per concept:
+
+==================  ==========================================================================
+topology.py         (dp, pp, tp) degrees, their validation, the named device mesh
+partition.py        finding the ``nn.Sequential`` body, splitting it into stages, pruning
+tensor_parallel/    the automatic / explicit tensor-parallel plan (DTensor styles)
+materialize.py      meta-device layers materialised one at a time; loading full weights
+data_parallel.py    ``replicate`` over the dp mesh
+pipeline.py         ``PipelineStage`` + schedules, cached per micro-batch shape
+step.py             the user's step run through the pipeline; gradient hand-over to Lightning
+log_relay.py        ``self.log`` from the last stage to every rank
+grad_norm.py        the global gradient norm for clipping
+==================  ==========================================================================
+
+Parallelisms are applied in one fixed order at ``setup``: split into stages, tensor parallel (per layer,
+right after the layer is materialised), then data parallel around each stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Generator, Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torchmetrics import Metric
+from typing_extensions import override
+
+from . import partition
+from .data_parallel import apply_data_parallel
+from .grad_norm import clip_grads_, global_grad_norm
+from .log_relay import StepLogs, relay, replay
+from .materialize import LoadReport, check_materializable, has_meta_tensors, load_full_state_dict, materialize
+from .pipeline import PipelineRuntime, StageSpec, is_multi_stage, min_micro_batches, schedule_class
+from .step import GradStash, StepAdapter, batch_size_of, capture_body_input, shape_key
+from .topology import Topology, mesh_ranks_table
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+
+class ThreeDStrategy(ParallelStrategy):
+    """Tensor x pipeline x data parallel training of an ordinary LightningModule.
+
+    The LightningModule keeps its single-device code: its model body is one ``nn.Sequential`` that
+    ``forward`` applies, ``training_step`` calls ``self(x)`` and returns the loss (see the README's contract).
+
+    Args:
+        tp: tensor-parallel degree: each layer's matrices are split over ``tp`` ranks (Megatron layout).
+        pp: pipeline-parallel degree: the body's layers are split into ``pp`` stages.
+        dp: data-parallel degree; ``None`` infers ``world_size // (tp * pp)``.
+        micro_batches: micro-batches per batch (per data-parallel replica); ``None`` means ``pp`` (the fewest
+            1F1B accepts). More micro-batches shrink the pipeline bubble ``(pp - 1) / (m + pp - 1)``.
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``; with ``stages_per_rank > 1`` a multi-stage schedule such
+            as ``"interleaved1f1b"``.
+        stages_per_rank: pipeline stages per rank (virtual stages for interleaved schedules).
+        tp_plan: explicit tensor-parallel plan ``{"glob pattern of module name": "colwise" | "rowwise" |
+            "colwise_gather" | "vocab" | "sequence" | "replicate" | ParallelStyle}``; it overrides the automatic
+            plan for the modules it matches. A ``tp_plan`` attribute on the LightningModule works the same.
+        tp_autoplan: find the plan for standard blocks automatically from the data flow.
+        partitioner: ``"uniform"`` (layers per stage), ``"parameters"`` or a callable.
+        body: dotted name of the ``nn.Sequential`` body when the module has several.
+        seed: seed for initialising layers built in ``configure_model``; ``None`` takes rank 0's
+            ``torch.initial_seed()`` (set by ``seed_everything``).
+        timeout: timeout of the process groups.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
+        print_layout: rank 0 prints the mesh, the stages and the tensor-parallel plan once.
+    """
+
+    strategy_name = "3d"
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        micro_batches: int | None = None,
+        schedule: str = "1f1b",
+        stages_per_rank: int = 1,
+        tp_plan: Mapping[str, Any] | None = None,
+        tp_autoplan: bool = True,
+        partitioner: str | partition.Partitioner = "uniform",
+        body: str | None = None,
+        seed: int | None = None,
+        timeout: timedelta | float | None = timedelta(minutes=30),
+        process_group_backend: str | None = None,
+        print_layout: bool = True,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        schedule_class(schedule)  # unknown names fail here, with torch's list of names
+        if stages_per_rank < 1:
+            raise ValueError(f"ThreeDStrategy: stages_per_rank must be >= 1, got {stages_per_rank}.")
+        if stages_per_rank > 1 and not is_multi_stage(schedule):
+            raise ValueError(
+                f"ThreeDStrategy(schedule={schedule!r}) runs one stage per rank; with stages_per_rank={stages_per_rank} "
+                "use a multi-stage schedule such as 'interleaved1f1b' or 'loopedbfs'."
+            )
+        if stages_per_rank == 1 and is_multi_stage(schedule):
+            raise ValueError(f"ThreeDStrategy(schedule={schedule!r}) needs stages_per_rank >= 2.")
+        minimum = min_micro_batches(schedule, pp)
+        if micro_batches is not None and micro_batches < minimum:
+            raise ValueError(
+                f"ThreeDStrategy: micro_batches={micro_batches} < pp={pp} under schedule={schedule!r}: 1F1B keeps one "
+                f"micro-batch in flight per stage, so it needs micro_batches >= {minimum}. Use micro_batches >= {minimum} "
+                f"(more shrinks the bubble), or schedule='gpipe'."
+            )
+        if micro_batches is not None and micro_batches < 1:
+            raise ValueError(f"ThreeDStrategy: micro_batches must be >= 1, got {micro_batches}.")
+        self.tp, self.pp, self._dp_arg = tp, pp, dp
+        self.micro_batches = micro_batches if micro_batches is not None else max(1, minimum)
+        self.schedule = schedule
+        self.stages_per_rank = stages_per_rank
+        self.tp_plan = dict(tp_plan) if tp_plan is not None else None
+        self.tp_autoplan = tp_autoplan
+        self.partitioner = partition.get_partitioner(partitioner)
+        self.body_name = body
+        self.seed = seed
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
+        self._process_group_backend = process_group_backend
+        self.print_layout = print_layout
+        self.num_nodes = 1
+        self.topology: Topology | None = None
+        self._mesh: DeviceMesh | None = None
+        # set at setup
+        self.body: partition.BodyRef | None = None
+        self.stage_plan: partition.StagePlan | None = None
+        self.plan: Any = None
+        self.full_spec: dict[str, partition.TensorSpec] = {}
+        self.runtime: PipelineRuntime | None = None
+        self._adapter: StepAdapter | None = None
+        self._stash = GradStash()
+        self._example_input: Any = None
+        self._checked_train_batch = False
+        self.last_grad_norm: Tensor | None = None
+
+    # ------------------------------------------------------------------ topology and processes
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The (dp, pp, tp) mesh; sub-meshes by name: ``strategy.device_mesh["tp"]``."""
+        if self._mesh is None:
+            raise RuntimeError("ThreeDStrategy: the device mesh exists only after the processes have started.")
+        return self._mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to add a distributed sampler (with the data-parallel rank and size)."""
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def set_world_ranks(self) -> None:
+        """Called by the Trainer before any process starts: the layout is validated here, once, early."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self.num_processes:
+            self.topology = Topology(self.num_nodes * self.num_processes, tp=self.tp, pp=self.pp, dp=self._dp_arg)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.topology is not None and self.cluster_environment is not None
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._mesh = self.topology.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._mesh
+
+    # ------------------------------------------------------------------ model construction
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device; each rank later materialises only its shard."""
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        if self.runtime is None:
+            self._parallelize()
+        self.model = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        # Layers are placed on the device one by one while being materialised in ``setup``.
+        pass
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    def _validate_module(self, module: pl.LightningModule) -> None:
+        if not module.automatic_optimization:
+            raise ValueError(
+                "ThreeDStrategy runs forward and backward inside the pipeline schedule, so it needs automatic "
+                "optimization; manual optimization (automatic_optimization=False) is not supported."
+            )
+        name = type(self.precision_plugin).__name__
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"ThreeDStrategy does not support loss scaling ({name} with a GradScaler, i.e. precision='16-mixed'): "
+                "the pipeline runs backward itself. Use precision='bf16-mixed', '32-true' or '64-true'."
+            )
+
+    def _parallelize(self) -> None:
+        """Split, shard and wrap the LightningModule (once per module)."""
+        module = self.lightning_module
+        assert module is not None and self.topology is not None
+        mesh = self.device_mesh
+        self._validate_module(module)
+        # --- checks that need no communication: every rank reaches the same verdict
+        body = partition.find_body(module, self.body_name)
+        partition.check_no_outside_parameters(module, body)
+        self.full_spec = partition.full_model_spec(module)
+        stage_plan = partition.plan_stages(body, self.pp, self.partitioner, self.stages_per_rank)
+        self._example_input = module.example_input_array
+        if self._example_input is not None:
+            # Lightning's model summary would run a forward on rank 0 alone; hide the example from it.
+            module._example_input_array = None
+        self.plan = self._resolve_tp_plan(module, body)
+        is_meta = has_meta_tensors(body.module)
+        if is_meta:
+            check_materializable(body.module, body.fqn)
+        # --- from here on ranks communicate
+        seed = self._broadcast_seed()
+        pp_rank = mesh["pp"].get_local_rank()
+        my_stages = [s for s in range(stage_plan.num_stages) if stage_plan.stage_to_rank[s] == pp_rank]
+        keep = [name for s in my_stages for name in stage_plan.layer_names[s]]
+        partition.prune_body(body, keep)
+        self.precision_plugin.convert_module(module)
+        for name in keep:
+            layer = body.module._modules[name]
+            assert layer is not None
+            if is_meta:
+                materialize(layer, self.root_device, seed, prefix=f"{body.fqn}.{name}")
+            else:
+                layer.to(self.root_device)
+            if self.tp > 1:
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                styles = self.plan.styles_for(name)
+                if styles:
+                    parallelize_module(layer, mesh["tp"], styles)
+        if not is_meta:
+            _sync_replicas(body.module, mesh)
+        module.to(self.root_device)  # anything outside the body (metric states, buffers)
+        stages = []
+        for s in my_stages:
+            container = partition.stage_container(body, stage_plan.layer_names[s])
+            stages.append(StageSpec(s, apply_data_parallel(container, mesh["dp"])))
+        self.body, self.stage_plan = body, stage_plan
+        self._adapter = StepAdapter(module, body, self._schedule_initialised)
+        self.runtime = PipelineRuntime(
+            stages, stage_plan.num_stages, mesh["pp"].get_group(), self.root_device, self.schedule, self._adapter
+        )
+        for metric in module.modules():
+            if isinstance(metric, Metric):
+                metric.process_group = mesh["dp"].get_group()
+        if self.print_layout and self.global_rank == 0:
+            print(self.describe_layout(), flush=True)
+
+    def _resolve_tp_plan(self, module: pl.LightningModule, body: partition.BodyRef) -> Any:
+        from . import tensor_parallel as tpmod
+
+        explicit = self.tp_plan if self.tp_plan is not None else getattr(module, "tp_plan", None)
+        if self.tp == 1:
+            return tpmod.TPPlan(entries={}, notes={}) if hasattr(tpmod, "TPPlan") else None
+        example = self._example_input if self._example_input is not None else tpmod.example_input_for(body.module)
+        return tpmod.resolve_plan(
+            body.module, self.tp, explicit=explicit, body_prefix=body.fqn, example_input=example, auto=self.tp_autoplan
+        )
+
+    def _broadcast_seed(self) -> int:
+        seed = self.seed if self.seed is not None else torch.initial_seed() % (2**62)
+        holder = [seed]
+        dist.broadcast_object_list(holder, src=0)
+        return int(holder[0])
+
+    def describe_layout(self) -> str:
+        """The mesh, the stages and the tensor-parallel plan, as printed once by rank 0."""
+        assert self.topology is not None and self.stage_plan is not None and self.body is not None
+        lines = [f"lightning_3d layout: {self.topology.describe()}, schedule {self.schedule}, "
+                 f"{self.micro_batches} micro-batches per batch", mesh_ranks_table(self.device_mesh), "pipeline stages:"]
+        lines.append(self.stage_plan.describe())
+        if self.tp > 1:
+            from . import tensor_parallel as tpmod
+
+            lines.append(f"tensor-parallel plan (tp={self.tp}):")
+            lines.append(tpmod.describe_plan(self._describe_module(), self.plan, self.tp, body_prefix=self.body.fqn))
+        return "\n".join(lines)
+
+    def _describe_module(self) -> nn.Module:
+        assert self.body is not None
+        return self.body.module
+
+    # ------------------------------------------------------------------ the training step
+    def _schedule_initialised(self) -> bool:
+        assert self.runtime is not None
+        return self.runtime.current_initialised()
+
+    def _micro_batches_for(self, total: int, train: bool) -> tuple[int, str]:
+        """Micro-batch count (and schedule) for a batch of ``total`` samples on one replica."""
+        m = self.micro_batches
+        if train and not self._checked_train_batch:
+            self._checked_train_batch = True
+            if total % m != 0:
+                raise ValueError(
+                    f"ThreeDStrategy: the training batch has {total} samples per data-parallel replica, which "
+                    f"micro_batches={m} does not divide. Use a per-replica batch size that is a multiple of {m} "
+                    f"(e.g. {max(m, total - total % m)} or {total + m - total % m}), or a micro_batches that divides "
+                    f"{total}: {[d for d in range(1, total + 1) if total % d == 0 and d >= min_micro_batches(self.schedule, self.pp)]}."
+                )
+        if total % m == 0:
+            return m, self.schedule
+        # A short batch (the last one of an epoch, or an evaluation batch): fewer or more micro-batches of
+        # equal size, never uneven ones (the pipeline's buffers have one shape per schedule).
+        divisors = [d for d in range(1, total + 1) if total % d == 0]
+        minimum = min_micro_batches(self.schedule, self.pp) if train else 1
+        usable = [d for d in divisors if d >= minimum]
+        if usable:
+            return min(usable, key=lambda d: (abs(d - m), d)), self.schedule
+        return min(divisors, key=lambda d: (abs(d - m), d)), "gpipe"
+
+    def _run_batch(self, hook: str, args: tuple[Any, ...], train: bool) -> StepLogs:
+        """Run the user's ``hook`` over one batch through the pipeline and relay what it logged.
+
+        Gradients present before the batch are moved aside while the schedule runs (a new schedule's
+        shape inference clears them) and put back afterwards; in training, the batch's own gradients are
+        held for :meth:`backward`.
+        """
+        assert self.lightning_module is not None and self.runtime is not None and self._adapter is not None
+        module, runtime = self.lightning_module, self.runtime
+        step_fn: Callable[..., Any] = getattr(module, hook)
+        batch, rest = args[0], args[1:]
+        total = batch_size_of(batch)
+        n_micro, schedule = self._micro_batches_for(total, train)
+        key = shape_key(batch)
+        scale = 1.0
+        if train:
+            trainer = module.trainer
+            scale = 1.0 / trainer.accumulate_grad_batches
+            runtime.defer_grad_sync = (
+                trainer.accumulate_grad_batches > 1 and trainer.fit_loop.epoch_loop._should_accumulate()
+            )
+        runtime.schedule(n_micro, key, train, schedule)  # build first: it may all-reduce held-back gradients
+        params = list(module.parameters())
+        prior = GradStash.take(params)
+        context = {
+            "training_step": self.precision_plugin.train_step_context,
+            "validation_step": self.precision_plugin.val_step_context,
+            "test_step": self.precision_plugin.test_step_context,
+            "predict_step": self.precision_plugin.predict_step_context,
+        }[hook]
+        try:
+            with context():
+                body_input = capture_body_input(module, self.body, step_fn, args, hook) if runtime.has_first else None
+                self._adapter.begin(hook, step_fn, batch, rest, total, scale, train)
+                runtime.run(body_input, torch.arange(total), n_micro, key, train=train, schedule=schedule)
+            if train:
+                self._stash.hold(params, GradStash.take(params))
+        finally:
+            GradStash.put(params, prior)
+        logs = self._relay(self._adapter.logs if runtime.has_last else None)
+        replay(module, logs, self._metrics())
+        return logs
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        logs = self._run_batch("training_step", args, train=True)
+        dtype = logs.loss_dtype or torch.get_default_dtype()
+        return torch.tensor(logs.loss_total / max(logs.loss_weight, 1.0), dtype=dtype, device=self.root_device)
+
+    def _relay(self, logs: StepLogs | None) -> StepLogs:
+        mesh = self.device_mesh
+        pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
+        last_rank = int(pp_mesh.mesh[-1])
+        merged, _ = relay(
+            logs,
+            dp_group=dp_mesh.get_group() if dp_mesh.size() > 1 else None,
+            pp_group=pp_mesh.get_group() if pp_mesh.size() > 1 else None,
+            last_stage_rank=last_rank,
+        )
+        return merged
+
+    def _metrics(self) -> dict[str, Metric]:
+        assert self.lightning_module is not None
+        return {n: m for n, m in self.lightning_module.named_modules() if isinstance(m, Metric)}
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward hook: the schedule already ran backward; hand its gradients over.
+
+        ``on_before_backward`` / ``on_after_backward`` still run around it, after Lightning's ``zero_grad``,
+        exactly where single-device training runs them.
+        """
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self._stash.restore()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.last_grad_norm = self.grad_norm(params)
+        clip_grads_(params, float(clip_val), self.last_grad_norm)
+
+    def grad_norm(self, parameters: list[Tensor] | None = None, norm_type: float = 2.0) -> Tensor:
+        """The 2-norm of the whole model's gradients (all stages and shards), equal on every rank."""
+        assert self.lightning_module is not None
+        params = list(self.lightning_module.parameters()) if parameters is None else parameters
+        mesh = self.device_mesh
+        return global_grad_norm(
+            params,
+            norm_type,
+            tp_group=mesh["tp"].get_group() if self.tp > 1 else None,
+            pp_group=mesh["pp"].get_group() if self.pp > 1 else None,
+        )
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_step(self, hook: str, *args: Any) -> Any:
+        assert self.runtime is not None and self._adapter is not None
+        self._run_batch(hook, args, train=False)
+        return self._adapter.outputs[-1] if self.runtime.has_last and self._adapter.outputs else None
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", *args)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", *args)
+
+    # ------------------------------------------------------------------ weights
+    def load_full_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> LoadReport:
+        """Load a single-device state dict (e.g. pretrained weights) into this rank's shard of the model."""
+        assert self.lightning_module is not None
+        return load_full_state_dict(self.lightning_module, state_dict, full_keys=self.full_spec.keys(), strict=strict)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        if self.lightning_module is not None and self._example_input is not None:
+            self.lightning_module._example_input_array = self._example_input
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("3d", cls, description="Tensor x pipeline x data parallel (lightning_3d)")
+
+
+def _sync_replicas(body: nn.Module, mesh: DeviceMesh) -> None:
+    """Make replicated state identical: plain tensors from tp rank 0, and every local tensor from dp rank 0.
+
+    Needed for models built in ``__init__`` without a common seed: ``replicate`` (like FSDP2) does not
+    broadcast at wrap time, unlike ``DistributedDataParallel``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    with torch.no_grad():
+        for tensor in [*body.parameters(), *body.buffers()]:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            if tp_mesh.size() > 1 and not isinstance(tensor, DTensor):
+                dist.broadcast(local, src=int(tp_mesh.mesh[0]), group=tp_mesh.get_group())
+            if dp_mesh.size() > 1:
+                dist.broadcast(local, src=int(dp_mesh.mesh[0]), group=dp_mesh.get_group())
+
