@@ -1,0 +1,174 @@
+"""Tiny LightningModules for the strategy's tests, written as single-device code (the user contract).
+
+``build="configure"`` creates the layers in ``configure_model`` (meta device under ThreeDStrategy);
+``build="init"`` creates them in ``__init__``.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+
+class _Base(L.LightningModule):
+    def __init__(self, build: str = "configure", lr: float = 0.05, optimizer: str = "adam", scheduler: bool = True):
+        super().__init__()
+        self.build, self.lr, self.optimizer_name, self.use_scheduler = build, lr, optimizer, scheduler
+        if build == "init":
+            self.configure_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        else:
+            opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if not self.use_scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class TinyMLP(_Base):
+    """Seven entries: four Linear layers with ReLUs between them (four layers with parameters)."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "body"):
+            return
+        self.body = nn.Sequential(
+            nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("correct", (logits.argmax(-1) == y).sum().to(loss.dtype), reduce_fx="sum")
+        self.log("max_logit", logits.max(), reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, block: int, dim: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(block, dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(pos)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # no key bias: its gradient is zero in exact arithmetic (softmax ignores a per-query constant), and Adam
+        # would turn round-off noise into full-size steps, making float32 parameters incomparable.
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()
+        h = self.ln1(x)
+        q = self.q_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln(x))
+
+
+class TinyGPT(_Base):
+    """Embedding, two pre-norm attention blocks, head: four layers."""
+
+    vocab, block, dim, heads, layers = 32, 8, 16, 2, 2
+
+    def configure_model(self) -> None:
+        if hasattr(self, "body"):
+            return
+        self.body = nn.Sequential(
+            Embed(self.vocab, self.block, self.dim),
+            *[Block(self.dim, self.heads) for _ in range(self.layers)],
+            Head(self.dim, self.vocab),
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+
+MODELS = {"mlp": TinyMLP, "gpt": TinyGPT}
+
+
+def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:
+    """Deterministic synthetic data for a model name."""
+    g = torch.Generator().manual_seed(seed)
+    if model == "mlp":
+        x = torch.randn(n, 16, generator=g)
+        y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        return TensorDataset(x, y)
+    tokens = torch.randint(0, TinyGPT.vocab, (n, TinyGPT.block + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def loader(model: str, batch_size: int, n: int = 64) -> DataLoader:
+    return DataLoader(dataset(model, n), batch_size=batch_size, shuffle=False)
+
+
+class OrderedData(L.LightningDataModule):
+    """Unshuffled data, split over data-parallel replicas with the strategy's sampler arguments.
+
+    Lightning's own distributed sampler shuffles training data; parity with a single-device run needs the
+    same order, so the tests build the ``DistributedSampler`` themselves (use_distributed_sampler=False).
+    Replica r reads samples r, r + dp, ...: the union of the replicas' i-th batches is the reference's i-th.
+    """
+
+    def __init__(self, model: str, batch_size: int, n: int = 64, val_n: int = 0):
+        super().__init__()
+        self.model, self.batch_size, self.n, self.val_n = model, batch_size, n, val_n
+
+    def _loader(self, ds: Dataset) -> DataLoader:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        sampler = DistributedSampler(ds, shuffle=False, **kwargs) if kwargs else None
+        return DataLoader(ds, batch_size=self.batch_size, sampler=sampler, shuffle=False)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(dataset(self.model, self.n))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(dataset(self.model, self.val_n, seed=1))

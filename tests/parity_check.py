@@ -1,0 +1,77 @@
+"""Comparisons of a ThreeDStrategy run against the single-device reference (records of parity_run.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# float64: every gradient and logged value to 1e-10; float32: PyTorch pipelining's own test tolerance for
+# gradients (rtol 1e-5, atol 4e-5) and relative 1e-4 for anything after several optimizer steps.
+TOL = {
+    "64": {"grad_rtol": 1e-10, "grad_atol": 1e-10, "curve": 1e-10, "param_rtol": 1e-10, "param_atol": 1e-10},
+    "32": {"grad_rtol": 1e-5, "grad_atol": 4e-5, "curve": 1e-4, "param_rtol": 1e-4, "param_atol": 1e-5},
+}
+
+
+def load(directory: Path, case: str) -> dict:
+    return torch.load(Path(directory) / f"{case}.pt", weights_only=False)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare(ref: dict, got: dict, precision: str) -> list[str]:
+    """Every difference beyond tolerance, as readable lines (empty: the runs agree)."""
+    tol, problems = TOL[precision], []
+    if set(ref["grads"]) != set(got["grads"]):
+        problems.append(f"gradient keys differ: {sorted(set(ref['grads']) ^ set(got['grads']))}")
+    for name in sorted(set(ref["grads"]) & set(got["grads"])):
+        r, g = ref["grads"][name], got["grads"][name]
+        if r.shape != g.shape or not torch.allclose(g, r, rtol=tol["grad_rtol"], atol=tol["grad_atol"]):
+            problems.append(f"step-1 gradient {name}: max abs diff {(g - r).abs().max().item():.3e}")
+    if len(ref["loss"]) != len(got["loss"]):
+        problems.append(f"steps: reference {len(ref['loss'])}, got {len(got['loss'])}")
+    for step, (r, g) in enumerate(zip(ref["loss"], got["loss"])):
+        if _rel(g, r) > tol["curve"]:
+            problems.append(f"returned loss at step {step}: {g!r} vs reference {r!r}")
+    for step, (r, g) in enumerate(zip(ref["norm"], got["norm"])):
+        if _rel(g, r) > tol["curve"]:
+            problems.append(f"gradient norm at step {step}: {g!r} vs reference {r!r}")
+    for kind in ("logged", "bar"):
+        for step, (r, g) in enumerate(zip(ref[kind], got[kind])):
+            if set(r) != set(g):
+                problems.append(f"{kind} keys at step {step}: {sorted(g)} vs reference {sorted(r)}")
+            for key in set(r) & set(g):
+                if _rel(g[key], r[key]) > tol["curve"]:
+                    problems.append(f"{kind} {key!r} at step {step}: {g[key]!r} vs reference {r[key]!r}")
+    if set(ref["params"]) != set(got["params"]):
+        problems.append(f"parameter keys differ: {sorted(set(ref['params']) ^ set(got['params']))}")
+    for name in sorted(set(ref["params"]) & set(got["params"])):
+        r, g = ref["params"][name], got["params"][name]
+        if not torch.allclose(g, r, rtol=tol["param_rtol"], atol=tol["param_atol"]):
+            problems.append(f"final parameter {name}: max abs diff {(g - r).abs().max().item():.3e}")
+    return problems
+
+
+def check_replicas(got: dict) -> list[str]:
+    """DP replicas bitwise identical; ranks of one replica read the same batches, replicas different ones."""
+    problems = []
+    ranks = got["ranks"]
+    by_position: dict[tuple[int, int], set[str]] = {}
+    for r in ranks:
+        by_position.setdefault(r["coords"][1:], set()).add(r["params_sha"])
+    for position, shas in by_position.items():
+        if len(shas) != 1:
+            problems.append(f"(pp, tp) = {position}: data-parallel replicas differ ({len(shas)} versions)")
+    by_replica: dict[int, set[tuple[str, ...]]] = {}
+    for r in ranks:
+        by_replica.setdefault(r["coords"][0], set()).add(tuple(r["batches"]))
+    for replica, seen in by_replica.items():
+        if len(seen) != 1:
+            problems.append(f"ranks of replica {replica} read different batches")
+    firsts = [next(iter(seen))[0] for seen in by_replica.values()]
+    if len(set(firsts)) != len(firsts):
+        problems.append("different data-parallel replicas read the same first batch")
+    return problems

@@ -1,0 +1,165 @@
+"""Train tiny models once per case and record what a parity test compares.
+
+Run as the single-device reference (``--ref``, one process, plain Lightning) or under ThreeDStrategy
+(``--tp/--pp/--dp``, Lightning's launcher starts the ranks). Each case writes ``OUT/<case>.pt`` (rank 0):
+per-step logged values and returned loss, the global gradient norm before clipping, the first step's
+gradients and the final parameters as full tensors; under ThreeDStrategy also per-rank batch hashes,
+whether data-parallel replicas are bitwise identical and each rank's parameter element counts.
+
+The 3D run starts from the reference's initial weights (``OUT/<case>.init.pt``), loaded with
+``strategy.load_full_state_dict``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import MODELS, OrderedData  # noqa: E402
+
+from lightning_3d import ThreeDStrategy  # noqa: E402
+
+# name: (model, precision, steps, clip, accumulate, build)
+CASES = {
+    "mlp64": ("mlp", "64-true", 2, None, 1, "configure"),
+    "gpt64": ("gpt", "64-true", 2, None, 1, "configure"),
+    "mlp32": ("mlp", "32-true", 12, 0.5, 1, "init"),
+    "gpt32": ("gpt", "32-true", 12, 0.5, 1, "configure"),
+    "mlp32acc": ("mlp", "32-true", 6, 0.5, 2, "configure"),
+}
+GLOBAL_BATCH = 16
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def _gather_named(named: dict[str, torch.Tensor], contribute: bool) -> dict[str, torch.Tensor]:
+    if not dist.is_initialized():
+        return named
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, named if contribute else {})
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
+class Recorder(L.Callback):
+    def __init__(self, out: Path, case: str, ref: bool):
+        self.out, self.case, self.ref = out, case, ref
+        self.rec: dict = {"logged": [], "bar": [], "loss": [], "norm": [], "batches": []}
+        self.first_grads = True
+
+    def _is_writer(self, trainer) -> bool:
+        if self.ref:
+            return True
+        mesh = trainer.strategy.device_mesh
+        return mesh["tp"].get_local_rank() == 0 and mesh["dp"].get_local_rank() == 0
+
+    def on_fit_start(self, trainer, pl_module):
+        init = self.out / f"{self.case}.init.pt"
+        if self.ref:
+            torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, init)
+        else:
+            report = trainer.strategy.load_full_state_dict(torch.load(init))
+            assert report.loaded, "nothing loaded"
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        digest = hashlib.sha1(b"".join(t.detach().cpu().numpy().tobytes() for t in batch)).hexdigest()
+        self.rec["batches"].append(digest)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.ref:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            norm = trainer.strategy.grad_norm()
+        self.rec["norm"].append(float(norm))
+        if self.first_grads:
+            self.first_grads = False
+            grads = {n: _full(p.grad) for n, p in pl_module.named_parameters() if p.grad is not None}
+            self.rec["grads"] = _gather_named(grads, self._is_writer(trainer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.rec["logged"].append({k: float(v) for k, v in trainer.callback_metrics.items()})
+        self.rec["bar"].append({k: float(v) for k, v in trainer.progress_bar_metrics.items()})
+        self.rec["loss"].append(float(outputs["loss"]))
+
+    def on_train_end(self, trainer, pl_module):
+        params = {n: _full(p) for n, p in pl_module.named_parameters()}
+        self.rec["params"] = _gather_named(params, self._is_writer(trainer))
+        if not self.ref:
+            mesh = trainer.strategy.device_mesh
+            local = b"".join(
+                (p.to_local() if isinstance(p, DTensor) else p).detach().cpu().numpy().tobytes()
+                for _, p in sorted(pl_module.named_parameters())
+            )
+            coords = (mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank())
+            numels = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()}
+            mine = {"coords": coords, "params_sha": hashlib.sha1(local).hexdigest(), "batches": self.rec["batches"],
+                    "numels": numels}
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+            self.rec["ranks"] = ranks
+            self.rec["lr"] = [g["lr"] for g in trainer.optimizers[0].param_groups]
+        if trainer.global_rank == 0:
+            torch.save(self.rec, self.out / f"{self.case}.pt")
+
+
+def run_case(args: argparse.Namespace, case: str) -> None:
+    model_name, precision, steps, clip, accumulate, build = CASES[case]
+    L.seed_everything(1234, verbose=False)
+    model = MODELS[model_name](build=build)
+    if args.ref:
+        strategy, devices, batch = "auto", 1, GLOBAL_BATCH
+    else:
+        world = args.tp * args.pp * args.dp
+        strategy = ThreeDStrategy(tp=args.tp, pp=args.pp, micro_batches=args.micro, print_layout=False)
+        devices, batch = world, GLOBAL_BATCH // args.dp
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        max_steps=steps,
+        gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        callbacks=[Recorder(Path(args.out), case, args.ref)],
+    )
+    trainer.fit(model, datamodule=OrderedData(model_name, batch, n=GLOBAL_BATCH * 4))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ref", action="store_true")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    for case in args.cases.split(","):
+        run_case(args, case)
+
+
+if __name__ == "__main__":
+    main()
