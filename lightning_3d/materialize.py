@@ -133,7 +133,9 @@ def load_full_state_dict(
         full = state_dict[name]
         shape = tuple(target.shape)  # DTensor: the global shape
         if tuple(full.shape) != shape:
-            raise ValueError(f"Shape mismatch for {name!r}: checkpoint {tuple(full.shape)}, model {shape}. Nothing was loaded.")
+            raise ValueError(
+                f"Shape mismatch for {name!r}: checkpoint {tuple(full.shape)}, model {shape}. Nothing was loaded."
+            )
         if isinstance(target, DTensor):
             local = distribute_tensor(
                 full.detach().to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None

@@ -48,10 +48,13 @@ def find_body(root: nn.Module, name: str | None = None) -> BodyRef:
         try:
             module = root.get_submodule(name)
         except AttributeError:
-            raise ValueError(f"ThreeDStrategy(body={name!r}): the module has no submodule {name!r}. {CONTRACT}") from None
+            raise ValueError(
+                f"ThreeDStrategy(body={name!r}): the module has no submodule {name!r}. {CONTRACT}"
+            ) from None
         if not isinstance(module, nn.Sequential):
             raise ValueError(
-                f"ThreeDStrategy(body={name!r}): {name!r} is a {type(module).__name__}, not an nn.Sequential. {CONTRACT}"
+                f"ThreeDStrategy(body={name!r}): {name!r} is a {type(module).__name__}, not an nn.Sequential. "
+                f"{CONTRACT}"
             )
         candidates = [name]
     else:
@@ -164,7 +167,9 @@ def get_partitioner(spec: str | Partitioner) -> Partitioner:
     try:
         return PARTITIONERS[spec]()
     except KeyError:
-        raise ValueError(f"Unknown partitioner {spec!r}; choose one of {sorted(PARTITIONERS)} or pass a callable.") from None
+        raise ValueError(
+            f"Unknown partitioner {spec!r}; choose one of {sorted(PARTITIONERS)} or pass a callable."
+        ) from None
 
 
 @dataclass

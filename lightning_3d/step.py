@@ -106,7 +106,11 @@ def slice_batch(batch: Any, start: int, length: int, total: int) -> Any:
     if isinstance(batch, Mapping):
         return type(batch)({k: slice_batch(v, start, length, total) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, (list, tuple)):
-        if len(batch) == total and batch and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in batch):
+        if (
+            len(batch) == total
+            and batch
+            and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in batch)
+        ):
             return batch[start : start + length]
         items = [slice_batch(v, start, length, total) for v in batch]
         if hasattr(batch, "_fields"):  # namedtuple
@@ -146,7 +150,14 @@ class StepAdapter:
         self._hook = "training_step"
 
     def begin(
-        self, hook: str, step_fn: Callable[..., Any], batch: Any, rest: tuple[Any, ...], total: int, scale: float, train: bool
+        self,
+        hook: str,
+        step_fn: Callable[..., Any],
+        batch: Any,
+        rest: tuple[Any, ...],
+        total: int,
+        scale: float,
+        train: bool,
     ) -> None:
         self._hook, self._step_fn, self._batch, self._step_args = hook, step_fn, batch, rest
         self._total, self._scale, self._train = total, scale, train

@@ -130,17 +130,17 @@ class ThreeDStrategy(ParallelStrategy):
             raise ValueError(f"ThreeDStrategy: stages_per_rank must be >= 1, got {stages_per_rank}.")
         if stages_per_rank > 1 and not is_multi_stage(schedule):
             raise ValueError(
-                f"ThreeDStrategy(schedule={schedule!r}) runs one stage per rank; with stages_per_rank={stages_per_rank} "
-                "use a multi-stage schedule such as 'interleaved1f1b' or 'loopedbfs'."
+                f"ThreeDStrategy(schedule={schedule!r}) runs one stage per rank; with "
+                f"stages_per_rank={stages_per_rank} use a multi-stage schedule such as 'interleaved1f1b'."
             )
         if stages_per_rank == 1 and is_multi_stage(schedule):
             raise ValueError(f"ThreeDStrategy(schedule={schedule!r}) needs stages_per_rank >= 2.")
         minimum = min_micro_batches(schedule, pp)
         if micro_batches is not None and micro_batches < minimum:
             raise ValueError(
-                f"ThreeDStrategy: micro_batches={micro_batches} < pp={pp} under schedule={schedule!r}: 1F1B keeps one "
-                f"micro-batch in flight per stage, so it needs micro_batches >= {minimum}. Use micro_batches >= {minimum} "
-                f"(more shrinks the bubble), or schedule='gpipe'."
+                f"ThreeDStrategy: micro_batches={micro_batches} < pp={pp} under schedule={schedule!r}: 1F1B keeps "
+                f"one micro-batch in flight per stage, so it needs micro_batches >= {minimum}. Use micro_batches >= "
+                f"{minimum} (more shrinks the bubble), or schedule='gpipe'."
             )
         if micro_batches is not None and micro_batches < 1:
             raise ValueError(f"ThreeDStrategy: micro_batches must be >= 1, got {micro_batches}.")
@@ -368,8 +368,12 @@ class ThreeDStrategy(ParallelStrategy):
     def describe_layout(self) -> str:
         """The mesh, the stages and the tensor-parallel plan, as printed once by rank 0."""
         assert self.topology is not None and self.stage_plan is not None and self.body is not None
-        lines = [f"lightning_3d layout: {self.topology.describe()}, schedule {self.schedule}, "
-                 f"{self.micro_batches} micro-batches per batch", mesh_ranks_table(self.device_mesh), "pipeline stages:"]
+        lines = [
+            f"lightning_3d layout: {self.topology.describe()}, schedule {self.schedule}, "
+            f"{self.micro_batches} micro-batches per batch",
+            mesh_ranks_table(self.device_mesh),
+            "pipeline stages:",
+        ]
         lines.append(self.stage_plan.describe())
         if self.tp > 1:
             from . import tensor_parallel as tpmod
@@ -393,11 +397,12 @@ class ThreeDStrategy(ParallelStrategy):
         if train and not self._checked_train_batch:
             self._checked_train_batch = True
             if total % m != 0:
+                minimum = min_micro_batches(self.schedule, self.pp)
+                workable = [d for d in range(minimum, total + 1) if total % d == 0]
                 raise ValueError(
                     f"ThreeDStrategy: the training batch has {total} samples per data-parallel replica, which "
                     f"micro_batches={m} does not divide. Use a per-replica batch size that is a multiple of {m} "
-                    f"(e.g. {max(m, total - total % m)} or {total + m - total % m}), or a micro_batches that divides "
-                    f"{total}: {[d for d in range(1, total + 1) if total % d == 0 and d >= min_micro_batches(self.schedule, self.pp)]}."
+                    f"(e.g. {max(m, total - total % m)} or {total + m - total % m}), or micro_batches in {workable}."
                 )
         if total % m == 0:
             return m, self.schedule
@@ -582,4 +587,3 @@ def _sync_replicas(body: nn.Module, mesh: DeviceMesh) -> None:
                 dist.broadcast(local, src=int(tp_mesh.mesh[0]), group=tp_mesh.get_group())
             if dp_mesh.size() > 1:
                 dist.broadcast(local, src=int(dp_mesh.mesh[0]), group=dp_mesh.get_group())
-

@@ -74,7 +74,7 @@ class Topology:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """(dp, pp, tp) coordinates of a global rank; tp varies fastest."""
-        dp, pp, tp = self.shape
+        _, pp, tp = self.shape
         return {"dp": rank // (pp * tp), "pp": (rank // tp) % pp, "tp": rank % tp}
 
     def build_mesh(self, device_type: str) -> DeviceMesh:

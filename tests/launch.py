@@ -120,9 +120,7 @@ def _run(cmds: list[list[str]], envs: list[dict[str, str]], *, timeout: float, c
     with tempfile.TemporaryDirectory() as tmp:
         logs = [open(Path(tmp) / f"rank{i}.log", "w+") for i in range(len(cmds))]
         procs = [
-            subprocess.Popen(
-                cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             for cmd, env, log in zip(cmds, envs, logs)
         ]
         timed_out = False

@@ -78,7 +78,11 @@ class Block(nn.Module):
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         # no key bias: its gradient is zero in exact arithmetic (softmax ignores a per-query constant), and Adam
         # would turn round-off noise into full-size steps, making float32 parameters incomparable.
-        self.q_proj, self.k_proj, self.v_proj = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.q_proj, self.k_proj, self.v_proj = (
+            nn.Linear(dim, dim),
+            nn.Linear(dim, dim, bias=False),
+            nn.Linear(dim, dim),
+        )
         self.out_proj = nn.Linear(dim, dim)
         self.fc, self.proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import MODELS, OrderedData  # noqa: E402
+from models import MODELS, OrderedData
 
-from lightning_3d import ThreeDStrategy  # noqa: E402
+from lightning_3d import ThreeDStrategy
 
 # name: (model, precision, steps, clip, accumulate, build)
 CASES = {
@@ -105,9 +105,15 @@ class Recorder(L.Callback):
                 for _, p in sorted(pl_module.named_parameters())
             )
             coords = (mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank())
-            numels = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()}
-            mine = {"coords": coords, "params_sha": hashlib.sha1(local).hexdigest(), "batches": self.rec["batches"],
-                    "numels": numels}
+            numels = {
+                n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()
+            }
+            mine = {
+                "coords": coords,
+                "params_sha": hashlib.sha1(local).hexdigest(),
+                "batches": self.rec["batches"],
+                "numels": numels,
+            }
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
             self.rec["ranks"] = ranks
