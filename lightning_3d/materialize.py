@@ -148,3 +148,37 @@ def load_full_state_dict(
         for dst, src in staged:
             dst.copy_(src.to(dst.device, dst.dtype))
     return report
+
+
+def gather_full_state_dict(module: nn.Module, *, writer: bool, dst: int = 0) -> dict[str, torch.Tensor] | None:
+    """Assemble the single-device state dict of the whole model on global rank ``dst`` (CPU tensors).
+
+    Collective: every rank must call it. Tensor-parallel shards are gathered over their tp group
+    (``full_tensor``); each stage's tensors are then sent to ``dst`` by one "writer" rank per stage (e.g. the
+    rank with dp and tp coordinates 0). Memory: ``dst`` ends up holding the whole model.
+
+    Args:
+        module: the rank's module (e.g. the LightningModule after setup).
+        writer: whether this rank contributes its stage's tensors.
+        dst: global rank that receives the result.
+
+    Returns:
+        The full state dict on ``dst``, ``None`` elsewhere.
+    """
+    import torch.distributed as dist
+
+    local: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict().items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if writer:
+            local[name] = full.detach().cpu().clone()
+    if not dist.is_initialized():
+        return local
+    parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size() if dist.get_rank() == dst else []
+    dist.gather_object(local, parts if dist.get_rank() == dst else None, dst=dst)
+    if dist.get_rank() != dst:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part or {})
+    return merged

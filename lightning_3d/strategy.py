@@ -54,7 +54,14 @@ from . import partition
 from .data_parallel import apply_data_parallel
 from .grad_norm import clip_grads_, global_grad_norm
 from .log_relay import StepLogs, relay, replay
-from .materialize import LoadReport, check_materializable, has_meta_tensors, load_full_state_dict, materialize
+from .materialize import (
+    LoadReport,
+    check_materializable,
+    gather_full_state_dict,
+    has_meta_tensors,
+    load_full_state_dict,
+    materialize,
+)
 from .pipeline import PipelineRuntime, StageSpec, is_multi_stage, min_micro_batches, schedule_class
 from .step import GradStash, StepAdapter, batch_size_of, capture_body_input, shape_key
 from .topology import Topology, mesh_ranks_table
@@ -531,6 +538,13 @@ class ThreeDStrategy(ParallelStrategy):
         """Load a single-device state dict (e.g. pretrained weights) into this rank's shard of the model."""
         assert self.lightning_module is not None
         return load_full_state_dict(self.lightning_module, state_dict, full_keys=self.full_spec.keys(), strict=strict)
+
+    def full_state_dict(self) -> dict[str, Tensor] | None:
+        """The single-device state dict of the whole model, on global rank 0 (``None`` elsewhere). Collective."""
+        assert self.lightning_module is not None
+        mesh = self.device_mesh
+        writer = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+        return gather_full_state_dict(self.lightning_module, writer=writer)
 
     # ------------------------------------------------------------------ collectives
     @override
