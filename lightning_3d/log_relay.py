@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,7 @@ class StepLogs:
     loss_total: float = 0.0
     loss_weight: float = 0.0
     loss_dtype: torch.dtype | None = None
+    metric_batch: dict[str, Any] = field(default_factory=dict)  # batch states of updated metrics
 
     def add(self, name: str, value: Any, kwargs: dict[str, Any], samples: int, metric_path: str | None) -> None:
         reduce_fx = _reduce_name(kwargs.get("reduce_fx", "mean"))
@@ -162,8 +163,8 @@ def relay(
     dp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
     last_stage_rank: int,
-    metric_states: dict[str, Any] | None = None,
-) -> tuple[StepLogs, dict[str, Any]]:
+    finish: Callable[[list[StepLogs]], Any] | None = None,
+) -> tuple[StepLogs, Any]:
     """Combine the last stage's logs over data parallelism and send them to every stage.
 
     Args:
@@ -171,21 +172,26 @@ def relay(
         dp_group: data-parallel group (``None`` when dp == 1); used only by last-stage ranks.
         pp_group: pipeline group (``None`` when pp == 1).
         last_stage_rank: global rank of the last stage in this rank's pipeline group.
-        metric_states: state of logged metrics on the last stage, sent along to the other stages.
+        finish: called on the last stage with every replica's logs; what it returns is sent along.
 
     Returns:
-        The combined logs and metric states, identical on every rank.
+        The combined logs and ``finish``'s result, identical on every rank of the pipeline.
     """
-    if logs is not None and dp_group is not None:
-        parts: list[StepLogs | None] = [None] * dist.get_world_size(dp_group)
-        dist.all_gather_object(parts, logs, group=dp_group)
-        logs = merge([p for p in parts if p is not None])
+    extra = None
+    if logs is not None:
+        parts = [logs]
+        if dp_group is not None:
+            gathered: list[StepLogs | None] = [None] * dist.get_world_size(dp_group)
+            dist.all_gather_object(gathered, logs, group=dp_group)
+            parts = [p for p in gathered if p is not None]
+        logs = merge(parts)
+        extra = finish(parts) if finish is not None else None
     if pp_group is not None:
-        payload = [(logs, metric_states)]
+        payload = [(logs, extra)]
         dist.broadcast_object_list(payload, src=last_stage_rank, group=pp_group)
-        logs, metric_states = payload[0]
+        logs, extra = payload[0]
     assert logs is not None
-    return logs, metric_states or {}
+    return logs, extra
 
 
 def replay(module: LightningModule, logs: StepLogs, metrics: dict[str, Metric]) -> None:

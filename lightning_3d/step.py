@@ -203,6 +203,26 @@ class StepAdapter:
         return loss * (length / self._total * self._scale)
 
 
+def merge_outputs(outputs: list[Any]) -> Any:
+    """Join per-micro-batch step outputs into one batch output: tensors (and the tensors inside dicts,
+    lists and tuples) are concatenated on dim 0; anything else becomes a list with one item per micro-batch."""
+    if not outputs:
+        return None
+    first = outputs[0]
+    if len(outputs) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            return list(outputs)
+        return torch.cat(outputs, dim=0)
+    if isinstance(first, Mapping):
+        return type(first)({k: merge_outputs([o[k] for o in outputs]) for k in first})  # type: ignore[call-arg]
+    if isinstance(first, (list, tuple)) and all(isinstance(o, type(first)) and len(o) == len(first) for o in outputs):
+        items = [merge_outputs([o[i] for o in outputs]) for i in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
+    return list(outputs)
+
+
 def _as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -47,13 +47,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torchmetrics import Metric
 from typing_extensions import override
 
 from . import partition
 from .data_parallel import apply_data_parallel
 from .grad_norm import clip_grads_, global_grad_norm
-from .log_relay import StepLogs, relay, replay
 from .materialize import (
     LoadReport,
     check_materializable,
@@ -62,8 +60,8 @@ from .materialize import (
     load_full_state_dict,
     materialize,
 )
-from .pipeline import PipelineRuntime, StageSpec, is_multi_stage, min_micro_batches, schedule_class
-from .step import GradStash, StepAdapter, batch_size_of, capture_body_input, shape_key
+from .pipeline import StageSpec, is_multi_stage, min_micro_batches, schedule_class
+from .runner import BatchRunner
 from .topology import Topology, mesh_ranks_table
 
 if TYPE_CHECKING:
@@ -171,11 +169,8 @@ class ThreeDStrategy(ParallelStrategy):
         self.stage_plan: partition.StagePlan | None = None
         self.plan: Any = None
         self.full_spec: dict[str, partition.TensorSpec] = {}
-        self.runtime: PipelineRuntime | None = None
-        self._adapter: StepAdapter | None = None
-        self._stash = GradStash()
+        self.runner: BatchRunner | None = None
         self._example_input: Any = None
-        self._checked_train_batch = False
         self.last_grad_norm: Tensor | None = None
 
     # ------------------------------------------------------------------ topology and processes
@@ -265,7 +260,7 @@ class ThreeDStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        if self.runtime is None:
+        if self.runner is None:
             self._parallelize()
         self.model = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
@@ -345,13 +340,9 @@ class ThreeDStrategy(ParallelStrategy):
             container = partition.stage_container(body, stage_plan.layer_names[s])
             stages.append(StageSpec(s, apply_data_parallel(container, mesh["dp"])))
         self.body, self.stage_plan = body, stage_plan
-        self._adapter = StepAdapter(module, body, self._schedule_initialised)
-        self.runtime = PipelineRuntime(
-            stages, stage_plan.num_stages, mesh["pp"].get_group(), self.root_device, self.schedule, self._adapter
+        self.runner = BatchRunner(
+            module, body, stages, stage_plan.num_stages, mesh, self.root_device, self.schedule, self.micro_batches
         )
-        for metric in module.modules():
-            if isinstance(metric, Metric):
-                metric.process_group = mesh["dp"].get_group()
         if self.print_layout and self.global_rank == 0:
             print(self.describe_layout(), flush=True)
 
@@ -393,99 +384,22 @@ class ThreeDStrategy(ParallelStrategy):
         assert self.body is not None
         return self.body.module
 
-    # ------------------------------------------------------------------ the training step
-    def _schedule_initialised(self) -> bool:
-        assert self.runtime is not None
-        return self.runtime.current_initialised()
-
-    def _micro_batches_for(self, total: int, train: bool) -> tuple[int, str]:
-        """Micro-batch count (and schedule) for a batch of ``total`` samples on one replica."""
-        m = self.micro_batches
-        if train and not self._checked_train_batch:
-            self._checked_train_batch = True
-            if total % m != 0:
-                minimum = min_micro_batches(self.schedule, self.pp)
-                workable = [d for d in range(minimum, total + 1) if total % d == 0]
-                raise ValueError(
-                    f"ThreeDStrategy: the training batch has {total} samples per data-parallel replica, which "
-                    f"micro_batches={m} does not divide. Use a per-replica batch size that is a multiple of {m} "
-                    f"(e.g. {max(m, total - total % m)} or {total + m - total % m}), or micro_batches in {workable}."
-                )
-        if total % m == 0:
-            return m, self.schedule
-        # A short batch (the last one of an epoch, or an evaluation batch): fewer or more micro-batches of
-        # equal size, never uneven ones (the pipeline's buffers have one shape per schedule).
-        divisors = [d for d in range(1, total + 1) if total % d == 0]
-        minimum = min_micro_batches(self.schedule, self.pp) if train else 1
-        usable = [d for d in divisors if d >= minimum]
-        if usable:
-            return min(usable, key=lambda d: (abs(d - m), d)), self.schedule
-        return min(divisors, key=lambda d: (abs(d - m), d)), "gpipe"
-
-    def _run_batch(self, hook: str, args: tuple[Any, ...], train: bool) -> StepLogs:
-        """Run the user's ``hook`` over one batch through the pipeline and relay what it logged.
-
-        Gradients present before the batch are moved aside while the schedule runs (a new schedule's
-        shape inference clears them) and put back afterwards; in training, the batch's own gradients are
-        held for :meth:`backward`.
-        """
-        assert self.lightning_module is not None and self.runtime is not None and self._adapter is not None
-        module, runtime = self.lightning_module, self.runtime
-        step_fn: Callable[..., Any] = getattr(module, hook)
-        batch, rest = args[0], args[1:]
-        total = batch_size_of(batch)
-        n_micro, schedule = self._micro_batches_for(total, train)
-        key = shape_key(batch)
-        scale = 1.0
-        if train:
-            trainer = module.trainer
-            scale = 1.0 / trainer.accumulate_grad_batches
-            runtime.defer_grad_sync = (
-                trainer.accumulate_grad_batches > 1 and trainer.fit_loop.epoch_loop._should_accumulate()
-            )
-        runtime.schedule(n_micro, key, train, schedule)  # build first: it may all-reduce held-back gradients
-        params = list(module.parameters())
-        prior = GradStash.take(params)
-        context = {
-            "training_step": self.precision_plugin.train_step_context,
-            "validation_step": self.precision_plugin.val_step_context,
-            "test_step": self.precision_plugin.test_step_context,
-            "predict_step": self.precision_plugin.predict_step_context,
-        }[hook]
-        try:
-            with context():
-                body_input = capture_body_input(module, self.body, step_fn, args, hook) if runtime.has_first else None
-                self._adapter.begin(hook, step_fn, batch, rest, total, scale, train)
-                runtime.run(body_input, torch.arange(total), n_micro, key, train=train, schedule=schedule)
-            if train:
-                self._stash.hold(params, GradStash.take(params))
-        finally:
-            GradStash.put(params, prior)
-        logs = self._relay(self._adapter.logs if runtime.has_last else None)
-        replay(module, logs, self._metrics())
-        return logs
-
+    # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        logs = self._run_batch("training_step", args, train=True)
+        assert self.lightning_module is not None and self.runner is not None
+        trainer = self.lightning_module.trainer
+        accumulate = trainer.accumulate_grad_batches
+        logs = self.runner.run(
+            "training_step",
+            args,
+            self.precision_plugin,
+            train=True,
+            scale=1.0 / accumulate,
+            defer_grad_sync=accumulate > 1 and trainer.fit_loop.epoch_loop._should_accumulate(),
+        )
         dtype = logs.loss_dtype or torch.get_default_dtype()
         return torch.tensor(logs.loss_total / max(logs.loss_weight, 1.0), dtype=dtype, device=self.root_device)
-
-    def _relay(self, logs: StepLogs | None) -> StepLogs:
-        mesh = self.device_mesh
-        pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
-        last_rank = int(pp_mesh.mesh[-1])
-        merged, _ = relay(
-            logs,
-            dp_group=dp_mesh.get_group() if dp_mesh.size() > 1 else None,
-            pp_group=pp_mesh.get_group() if pp_mesh.size() > 1 else None,
-            last_stage_rank=last_rank,
-        )
-        return merged
-
-    def _metrics(self) -> dict[str, Metric]:
-        assert self.lightning_module is not None
-        return {n: m for n, m in self.lightning_module.named_modules() if isinstance(m, Metric)}
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -497,7 +411,8 @@ class ThreeDStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._stash.restore()
+        assert self.runner is not None
+        self.runner.stash.restore()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -520,18 +435,25 @@ class ThreeDStrategy(ParallelStrategy):
         )
 
     # ------------------------------------------------------------------ evaluation
-    def _eval_step(self, hook: str, *args: Any) -> Any:
-        assert self.runtime is not None and self._adapter is not None
-        self._run_batch(hook, args, train=False)
-        return self._adapter.outputs[-1] if self.runtime.has_last and self._adapter.outputs else None
+    def _eval_step(self, hook: str, args: tuple[Any, ...]) -> Any:
+        """Forward-only through the pipeline. Returns the step's output (joined over micro-batches) on the
+        last stage; ``predict_step`` outputs are returned on every stage (rank 0 included), others are
+        ``None`` outside the last stage."""
+        assert self.runner is not None
+        self.runner.run(hook, args, self.precision_plugin, train=False)
+        return self.runner.outputs
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("validation_step", *args)
+        return self._eval_step("validation_step", args)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test_step", *args)
+        return self._eval_step("test_step", args)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("predict_step", args)
 
     # ------------------------------------------------------------------ weights
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> LoadReport:

@@ -1,0 +1,175 @@
+"""One batch of a user hook (training, validation, test or predict step) through the pipeline.
+
+``BatchRunner.run`` is what the strategy's ``*_step`` methods call. It chooses the micro-batch count,
+captures the body's input on the first stage, runs the schedule (the user's step runs per micro-batch on
+the last stage, see ``step.py``), keeps Lightning's view of the gradients consistent (``GradStash``),
+keeps torchmetrics objects exact (``metric_sync.py``) and relays what was logged to every rank
+(``log_relay.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from torch.distributed.device_mesh import DeviceMesh
+from torchmetrics import Metric
+
+from . import metric_sync
+from .log_relay import StepLogs, relay, replay
+from .partition import BodyRef
+from .pipeline import PipelineRuntime, StageSpec, min_micro_batches
+from .step import GradStash, StepAdapter, batch_size_of, capture_body_input, merge_outputs, shape_key
+
+_CONTEXTS = {
+    "training_step": "train_step_context",
+    "validation_step": "val_step_context",
+    "test_step": "test_step_context",
+    "predict_step": "predict_step_context",
+}
+
+
+class BatchRunner:
+    """Runs batches of the user's hooks through this rank's pipeline stages.
+
+    Args:
+        module: the LightningModule (already split, sharded and wrapped).
+        body: where its ``nn.Sequential`` body lives.
+        stages: this rank's stages.
+        num_stages: stages in the whole pipeline.
+        mesh: the (dp, pp, tp) device mesh.
+        device: this rank's device.
+        schedule: training schedule name.
+        micro_batches: micro-batches per (full) batch.
+    """
+
+    def __init__(
+        self,
+        module: LightningModule,
+        body: BodyRef,
+        stages: Sequence[StageSpec],
+        num_stages: int,
+        mesh: DeviceMesh,
+        device: torch.device,
+        schedule: str,
+        micro_batches: int,
+    ) -> None:
+        self.module, self.body, self.mesh = module, body, mesh
+        self.schedule, self.micro_batches = schedule, micro_batches
+        self.pp = mesh["pp"].size()
+        self.adapter = StepAdapter(module, body, lambda: self.runtime.current_initialised())
+        self.runtime = PipelineRuntime(stages, num_stages, mesh["pp"].get_group(), device, schedule, self.adapter)
+        self.stash = GradStash()
+        self.metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}
+        metric_sync.use_group(self.metrics, mesh["dp"].get_group())
+        self._batch_metrics = metric_sync.BatchMetrics(self.metrics)
+        self._checked_first_train_batch = False
+        self.outputs: Any = None
+
+    # ------------------------------------------------------------------ micro-batching
+    def micro_batches_for(self, total: int, train: bool) -> tuple[int, str]:
+        """Micro-batch count and schedule for a batch of ``total`` samples on one replica.
+
+        The configured count must divide the first training batch (a configuration error otherwise). Other
+        batches it does not divide (the short last batch of an epoch, evaluation batches) get the divisor of
+        their size closest to it, so micro-batches are always of equal size, never uneven; when no divisor
+        satisfies 1F1B's minimum, that batch runs GPipe (same numbers, larger bubble).
+        """
+        m = self.micro_batches
+        minimum = min_micro_batches(self.schedule, self.pp)
+        if train and not self._checked_first_train_batch:
+            self._checked_first_train_batch = True
+            if total % m != 0:
+                workable = [d for d in range(minimum, total + 1) if total % d == 0]
+                raise ValueError(
+                    f"ThreeDStrategy: the training batch has {total} samples per data-parallel replica, which "
+                    f"micro_batches={m} does not divide. Use a per-replica batch size that is a multiple of {m} "
+                    f"(e.g. {max(m, total - total % m)} or {total + m - total % m}), or micro_batches in {workable}."
+                )
+        if total % m == 0:
+            return m, self.schedule
+        divisors = [d for d in range(1, total + 1) if total % d == 0]
+        usable = [d for d in divisors if d >= (minimum if train else 1)]
+        if usable:
+            return min(usable, key=lambda d: (abs(d - m), d)), self.schedule
+        return min(divisors, key=lambda d: (abs(d - m), d)), "gpipe"
+
+    # ------------------------------------------------------------------ one batch
+    def run(
+        self,
+        hook: str,
+        args: tuple[Any, ...],
+        precision: Precision,
+        *,
+        train: bool,
+        scale: float = 1.0,
+        defer_grad_sync: bool = False,
+    ) -> StepLogs:
+        """Run ``hook`` over one batch; returns the logs as every rank replayed them.
+
+        Gradients present before the batch are moved aside while the schedule runs (a new schedule's shape
+        inference clears them) and put back afterwards; in training the batch's own gradients are held in
+        ``self.stash`` until Lightning's backward asks for them.
+
+        Args:
+            hook: the LightningModule method (``"training_step"``, ...).
+            args: its arguments (batch first).
+            precision: Lightning's precision plugin (its step contexts: autocast etc.).
+            train: forward and backward, or forward only.
+            scale: loss multiplier in training (1 / accumulate_grad_batches).
+            defer_grad_sync: keep data-parallel gradients local (not the last batch of an accumulation window).
+        """
+        module, runtime = self.module, self.runtime
+        step_fn: Callable[..., Any] = getattr(module, hook)
+        batch, rest = args[0], args[1:]
+        total = batch_size_of(batch)
+        n_micro, schedule = self.micro_batches_for(total, train)
+        key = shape_key(batch)
+        runtime.defer_grad_sync = defer_grad_sync
+        runtime.schedule(n_micro, key, train, schedule)  # build first: it may all-reduce held-back gradients
+        params = list(module.parameters())
+        prior = GradStash.take(params)
+        context: Callable[[], Any] = getattr(precision, _CONTEXTS[hook])
+        try:
+            with context():
+                body_input = capture_body_input(module, self.body, step_fn, args, hook) if runtime.has_first else None
+                self.adapter.begin(hook, step_fn, batch, rest, total, scale, train)
+                if runtime.has_last:
+                    self._batch_metrics.begin()
+                runtime.run(body_input, torch.arange(total), n_micro, key, train=train, schedule=schedule)
+                if runtime.has_last:
+                    self.adapter.logs.metric_batch = self._batch_metrics.end()
+            if train:
+                self.stash.hold(params, GradStash.take(params))
+        finally:
+            GradStash.put(params, prior)
+        local_outputs = merge_outputs(self.adapter.outputs) if runtime.has_last and not train else None
+        logs, extra = self._relay(self.adapter.logs if runtime.has_last else None, hook, local_outputs)
+        exported, values, broadcast_outputs = extra
+        if not runtime.has_last:
+            metric_sync.import_states(self.metrics, exported)
+        metric_sync.set_step_values(self.metrics, values)
+        self.outputs = local_outputs if runtime.has_last else broadcast_outputs
+        replay(module, logs, self.metrics)
+        return logs
+
+    def _relay(self, logs: StepLogs | None, hook: str, outputs: Any) -> tuple[StepLogs, Any]:
+        pp_mesh, dp_mesh = self.mesh["pp"], self.mesh["dp"]
+
+        def finish(parts: list[StepLogs]) -> tuple[Any, Any, Any]:
+            batch_states = [p.metric_batch for p in parts]
+            values = metric_sync.step_values(self.metrics, batch_states)
+            exported = metric_sync.export_states(self.metrics, sorted(logs.metric_batch)) if logs else {}
+            # Predictions go to every stage (rank 0 returns them, as under DDP); other outputs stay put.
+            return exported, values, outputs if hook == "predict_step" else None
+
+        return relay(
+            logs,
+            dp_group=dp_mesh.get_group() if dp_mesh.size() > 1 else None,
+            pp_group=pp_mesh.get_group() if pp_mesh.size() > 1 else None,
+            last_stage_rank=int(pp_mesh.mesh[-1]),
+            finish=finish,
+        )
