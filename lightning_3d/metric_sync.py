@@ -89,14 +89,25 @@ class BatchMetrics:
         return batch
 
 
+def _copy(metric: Metric) -> Metric:
+    """An empty copy of a metric (process groups cannot be deep-copied: detach the group meanwhile)."""
+    group = metric.process_group
+    metric.process_group = None
+    try:
+        probe = copy.deepcopy(metric)
+    finally:
+        metric.process_group = group
+    probe.reset()
+    return probe
+
+
 def step_values(metrics: dict[str, Metric], batch_states: list[dict[str, State]]) -> dict[str, Tensor]:
     """The value each metric has on the union of the replicas' batches (what ``forward`` gives on one device)."""
     values: dict[str, Tensor] = {}
     for path in {p for part in batch_states for p in part}:
         parts = [part[path] for part in batch_states if path in part]
-        probe = copy.deepcopy(metrics[path])
-        probe.reset()
-        probe.sync_on_compute = False
+        probe = _copy(metrics[path])
+        probe.sync_on_compute = probe._to_sync = False  # a local computation: no collective
         _set_state(probe, parts[0], 1)
         for extra in parts[1:]:
             probe.merge_state(extra)

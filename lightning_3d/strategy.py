@@ -49,6 +49,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
+from . import checkpoint as ckpt
 from . import partition
 from .data_parallel import apply_data_parallel
 from .grad_norm import clip_grads_, global_grad_norm
@@ -206,16 +207,6 @@ class ThreeDStrategy(ParallelStrategy):
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
     def set_world_ranks(self) -> None:
         """Called by the Trainer before any process starts: the layout is validated here, once, early."""
         if self.cluster_environment is not None:
@@ -244,7 +235,8 @@ class ThreeDStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._mesh = self.topology.build_mesh(self.root_device.type)
+        if self._mesh is None:  # later trainer.validate / test / predict calls reuse the mesh
+            self._mesh = self.topology.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh
 
@@ -467,6 +459,47 @@ class ThreeDStrategy(ParallelStrategy):
         mesh = self.device_mesh
         writer = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
         return gather_full_state_dict(self.lightning_module, writer=writer)
+
+    # ---- checkpoints: sharded DCP folders, written atomically, loadable at any layout (see checkpoint.py)
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # shards are loaded into the split, sharded model
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizer states itself
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ckpt.model_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ckpt.optimizer_state_dict(self.lightning_module, optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done by load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done by load_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        ckpt.save_checkpoint(self, checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return ckpt.load_checkpoint(self, checkpoint_path, weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        ckpt.remove_checkpoint(self, filepath)
 
     # ------------------------------------------------------------------ collectives
     @override

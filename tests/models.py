@@ -176,3 +176,48 @@ class OrderedData(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(dataset(self.model, self.val_n, seed=1))
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(dataset(self.model, self.val_n, seed=2))
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(dataset(self.model, self.val_n, seed=2))
+
+
+class MetricMLP(TinyMLP):
+    """TinyMLP with torchmetrics accuracy in training (logged per step and epoch) and evaluation."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.train_acc = MulticlassAccuracy(num_classes=4, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=4, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=4, average="micro")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.val_acc.update(logits, y)
+        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
+        self.log("val_acc", self.val_acc)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.test_acc.update(logits, y)
+        self.log("test_loss", F.cross_entropy(logits, y))
+        self.log("test_acc", self.test_acc)
+
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self(x).softmax(-1)
