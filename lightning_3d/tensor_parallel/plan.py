@@ -1,0 +1,289 @@
+"""The tensor-parallel plan of a model body: automatic analysis plus the user's explicit entries.
+
+Names in a :class:`TPPlan` are relative to the body (the ``nn.Sequential``), e.g. ``"3.attn.q_proj"``;
+messages and explicit patterns use LightningModule-relative names (``"body.3.attn.q_proj"``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_3d.tensor_parallel.analyzer import AnalysisError, analyze, candidates, divisors_text, example_input_for
+from lightning_3d.tensor_parallel.styles import STYLE_NAMES, check_style, local_numel_of, make_style, style_kind
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """How one module is sharded.
+
+    Attributes:
+        style: a name from :data:`STYLE_NAMES` or a user's ``ParallelStyle`` object.
+        source: ``"auto"`` (found by the analysis) or ``"explicit"`` (the user's plan).
+        reason: why, e.g. ``"q_proj/k_proj/v_proj -> out_proj (attention, 12 heads)"``.
+    """
+
+    style: str | ParallelStyle
+    source: str
+    reason: str = ""
+
+
+@dataclass
+class TPPlan:
+    """Styles by body-relative module name, plus notes on modules deliberately left replicated."""
+
+    entries: dict[str, PlanEntry] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def styles_for(self, prefix: str) -> dict[str, ParallelStyle]:
+        """``parallelize_module`` plan for the submodule at body-relative ``prefix``.
+
+        Args:
+            prefix: body-relative name of the submodule (e.g. ``"3"`` for one pipeline stage's
+                layer); ``""`` is the whole body.
+
+        Returns:
+            Fresh ``ParallelStyle`` objects keyed by names relative to ``prefix`` (``""`` if the
+            submodule itself has a style); ``replicate`` entries are left out.
+
+        Example:
+            >>> plan.styles_for("3")  # doctest: +SKIP
+            {'attn.q_proj': ColwiseParallel(...), ..., 'mlp.proj': RowwiseParallel(...)}
+        """
+        out: dict[str, ParallelStyle] = {}
+        for fqn, entry in self.entries.items():
+            if not prefix:
+                key = fqn
+            elif fqn == prefix:
+                key = ""
+            elif fqn.startswith(prefix + "."):
+                key = fqn[len(prefix) + 1 :]
+            else:
+                continue
+            style = make_style(entry.style)
+            if style is not None:
+                out[key] = style
+        return out
+
+
+def _shown(body_prefix: str, fqn: str) -> str:
+    return ".".join(p for p in (body_prefix, fqn) if p)
+
+
+def _match_explicit(
+    body: nn.Module, explicit: Mapping[str, str | ParallelStyle], body_prefix: str
+) -> dict[str, tuple[str | ParallelStyle, str]]:
+    """Body-relative name -> (style, pattern) for every module an explicit pattern matches (last wins)."""
+    names = [fqn for fqn, _ in body.named_modules(remove_duplicate=False)]
+    matched: dict[str, tuple[str | ParallelStyle, str]] = {}
+    for pattern, style in explicit.items():
+        check_style(style, repr(pattern))
+        hits = [f for f in names if fnmatchcase(_shown(body_prefix, f), pattern) or (f and fnmatchcase(f, pattern))]
+        if not hits:
+            shown = [_shown(body_prefix, f) for f in names if f]
+            close = difflib.get_close_matches(pattern, shown, n=5, cutoff=0.5) or shown[:5]
+            raise ValueError(
+                f"Tensor-parallel plan pattern {pattern!r} matches no module of the model body. Closest module "
+                f"names: {', '.join(close)}. Patterns are fnmatch globs on LightningModule-relative names, "
+                f"e.g. '{_shown(body_prefix, '*.attn.q_proj')}'."
+            )
+        for f in hits:
+            matched[f] = (style, pattern)
+    return matched
+
+
+def _check_explicit(
+    body: nn.Module,
+    matched: Mapping[str, tuple[str | ParallelStyle, str]],
+    tp: int,
+    body_prefix: str,
+    splits: Mapping[str, set[int]],
+) -> None:
+    """Raise ValueError for an explicit style that does not fit its module or does not divide by tp."""
+    modules = dict(body.named_modules(remove_duplicate=False))
+    for fqn, (style, pattern) in matched.items():
+        if not isinstance(style, str) or style in ("sequence", "replicate"):
+            continue
+        mod, name = modules[fqn], _shown(body_prefix, fqn)
+        what = f"{name} ({type(mod).__name__}, {style}, explicit plan {pattern!r})"
+        if (
+            not fqn
+            or not isinstance(mod, (nn.Linear, nn.Embedding))
+            or (style == "vocab" and not isinstance(mod, nn.Embedding))
+        ):
+            kinds = "nn.Embedding" if style == "vocab" else "nn.Linear and nn.Embedding"
+            raise ValueError(f"Tensor-parallel plan: {what}: style {style!r} applies to {kinds} modules only.")
+        if isinstance(mod, nn.Linear):
+            size = ("out_features", mod.out_features) if style != "rowwise" else ("in_features", mod.in_features)
+        elif style in ("colwise", "colwise_gather"):
+            size = ("embedding_dim", mod.embedding_dim)
+        else:
+            size = ("num_embeddings", mod.num_embeddings)
+        checks = [size] + [("number of attention heads", n) for n in sorted(splits.get(fqn, ())) if style == "colwise"]
+        works = divisors_text([n for _, n in checks])
+        for label, n in checks:
+            if n % tp:
+                raise ValueError(
+                    f"Tensor parallel cannot shard {what} with tp={tp}: its {label} = {n} is not "
+                    f"divisible by tp={tp}. tp values that work: {works}."
+                )
+
+
+def _pins(body: nn.Module, matched: Mapping[str, tuple[str | ParallelStyle, str]]) -> dict[str, str]:
+    """What the analysis must take as given: "colwise", "rowwise", "replicate" or "other"."""
+    pins: dict[str, str] = {}
+    for fqn, (style, _) in matched.items():
+        kind = style_kind(style)
+        pins[fqn] = kind if kind in ("colwise", "rowwise", "replicate") else "other"
+    names = [fqn for fqn, _ in body.named_modules(remove_duplicate=False)]
+    for fqn, (style, _) in matched.items():
+        if style == "replicate":
+            for sub in names:
+                if not fqn or sub.startswith(fqn + "."):
+                    pins.setdefault(sub, "replicate")
+    return pins
+
+
+def _on_device(example: Any, body: nn.Module) -> Any:
+    param = next(body.parameters(), None)
+    if param is None:
+        return example
+    if isinstance(example, torch.Tensor):
+        return example.to(param.device)
+    if isinstance(example, (tuple, list)):
+        return type(example)(_on_device(e, body) for e in example)
+    return example
+
+
+def _analyze(body: nn.Module, tp: int, example_input: Any, pins: dict[str, str], body_prefix: str) -> Any:
+    """Run the analysis on the given example, or on ``example_input_for(body)``; a default
+    ``(1, in_features)`` input for a first Linear is retried as ``(1, 2, in_features)`` (a sequence)."""
+    if example_input is not None:
+        examples = [_on_device(example_input, body)]
+    else:
+        first = example_input_for(body)
+        if first is None:
+            raise AnalysisError(
+                "no example input for a body whose first layer is not an Embedding or a Linear (pass example_input=...)"
+            )
+        examples = [first] + ([first.unsqueeze(1).expand(-1, 2, -1)] if first.is_floating_point() else [])
+    for i, example in enumerate(examples):
+        try:
+            return analyze(body, tp, example, pins, display=lambda f: _shown(body_prefix, f))
+        except AnalysisError:
+            if i == len(examples) - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def resolve_plan(
+    body: nn.Module,
+    tp: int,
+    *,
+    explicit: Mapping[str, str | ParallelStyle] | None = None,
+    body_prefix: str = "body",
+    example_input: Any | None = None,
+    auto: bool = True,
+) -> TPPlan:
+    """Build the tensor-parallel plan of ``body`` for ``tp`` ranks.
+
+    The automatic analysis (if ``auto``) runs the body once on a tiny example input and shards the
+    MLP and attention pairs it recognises from the data flow, the final projection and the
+    embeddings (see :mod:`lightning_3d.tensor_parallel.analyzer`). Explicit entries are applied on
+    top and win for the modules they match; ``"replicate"`` on a module also keeps everything
+    inside it replicated.
+
+    Args:
+        body: the model body (an ``nn.Sequential``); it is left unchanged. Parameters may be on the
+            meta device.
+        tp: tensor-parallel size. With 1 the plan is empty (explicit patterns are still checked).
+        explicit: ``{fnmatch pattern: style}``; a pattern is matched against LightningModule-relative
+            names (``f"{body_prefix}.{name}"``) and body-relative names. Later patterns win.
+        body_prefix: attribute name of the body in the LightningModule (for patterns and messages).
+        example_input: input of the body for the analysis; default :func:`example_input_for`.
+        auto: run the automatic analysis.
+
+    Returns:
+        The plan; modules the analysis left replicated are explained in ``notes``.
+
+    Raises:
+        ValueError: an unknown style name; a pattern that matches no module (the message lists the
+            closest names); an explicit style on a module it does not apply to; a size not
+            divisible by ``tp`` (explicit entries, and MLP hidden sizes / attention heads found by
+            the analysis), with the tp values that would work.
+
+    Example:
+        >>> plan = resolve_plan(model.body, tp=2, explicit={"body.*.attn.c_attn": "replicate"})  # doctest: +SKIP
+        >>> parallelize_module(model.body, tp_mesh, plan.styles_for(""))  # doctest: +SKIP
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"Tensor-parallel size must be a positive int, got tp={tp!r}.")
+    matched = _match_explicit(body, explicit or {}, body_prefix)
+    if tp == 1:
+        return TPPlan()
+    pins = _pins(body, matched)
+    result = None
+    if auto:
+        try:
+            result = _analyze(body, tp, example_input, pins, body_prefix)
+        except AnalysisError as error:
+            found, _ = candidates(body)
+            msg = (
+                f"automatic tensor-parallel analysis could not run the body: {error}; modules without an "
+                "explicit plan entry stay replicated"
+            )
+            warnings.warn(f"{msg}.", stacklevel=2)
+            notes = {f: msg for f in found if f not in pins}
+            _check_explicit(body, matched, tp, body_prefix, {})
+            return _merge(body, matched, None, notes)
+    _check_explicit(body, matched, tp, body_prefix, result.splits if result else {})
+    return _merge(body, matched, result, result.notes if result else {})
+
+
+def _merge(
+    body: nn.Module, matched: Mapping[str, tuple[str | ParallelStyle, str]], result: Any, notes: dict[str, str]
+) -> TPPlan:
+    plan = TPPlan()
+    for fqn, _ in body.named_modules(remove_duplicate=False):
+        if fqn in matched:
+            style, pattern = matched[fqn]
+            plan.entries[fqn] = PlanEntry(style, "explicit", f"explicit plan {pattern!r}")
+        elif result is not None and fqn in result.styles:
+            style, reason = result.styles[fqn]
+            plan.entries[fqn] = PlanEntry(style, "auto", reason)
+        elif fqn in notes:
+            plan.notes[fqn] = notes[fqn]
+    return plan
+
+
+def local_numel(param_fqn: str, full_shape: tuple[int, ...], plan: TPPlan, tp: int) -> int:
+    """Expected number of elements of one rank's part of a parameter under ``plan``.
+
+    Column-wise (and colwise_gather): weight and bias / tp; row-wise: weight / tp, bias whole;
+    vocab: weight / tp; anything else whole. ``ParallelStyle`` objects count as the style they
+    are (see :func:`~lightning_3d.tensor_parallel.styles.style_kind`); unknown objects as whole.
+
+    Args:
+        param_fqn: body-relative parameter name, e.g. ``"3.attn.q_proj.weight"``.
+        full_shape: the parameter's full (unsharded) shape.
+        plan: the plan.
+        tp: tensor-parallel size.
+
+    Returns:
+        The local number of elements.
+    """
+    module, _, pname = param_fqn.rpartition(".")
+    entry = plan.entries.get(module)
+    kind = style_kind(entry.style) if entry is not None and tp > 1 else "replicate"
+    return local_numel_of(tuple(full_shape), kind, pname, tp)
+
+
+__all__ = ["STYLE_NAMES", "PlanEntry", "TPPlan", "local_numel", "resolve_plan"]

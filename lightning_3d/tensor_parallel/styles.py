@@ -1,0 +1,114 @@
+"""Style names of a tensor-parallel plan and the torch ``ParallelStyle`` each one stands for.
+
+Every style keeps the module's output a plain local tensor (``use_local_output=True``), because
+pipeline stages exchange plain tensors; ``sequence`` is the exception (torch's default, explicit
+plans only, for users who compose sequence parallelism themselves).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+STYLE_NAMES: tuple[str, ...] = ("colwise", "rowwise", "colwise_gather", "vocab", "sequence", "replicate")
+"""Names a plan may use: column-wise Linear (output sharded on the last dim), row-wise Linear
+(input sharded on the last dim, output all-reduced), column-wise with the output all-gathered (a
+lone final projection), vocabulary-sharded Embedding (output all-reduced), torch's
+``SequenceParallel``, and ``replicate`` (leave the module unsharded)."""
+
+
+def check_style(style: object, where: str) -> str | ParallelStyle:
+    """Return ``style`` if it is a name from :data:`STYLE_NAMES` or a ``ParallelStyle``, else raise.
+
+    Args:
+        style: the value given in a plan.
+        where: what to name in the error (e.g. the plan key).
+
+    Raises:
+        ValueError: an unknown style name or another kind of object.
+    """
+    if isinstance(style, ParallelStyle) or (isinstance(style, str) and style in STYLE_NAMES):
+        return style
+    raise ValueError(
+        f"Tensor-parallel plan entry {where}: unknown style {style!r}. Use one of {', '.join(STYLE_NAMES)} "
+        "or a torch.distributed.tensor.parallel.ParallelStyle object."
+    )
+
+
+def make_style(style: str | ParallelStyle) -> ParallelStyle | None:
+    """A fresh torch ``ParallelStyle`` for a style name (None for ``replicate``); objects pass through."""
+    if isinstance(style, ParallelStyle):
+        return style
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel()
+    if style == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if style == "vocab":
+        return RowwiseParallel(input_layouts=Replicate())
+    if style == "sequence":
+        return SequenceParallel()
+    if style == "replicate":
+        return None
+    raise ValueError(f"unknown tensor-parallel style {style!r}; use one of {', '.join(STYLE_NAMES)}")
+
+
+def style_kind(style: str | ParallelStyle) -> str:
+    """Canonical name of a style; ParallelStyle objects map to the name that shards the same way.
+
+    ``ColwiseParallel`` -> "colwise" (or "colwise_gather" with a replicated output),
+    ``RowwiseParallel`` -> "rowwise" (or "vocab" with a replicated input), ``SequenceParallel`` ->
+    "sequence", any other object -> "custom".
+    """
+    if isinstance(style, str):
+        return style
+    if isinstance(style, ColwiseParallel):
+        return "colwise_gather" if style.output_layouts == (Replicate(),) else "colwise"
+    if isinstance(style, RowwiseParallel):
+        return "vocab" if style.input_layouts == (Replicate(),) else "rowwise"
+    if isinstance(style, SequenceParallel):
+        return "sequence"
+    return "custom"
+
+
+def style_label(style: str | ParallelStyle) -> str:
+    """Short text for tables: the name, or the class name of a custom object."""
+    return style if isinstance(style, str) else type(style).__name__
+
+
+def sharded_dim(kind: str, param_name: str, is_embedding: bool) -> int | None:
+    """Dimension of parameter ``param_name`` that a style of ``kind`` shards (None: kept whole)."""
+    if kind in ("colwise", "colwise_gather"):
+        if param_name == "weight":
+            return 1 if is_embedding else 0
+        return 0 if param_name == "bias" and not is_embedding else None
+    if kind in ("rowwise", "vocab") and param_name == "weight":
+        return 0 if is_embedding else 1
+    return None
+
+
+def local_shape(shape: tuple[int, ...], kind: str, param_name: str, is_embedding: bool, tp: int) -> tuple[int, ...]:
+    """Shape of one rank's shard of a parameter (plans are validated to divide evenly)."""
+    dim = sharded_dim(kind, param_name, is_embedding)
+    if dim is None or dim >= len(shape):
+        return tuple(shape)
+    out = list(shape)
+    out[dim] = shape[dim] // tp
+    return tuple(out)
+
+
+def local_numel_of(shape: tuple[int, ...], kind: str, param_name: str, tp: int) -> int:
+    """Number of elements of one rank's shard (the same whichever dim is sharded)."""
+    if kind in ("colwise", "colwise_gather") and param_name in ("weight", "bias"):
+        return math.prod(shape) // tp
+    if kind in ("rowwise", "vocab") and param_name == "weight":
+        return math.prod(shape) // tp
+    return math.prod(shape)

@@ -1,0 +1,171 @@
+"""Plan API: explicit entries, validation messages, styles_for, describe_plan, local_numel, example inputs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from lightning_3d.tensor_parallel import (
+    STYLE_NAMES,
+    PlanEntry,
+    TPPlan,
+    describe_plan,
+    example_input_for,
+    local_numel,
+    resolve_plan,
+)
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from tp_models import gpt, mlp_chain
+
+
+def test_style_names() -> None:
+    assert STYLE_NAMES == ("colwise", "rowwise", "colwise_gather", "vocab", "sequence", "replicate")
+
+
+def test_styles_for_maps_names_to_fresh_torch_styles() -> None:
+    plan = resolve_plan(gpt(layers=1), 2, explicit={"body.1.ln_1": "sequence", "body.1.ln_2": "replicate"})
+    whole = plan.styles_for("")
+    assert "1.ln_2" not in whole, "replicate entries are dropped"
+    q, out, head, wte = whole["1.attn.q_proj"], whole["1.attn.out_proj"], whole["2.lm_head"], whole["0.wte"]
+    assert type(q) is ColwiseParallel and q.output_layouts == (Shard(-1),) and q.use_local_output
+    assert type(out) is RowwiseParallel and out.input_layouts == (Shard(-1),) and out.use_local_output
+    assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),) and head.use_local_output
+    assert type(wte) is RowwiseParallel and wte.input_layouts == (Replicate(),) and wte.use_local_output
+    assert type(whole["1.ln_1"]) is SequenceParallel
+    assert plan.styles_for("")["1.attn.q_proj"] is not q, "each call must build new style objects"
+
+    layer = plan.styles_for("1")
+    assert set(layer) == {"ln_1", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc", "mlp.proj"}
+    assert set(plan.styles_for("2.lm_head")) == {""}
+    assert plan.styles_for("5") == {}
+
+
+def test_tp_one_gives_an_empty_plan_but_still_checks_patterns() -> None:
+    assert resolve_plan(gpt(), 1) == TPPlan()
+    with pytest.raises(ValueError, match="matches no module"):
+        resolve_plan(gpt(), 1, explicit={"body.*.atn.q_proj": "colwise"})
+    with pytest.raises(ValueError, match="positive int"):
+        resolve_plan(gpt(), 0)
+
+
+def test_explicit_entries_win_and_globs_match_lightning_and_body_names() -> None:
+    plan = resolve_plan(
+        gpt(layers=2), 2, explicit={"body.*.attn.*_proj": "replicate", "2.mlp.fc": "replicate", "*.lm_head": "colwise"}
+    )
+    for i in (1, 2):
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            assert plan.entries[f"{i}.attn.{name}"] == PlanEntry(
+                "replicate", "explicit", "explicit plan 'body.*.attn.*_proj'"
+            )
+    assert plan.entries["1.mlp.fc"].style == "colwise" and plan.entries["1.mlp.fc"].source == "auto"
+    assert plan.entries["2.mlp.fc"].style == "replicate"
+    assert "2.mlp.proj" not in plan.entries and "2.mlp.proj" in plan.notes  # its partner is replicated
+    assert plan.entries["3.lm_head"] == PlanEntry("colwise", "explicit", "explicit plan '*.lm_head'")
+
+
+def test_explicit_replicate_on_a_parent_covers_its_children() -> None:
+    plan = resolve_plan(gpt(layers=1), 2, explicit={"body.1.attn": "replicate"})
+    assert plan.entries["1.attn"].style == "replicate"
+    assert not [k for k in plan.entries if k.startswith("1.attn.")]
+    assert plan.entries["1.mlp.fc"].style == "colwise"
+
+
+def test_explicit_parallel_style_object_passes_through() -> None:
+    style = ColwiseParallel(output_layouts=Replicate())
+    plan = resolve_plan(gpt(layers=1), 2, explicit={"body.2.lm_head": style}, auto=False)
+    assert list(plan.entries) == ["2.lm_head"] and plan.styles_for("") == {"2.lm_head": style}
+
+
+def test_typo_in_a_pattern_names_the_closest_modules() -> None:
+    with pytest.raises(ValueError, match=r"'body\.\*\.attn\.q_prj' matches no module.*body\.1\.attn\.q_proj"):
+        resolve_plan(gpt(), 2, explicit={"body.*.attn.q_prj": "colwise"})
+
+
+def test_unknown_style_lists_the_style_names() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"unknown style 'column'.*colwise, rowwise, colwise_gather, vocab, "
+        r"sequence, replicate",
+    ):
+        resolve_plan(gpt(), 2, explicit={"body.1.mlp.fc": "column"})
+
+
+def test_explicit_size_not_divisible_raises_with_working_tp_values() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"body\.1\.mlp\.fc .*out_features = 32 is not divisible by tp=3\. "
+        r"tp values that work: 1, 2, 4, 8, 16, 32\.",
+    ):
+        resolve_plan(gpt(), 3, explicit={"body.1.mlp.fc": "colwise"}, auto=False)
+    with pytest.raises(ValueError, match=r"body\.0\.wte .*num_embeddings = 30 .*tp values that work: 1, 2, 3, 5"):
+        resolve_plan(gpt(vocab=30), 4, explicit={"body.0.wte": "vocab"}, auto=False)
+
+
+def test_explicit_style_on_the_wrong_module_type_raises() -> None:
+    with pytest.raises(ValueError, match=r"body\.1\.ln_1 \(LayerNorm.*applies to nn\.Linear and nn\.Embedding"):
+        resolve_plan(gpt(), 2, explicit={"body.1.ln_1": "colwise"})
+    with pytest.raises(ValueError, match=r"'vocab' applies to nn\.Embedding modules only"):
+        resolve_plan(gpt(), 2, explicit={"body.1.mlp.fc": "vocab"})
+
+
+def test_describe_plan_lists_sharded_and_noted_modules() -> None:
+    body = gpt(fused=True, layers=1)
+    text = describe_plan(body, resolve_plan(body, 2), 2)
+    lines = text.splitlines()
+    assert lines[0] == "Tensor-parallel plan (tp=2): 5 modules sharded, 2 left replicated"
+    row = next(line for line in lines if line.startswith("body.1.mlp.fc "))
+    assert "Linear" in row and "colwise" in row and "(32, 16) -> (16, 16)" in row and "fc -> proj (MLP)" in row
+    row = next(line for line in lines if line.startswith("body.0.wte "))
+    assert "Embedding" in row and "vocab" in row and "(32, 16) -> (16, 16)" in row
+    row = next(line for line in lines if line.startswith("body.1.attn.c_attn "))
+    assert "replicate" in row and "(48, 16) (whole)" in row and "split into parts" in row
+    assert not any(line.startswith("body.1.ln_1") for line in lines)
+    assert "mlp.fc" in describe_plan(body, resolve_plan(body, 2), 2, body_prefix="model.layers")
+
+
+def test_local_numel_per_style() -> None:
+    plan = TPPlan(
+        entries={
+            "c": PlanEntry("colwise", "auto"),
+            "r": PlanEntry("rowwise", "auto"),
+            "g": PlanEntry("colwise_gather", "auto"),
+            "v": PlanEntry("vocab", "auto"),
+            "x": PlanEntry(RowwiseParallel(), "explicit"),
+            "s": PlanEntry("sequence", "explicit"),
+        }
+    )
+    assert local_numel("c.weight", (8, 4), plan, 4) == 8 and local_numel("c.bias", (8,), plan, 4) == 2
+    assert local_numel("r.weight", (8, 4), plan, 4) == 8 and local_numel("r.bias", (8,), plan, 4) == 8
+    assert local_numel("g.weight", (8, 4), plan, 2) == 16 and local_numel("g.bias", (8,), plan, 2) == 4
+    assert local_numel("v.weight", (32, 4), plan, 4) == 32
+    assert local_numel("x.weight", (8, 4), plan, 2) == 16 and local_numel("x.bias", (8,), plan, 2) == 8
+    assert local_numel("s.weight", (4,), plan, 2) == 4 and local_numel("other.weight", (4, 4), plan, 2) == 16
+    assert local_numel("c.weight", (8, 4), plan, 1) == 32
+
+
+def test_local_numel_matches_resolve_plan_entries() -> None:
+    body = gpt(layers=1)
+    plan = resolve_plan(body, 2)
+    sizes = {n: local_numel(n, tuple(p.shape), plan, 2) for n, p in body.named_parameters()}
+    assert sizes["1.attn.q_proj.weight"] == 128 and sizes["1.attn.q_proj.bias"] == 8
+    assert sizes["1.attn.out_proj.weight"] == 128 and sizes["1.attn.out_proj.bias"] == 16
+    assert sizes["0.wte.weight"] == 256 and sizes["1.ln_1.weight"] == 16
+
+
+def test_example_input_for() -> None:
+    x = example_input_for(gpt())
+    assert x is not None and x.dtype == torch.long and tuple(x.shape) == (1, 2)
+    y = example_input_for(mlp_chain((8, 16, 4)).double())
+    assert y is not None and y.dtype == torch.float64 and tuple(y.shape) == (1, 8)
+    with torch.device("meta"):
+        z = example_input_for(gpt())
+    assert z is not None and z.is_meta
+    assert example_input_for(nn.Sequential(nn.Conv1d(2, 2, 1), nn.Linear(2, 2))) is None
+    assert example_input_for(nn.Sequential(nn.Flatten(), nn.Linear(2, 2))) is None
