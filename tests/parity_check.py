@@ -7,10 +7,12 @@ from pathlib import Path
 import torch
 
 # float64: every gradient and logged value to 1e-10; float32: PyTorch pipelining's own test tolerance for
-# gradients (rtol 1e-5, atol 4e-5) and relative 1e-4 for anything after several optimizer steps.
+# gradients (elementwise rtol 1e-5, atol 4e-5) and relative 1e-4 for anything after several optimizer steps.
+# Final parameters are compared per tensor, ||got - ref|| / ||ref||: Adam divides each gradient element by
+# its own running magnitude, so an element whose gradient is almost zero moves by lr on round-off alone.
 TOL = {
-    "64": {"grad_rtol": 1e-10, "grad_atol": 1e-10, "curve": 1e-10, "param_rtol": 1e-10, "param_atol": 1e-10},
-    "32": {"grad_rtol": 1e-5, "grad_atol": 4e-5, "curve": 1e-4, "param_rtol": 1e-4, "param_atol": 1e-5},
+    "64": {"grad_rtol": 1e-10, "grad_atol": 1e-10, "curve": 1e-10, "param_rel": 1e-10},
+    "32": {"grad_rtol": 1e-5, "grad_atol": 4e-5, "curve": 1e-4, "param_rel": 1e-4},
 }
 
 
@@ -50,8 +52,9 @@ def compare(ref: dict, got: dict, precision: str) -> list[str]:
         problems.append(f"parameter keys differ: {sorted(set(ref['params']) ^ set(got['params']))}")
     for name in sorted(set(ref["params"]) & set(got["params"])):
         r, g = ref["params"][name], got["params"][name]
-        if not torch.allclose(g, r, rtol=tol["param_rtol"], atol=tol["param_atol"]):
-            problems.append(f"final parameter {name}: max abs diff {(g - r).abs().max().item():.3e}")
+        rel = ((g - r).norm() / r.norm().clamp_min(1e-12)).item() if g.shape == r.shape else float("inf")
+        if rel > tol["param_rel"]:
+            problems.append(f"final parameter {name}: relative difference {rel:.3e}")
     return problems
 
 

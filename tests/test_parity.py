@@ -16,6 +16,51 @@ from conftest import copy_inits
 from launch import run_lightning
 from parity_check import check_replicas, compare, load
 
+# Which parameters the Megatron layout shards over tp (written out here, independently of the planner):
+# column-parallel weights and biases, row-parallel weights (their biases stay whole), vocabulary-parallel
+# embeddings and the gathered LM head. Norms and row-parallel biases are replicated, counted whole.
+SHARDED = {
+    "gpt": (
+        "tok.weight",
+        "pos.weight",
+        "q_proj.",
+        "k_proj.",
+        "v_proj.",
+        "fc.",
+        "out_proj.weight",
+        "proj.weight",
+        "lm_head.",
+    ),
+    "mlp": ("body.0.", "body.4.", "body.2.weight", "body.6.weight"),
+}
+
+
+def expected_share(name: str, numel: int, model: str, tp: int) -> int:
+    return numel // tp if any(key in name for key in SHARDED[model]) else numel
+
+
+def check_shares(got: dict, ref: dict, model: str, tp: int) -> list[str]:
+    """Each rank holds exactly its share: its stage's parameters, tensor-parallel ones split tp ways."""
+    problems, owners = [], {}
+    full = {name: t.numel() for name, t in ref["params"].items()}
+    for rank in got["ranks"]:
+        dp_i, pp_i, tp_i = rank["coords"]
+        for name, numel in rank["numels"].items():
+            if name not in full:
+                problems.append(f"rank {rank['coords']} holds unknown parameter {name}")
+                continue
+            if numel != expected_share(name, full[name], model, tp):
+                problems.append(
+                    f"rank {rank['coords']}: {name} has {numel} elements, expected "
+                    f"{expected_share(name, full[name], model, tp)} of {full[name]}"
+                )
+            owners.setdefault(name, set()).add(pp_i)
+    for name in full:
+        if len(owners.get(name, ())) != 1:
+            problems.append(f"{name} is held by pipeline stages {sorted(owners.get(name, ()))}, expected exactly one")
+    return problems
+
+
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 4)]
 CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc"]
 
@@ -32,6 +77,6 @@ def test_parity_with_single_device(parity_reference, tmp_path, tp, pp, dp):
     problems = []
     for case in CASES:
         ref, got = load(parity_reference, case), load(tmp_path, case)
-        found = compare(ref, got, case[3:5]) + check_replicas(got)
+        found = compare(ref, got, case[3:5]) + check_replicas(got) + check_shares(got, ref, case[:3], tp)
         problems += [f"{case}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])

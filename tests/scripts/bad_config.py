@@ -1,0 +1,92 @@
+"""A job with one configuration error; every rank must raise the same clear error and exit, none may hang.
+
+Usage: ``python bad_config.py CASE`` (Lightning's launcher starts the ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import TinyGPT, TinyMLP, loader  # noqa: E402
+
+from lightning_3d import ThreeDStrategy  # noqa: E402
+
+
+class NoBody(TinyMLP):
+    def configure_model(self) -> None:
+        if not hasattr(self, "layers"):
+            self.layers = nn.ModuleList([nn.Linear(16, 4)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+class OutsideParameter(TinyMLP):
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+class RawParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class NoResetParameters(TinyMLP):
+    def configure_model(self) -> None:
+        if not hasattr(self, "body"):
+            self.body = nn.Sequential(RawParameter(), nn.Linear(16, 4), nn.ReLU(), nn.Linear(4, 4))
+
+
+class BodyNotCalled(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(x[:, :4], y)
+
+
+class FiveHeads(TinyGPT):
+    heads, dim = 5, 20
+
+
+# case: (module, strategy kwargs, devices, per-replica batch)
+CASES = {
+    "no_body": (NoBody, {"pp": 2}, 2, 8),
+    "outside_parameter": (OutsideParameter, {"pp": 2}, 2, 8),
+    "too_few_layers": (TinyMLP, {"pp": 5, "micro_batches": 5}, 5, 10),
+    "no_reset_parameters": (NoResetParameters, {"pp": 2}, 2, 8),
+    "batch_not_divisible": (TinyMLP, {"pp": 2, "micro_batches": 4}, 2, 6),
+    "body_not_called": (BodyNotCalled, {"pp": 2}, 2, 8),
+    "heads_not_divisible": (FiveHeads, {"tp": 2}, 2, 8),
+}
+
+
+def main() -> None:
+    module_cls, kwargs, devices, batch = CASES[sys.argv[1]]
+    torch.set_num_threads(1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=ThreeDStrategy(print_layout=False, **kwargs),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model_name = "gpt" if issubclass(module_cls, TinyGPT) else "mlp"
+    trainer.fit(module_cls(), loader(model_name, batch, n=48))
+
+
+if __name__ == "__main__":
+    main()

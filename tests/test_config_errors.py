@@ -1,0 +1,70 @@
+"""Bad configuration is refused with one clear message before any rank waits on another.
+
+Errors that depend only on the layout are raised when the Trainer is built, in the launching process,
+before any rank starts. Errors that depend on the model are raised in ``setup`` by every rank alike (no
+collective has been issued yet); those run as real multi-process jobs that must exit non-zero quickly with
+the message, leaving no rank behind (the harness kills the job's session on timeout, failing the test).
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from launch import run_lightning
+
+from lightning_3d import ThreeDStrategy
+
+
+def _trainer(devices: int, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=devices, strategy=ThreeDStrategy(**kwargs), logger=False)
+
+
+def test_tp_times_pp_must_divide_world():
+    with pytest.raises(ValueError) as err:
+        _trainer(6, tp=4, pp=1)
+    message = str(err.value)
+    assert "tp * pp = 4 * 1 = 4 does not divide the world size 6" in message
+    assert "(tp=2, pp=3, dp=1)" in message and "(tp=1, pp=1, dp=6)" in message
+
+
+def test_explicit_dp_must_match_world():
+    with pytest.raises(ValueError, match=r"dp=3 does not match the world.*dp=2"):
+        _trainer(8, tp=2, pp=2, dp=3)
+
+
+def test_micro_batches_below_pp_under_1f1b():
+    with pytest.raises(ValueError, match=r"micro_batches=2 < pp=4.*micro_batches >= 4.*gpipe"):
+        ThreeDStrategy(pp=4, micro_batches=2)
+    assert ThreeDStrategy(pp=4, micro_batches=2, schedule="gpipe").micro_batches == 2
+
+
+def test_unknown_schedule_and_stage_count():
+    with pytest.raises(ValueError, match="Unknown schedule"):
+        ThreeDStrategy(schedule="zigzag")
+    with pytest.raises(ValueError, match="stages_per_rank"):
+        ThreeDStrategy(pp=2, stages_per_rank=2, schedule="1f1b")
+
+
+def test_registered_under_short_name():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="3d", logger=False)
+    assert isinstance(trainer.strategy, ThreeDStrategy)
+
+
+SETUP_ERRORS = {
+    "no_body": "has no nn.Sequential submodule",
+    "outside_parameter": "Parameters outside the body 'body': scale",
+    "too_few_layers": "4 layers with parameters (7 entries) but 5 pipeline stages",
+    "no_reset_parameters": "body.0 (RawParameter: weight)",
+    "batch_not_divisible": "has 6 samples per data-parallel replica, which micro_batches=4 does not divide",
+    "body_not_called": "training_step returned without calling the body 'body'",
+    "heads_not_divisible": "tp values that work: 1, 5",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SETUP_ERRORS))
+def test_model_errors_stop_every_rank(case):
+    result = run_lightning("bad_config.py", [case], timeout=150, check=False)
+    assert result.returncode != 0, result.tail()
+    assert SETUP_ERRORS[case] in result.output, result.tail(40)
+    assert result.seconds < 120
