@@ -44,7 +44,7 @@ def check_shares(got: dict, ref: dict, model: str, tp: int) -> list[str]:
     problems, owners = [], {}
     full = {name: t.numel() for name, t in ref["params"].items()}
     for rank in got["ranks"]:
-        dp_i, pp_i, tp_i = rank["coords"]
+        pp_i = rank["coords"][1]
         for name, numel in rank["numels"].items():
             if name not in full:
                 problems.append(f"rank {rank['coords']} holds unknown parameter {name}")
@@ -78,5 +78,43 @@ def test_parity_with_single_device(parity_reference, tmp_path, tp, pp, dp):
     for case in CASES:
         ref, got = load(parity_reference, case), load(tmp_path, case)
         found = compare(ref, got, case[3:5]) + check_replicas(got) + check_shares(got, ref, case[:3], tp)
+        problems += [f"{case}: {p}" for p in found]
+    assert not problems, "\n".join(problems[:40])
+
+
+SCHEDULES = [("gpipe", 1, 2), ("interleaved1f1b", 2, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "stages_per_rank", "dp"), SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_other_schedules_match_single_device(parity_reference, tmp_path, schedule, stages_per_rank, dp):
+    """GPipe, and interleaved 1F1B with two stages per rank (four stages over pp=2), give the same numbers."""
+    copy_inits(parity_reference, tmp_path)
+    cases = ["mlp64", "gpt32", "mlp32acc"]
+    run_lightning(
+        "parity_run.py",
+        [
+            "--pp",
+            2,
+            "--dp",
+            dp,
+            "--schedule",
+            schedule,
+            "--stages-per-rank",
+            stages_per_rank,
+            "--micro",
+            4,
+            "--cases",
+            ",".join(cases),
+            "--out",
+            tmp_path,
+        ],
+        timeout=300,
+    )
+    problems = []
+    for case in cases:
+        found = compare(load(parity_reference, case), load(tmp_path, case), case[3:5]) + check_replicas(
+            load(tmp_path, case)
+        )
         problems += [f"{case}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])

@@ -130,7 +130,14 @@ def run_case(args: argparse.Namespace, case: str) -> None:
         strategy, devices, batch = "auto", 1, GLOBAL_BATCH
     else:
         world = args.tp * args.pp * args.dp
-        strategy = ThreeDStrategy(tp=args.tp, pp=args.pp, micro_batches=args.micro, print_layout=False)
+        strategy = ThreeDStrategy(
+            tp=args.tp,
+            pp=args.pp,
+            micro_batches=args.micro,
+            schedule=args.schedule,
+            stages_per_rank=args.stages_per_rank,
+            print_layout=False,
+        )
         devices, batch = world, GLOBAL_BATCH // args.dp
     trainer = L.Trainer(
         accelerator="cpu",
@@ -158,6 +165,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
