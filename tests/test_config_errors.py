@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
-from launch import run_lightning
 
 from lightning_3d import ThreeDStrategy
+
+from launch import run_lightning
 
 
 def _trainer(devices: int, **kwargs) -> L.Trainer:

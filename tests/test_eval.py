@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from conftest import copy_inits
 from launch import run_lightning
 

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+
 from launch import run_lightning
 
 SHARDED = ("wte.", "wpe.", "q_proj.", "k_proj.", "v_proj.", "fc.", "out_proj.weight", "proj.weight", "lm_head.")

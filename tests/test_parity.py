@@ -12,6 +12,7 @@ parameters.
 from __future__ import annotations
 
 import pytest
+
 from conftest import copy_inits
 from launch import run_lightning
 from parity_check import check_replicas, compare, load

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import TinyGPT, TinyMLP, loader  # noqa: E402
+from lightning_3d import ThreeDStrategy
 
-from lightning_3d import ThreeDStrategy  # noqa: E402
+from models import TinyGPT, TinyMLP, loader
 
 
 class NoBody(TinyMLP):

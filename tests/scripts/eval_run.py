@@ -17,9 +17,9 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import MetricMLP, OrderedData  # noqa: E402
+from lightning_3d import ThreeDStrategy
 
-from lightning_3d import ThreeDStrategy  # noqa: E402
+from models import MetricMLP, OrderedData
 
 GLOBAL_BATCH, VAL_N = 16, 44
 
@@ -85,7 +85,9 @@ def main() -> None:
     model = MetricMLP(build="configure", scheduler=False, lr=0.02)
     data = OrderedData("mlp", batch, n=GLOBAL_BATCH * 3, val_n=VAL_N)
     trainer.fit(model, datamodule=data)
-    recorder.rec["validate"] = {k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()}
+    recorder.rec["validate"] = {
+        k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()
+    }
     recorder.rec["test"] = {k: float(v) for k, v in trainer.test(model, datamodule=data, verbose=False)[0].items()}
     predictions = trainer.predict(model, datamodule=data)
     recorder.rec["predict"] = torch.cat([p.detach().cpu() for p in predictions])

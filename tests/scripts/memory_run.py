@@ -38,7 +38,11 @@ class Probe(L.Callback):
         growth = peak_rss_bytes() - self.before
         numels = {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()}
         mesh = trainer.strategy.device_mesh
-        mine = {"coords": (mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()), "growth": growth, "numels": numels}
+        mine = {
+            "coords": (mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()),
+            "growth": growth,
+            "numels": numels,
+        }
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, mine)
         if trainer.global_rank == 0:

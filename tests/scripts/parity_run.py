@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import MODELS, OrderedData
-
 from lightning_3d import ThreeDStrategy
+
+from models import MODELS, OrderedData
 
 # name: (model, precision, steps, clip, accumulate, build)
 CASES = {
