@@ -63,7 +63,7 @@ def check_shares(got: dict, ref: dict, model: str, tp: int) -> list[str]:
 
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 4, 1), (2, 2, 2), (1, 2, 4)]
-CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc"]
+CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]
 
 
 @pytest.mark.slow
