@@ -1,0 +1,420 @@
+"""Sharded, atomic, layout-independent checkpoints for ``ThreeDStrategy`` (``torch.distributed.checkpoint``).
+
+A checkpoint is a directory, named like Lightning's checkpoint files (``epoch=0-step=5.ckpt``, ``last.ckpt``)::
+
+    epoch=0-step=5.ckpt/
+        __0_0.distcp ...   DCP: each rank writes only its own shards; a tensor replicated over dp (or tp) is
+                           written once, by one of its holders
+        .metadata          DCP: global shape, dtype and file location of every chunk (written last by DCP)
+        meta.pt            rank 0: Lightning's checkpoint without its tensors (loops, callbacks, LR schedulers,
+                           hyperparameters, datamodule state) plus a ``lightning_3d`` section: format, layout,
+                           every rank's RNG state, the data layout, the model's key order
+
+DCP keys do not depend on the layout: ``state_dict.<fqn>`` for the model (pipeline stages keep the unsplit
+layer names) and ``optimizer_<i>.state.<fqn>.<name>`` / ``optimizer_<i>.param_groups.<fqn>.<hyperparameter>``
+for optimizer ``i`` (the layout of torch's ``flatten_optimizer_state_dict``). Loading at another (tp, pp, dp)
+therefore reads, on every rank, exactly the keys and shards it now holds; DCP reshards DTensors.
+
+Atomicity: every rank writes into ``.<name>.partial`` beside the target. After DCP has written ``.metadata``
+and rank 0 has written and synced ``meta.pt``, rank 0 renames the folder to ``<name>`` (an existing checkpoint
+of that name is first renamed to ``.<name>.old``, then deleted). Removal renames to ``.<name>.deleting``
+before deleting. Dot-names match none of Lightning's ``*.ckpt`` patterns, so ``ckpt_path="last"``, top-k and
+version counters only ever see complete checkpoints; a later save of the same name clears the leftovers.
+
+Export: ``python -m lightning_3d.checkpoint export CKPT_DIR OUT.pt`` writes the single-device state dict
+(one process, no process group); the :class:`LoadWeights` callback starts 3D training from such a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from .named_state import (
+    MODEL,
+    compare_keys,
+    model_state_dict,
+    optimizer_state_dict,
+    optimizer_template,
+    param_names,
+    saved_model_shapes,
+    torch_optimizer_state,
+)
+from .resume import ResumePosition, rng_state, set_rng_state, source_rank, train_batch_size
+
+__all__ = [
+    "LoadWeights",
+    "check_complete",
+    "export",
+    "load_checkpoint",
+    "load_consolidated",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "remove_checkpoint",
+    "save_checkpoint",
+]
+
+if TYPE_CHECKING:
+    from .strategy import ThreeDStrategy
+
+META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a distributed checkpoint
+DCP_METADATA = ".metadata"
+SECTION = "lightning_3d"
+FORMAT = 1
+
+
+# ------------------------------------------------------------------------------------------- paths
+def staging_path(path: Path) -> Path:
+    """Where a save of ``path`` is written before it is renamed into place."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def check_complete(path: Path) -> None:
+    """Raise unless ``path`` is a complete checkpoint folder (DCP ``.metadata`` and ``meta.pt`` present)."""
+    if not path.exists():
+        old = path.with_name(f".{path.name}.old")
+        hint = f" A complete copy was left at {old} by an interrupted save; rename it back." if old.is_dir() else ""
+        raise FileNotFoundError(f"lightning_3d: checkpoint {str(path)!r} does not exist.{hint}")
+    if not path.is_dir():
+        raise ValueError(
+            f"lightning_3d: {str(path)!r} is a file, not a ThreeDStrategy checkpoint folder. To start 3D training "
+            "from a single-device state dict (e.g. one written by `python -m lightning_3d.checkpoint export`), "
+            "pass `callbacks=[lightning_3d.checkpoint.LoadWeights(path)]` to the Trainer instead of `ckpt_path`."
+        )
+    missing = [name for name in (DCP_METADATA, META_FILE) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"lightning_3d: checkpoint folder {str(path)!r} is incomplete (no {' and no '.join(missing)}): its save "
+            "was interrupted, or it was not written by ThreeDStrategy. Resume from an earlier checkpoint."
+        )
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_meta(checkpoint: dict[str, Any], file: Path) -> None:
+    with open(file, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(staging: Path, path: Path) -> None:
+    """Rename the finished ``staging`` folder to ``path``, replacing an older checkpoint of that name."""
+    old = path.with_name(f".{path.name}.old")
+    _remove_path(old)
+    if path.exists() or path.is_symlink():
+        os.replace(path, old)
+    os.replace(staging, path)
+    _fsync_dir(path.parent)
+    _remove_path(old)
+
+
+def remove_checkpoint(strategy: ThreeDStrategy, filepath: str | os.PathLike) -> None:
+    """Delete a checkpoint (rank 0): first renamed out of sight, so a half-deleted folder is never picked."""
+    if strategy.global_rank != 0:
+        return
+    path = Path(filepath)
+    if path.is_dir() and not path.is_symlink():
+        doomed = path.with_name(f".{path.name}.deleting")
+        _remove_path(doomed)
+        os.replace(path, doomed)
+        path = doomed
+    _remove_path(path)
+
+
+# ------------------------------------------------------------------------------------------- save and load
+def _gather_to_rank0(obj: Any) -> list[Any] | None:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _layout(strategy: ThreeDStrategy) -> dict[str, Any]:
+    assert strategy.topology is not None
+    dp, pp, tp = strategy.topology.shape
+    stages = strategy.stage_plan.layer_names if strategy.stage_plan is not None else None
+    return {"dp": dp, "pp": pp, "tp": tp, "world_size": strategy.topology.world_size, "stages": stages}
+
+
+def save_checkpoint(
+    strategy: ThreeDStrategy, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
+) -> None:
+    """Write Lightning's ``checkpoint`` dict as a checkpoint folder at ``filepath`` (collective; see module doc)."""
+    if storage_options is not None:
+        raise TypeError(
+            "ThreeDStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is written "
+            "by torch.distributed.checkpoint, not by a CheckpointIO plugin."
+        )
+    path = Path(strategy.broadcast(os.fspath(filepath)))
+    staging = staging_path(path)
+    is_rank0 = strategy.global_rank == 0
+    if is_rank0:
+        _remove_path(staging)  # left by a save that was killed
+        staging.mkdir(parents=True)
+    strategy.barrier()
+    tensors: dict[str, Any] = {MODEL: checkpoint.pop("state_dict")}
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    for i, state in enumerate(optimizer_states or []):
+        tensors[f"optimizer_{i}"] = state
+    rng = _gather_to_rank0(rng_state(strategy.root_device))
+    dcp.save(tensors, checkpoint_id=staging)
+    failure: BaseException | None = None
+    if is_rank0:
+        trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
+        checkpoint[SECTION] = {
+            "format": FORMAT,
+            "layout": _layout(strategy),
+            "rng": rng,
+            "data": {
+                "dp": strategy.topology.shape[0] if strategy.topology else 1,
+                "batch_size": train_batch_size(trainer) if trainer is not None else None,
+            },
+            "keys": list(strategy.full_spec),
+        }
+        try:
+            _write_meta(checkpoint, staging / META_FILE)
+            _publish(staging, path)
+        except Exception as exc:  # tell the other ranks before raising
+            failure = exc
+    message = strategy.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise RuntimeError(f"lightning_3d: rank 0 failed to finish the checkpoint {str(path)!r}: {message}")
+
+
+def load_checkpoint(
+    strategy: ThreeDStrategy, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """Load a checkpoint folder into the set-up model and optimizers, at any layout (collective).
+
+    Every check runs before anything is modified: a checkpoint of another model raises an error naming the
+    missing, unexpected and differently shaped keys, and leaves the model and optimizers as they were.
+
+    Returns:
+        Lightning's remaining checkpoint dict (loops, callbacks, LR schedulers, ...), for Lightning to restore.
+    """
+    path = Path(strategy.broadcast(os.fspath(checkpoint_path)))
+    check_complete(path)
+    module = strategy.lightning_module
+    assert module is not None and strategy.topology is not None
+    metadata = FileSystemReader(path).read_metadata()
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+    section = meta.pop(SECTION, None) or {}
+    saved = saved_model_shapes(metadata)
+    report = compare_keys({k: spec.shape for k, spec in strategy.full_spec.items()}, saved)
+    if report.mismatched or (report and module.strict_loading):
+        raise KeyError(report.message(path))
+    if report:
+        warnings.warn(report.message(path).replace("Nothing was loaded.", "Loading the common keys."), stacklevel=2)
+    trainer = module.trainer
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers] if fitting else []
+    saved_optimizers = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")})
+    if optimizers and not saved_optimizers:
+        raise KeyError(
+            "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to "
+            "`ModelCheckpoint.save_weights_only` being set to `True`."
+        )
+    if optimizers and len(saved_optimizers) != len(optimizers):
+        raise ValueError(
+            f"lightning_3d: checkpoint {str(path)!r} holds {len(saved_optimizers)} optimizer states but "
+            f"configure_optimizers returned {len(optimizers)} optimizers. Nothing was loaded."
+        )
+    names = param_names(module)
+    model = {k: torch.empty_like(v) for k, v in module.state_dict().items() if k in saved}
+    state: dict[str, Any] = {MODEL: model}
+    for i, optimizer in enumerate(optimizers):
+        state[f"optimizer_{i}"] = optimizer_template(names, optimizer, f"optimizer_{i}", metadata)
+    dcp.load(state, checkpoint_id=path)
+    # ---- every check passed and everything was read: only now is the live state changed
+    targets = module.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key, loaded in model.items():
+            _local(targets[key]).copy_(_local(loaded))
+    for i, optimizer in enumerate(optimizers):
+        optimizer.load_state_dict(torch_optimizer_state(names, optimizer, state[f"optimizer_{i}"]))
+    _restore_rank_state(strategy, trainer, section, fitting)
+    return meta
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _restore_rank_state(strategy: ThreeDStrategy, trainer: pl.Trainer, section: dict[str, Any], fitting: bool) -> None:
+    """RNG state (and, when fitting, the data position) for this rank; see ``resume.py``."""
+    assert strategy.topology is not None
+    layout, rngs = section.get("layout"), section.get("rng")
+    dp, pp, tp = strategy.topology.shape
+    rng = None
+    if layout is not None and rngs:
+        rng = rngs[source_rank(layout, strategy.topology, strategy.global_rank)]
+        if (layout["dp"], layout["pp"], layout["tp"]) != (dp, pp, tp) and strategy.global_rank == 0:
+            rank_zero_info(
+                f"lightning_3d: resharded a checkpoint saved at (tp={layout['tp']}, pp={layout['pp']}, "
+                f"dp={layout['dp']}) into (tp={tp}, pp={pp}, dp={dp})."
+            )
+    if not fitting:
+        if rng is not None:
+            set_rng_state(rng, strategy.root_device)
+        return
+    trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ResumePosition)]
+    trainer.callbacks.append(ResumePosition(rng, section.get("data", {}), dp, strategy.root_device))
+
+
+# ------------------------------------------------------------------------------------------- export / import
+def load_consolidated(checkpoint_dir: str | os.PathLike) -> dict[str, Tensor]:
+    """The whole model from a checkpoint folder, in one process (no process group needed).
+
+    Returns:
+        The single-device state dict (CPU tensors, keys and order as the plain module's ``state_dict()``).
+    """
+    path = Path(checkpoint_dir)
+    check_complete(path)
+    metadata = FileSystemReader(path).read_metadata()
+    template: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL + "."):
+            shape = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+            dtype = entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else None
+            template[key[len(MODEL) + 1 :]] = torch.empty(shape, dtype=dtype) if shape is not None else None
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*load in a single process")
+        dcp.load({MODEL: template}, checkpoint_id=path, no_dist=True)
+    try:
+        order = torch.load(path / META_FILE, map_location="cpu", weights_only=True).get(SECTION, {}).get("keys", [])
+    except Exception:  # meta.pt with objects that weights_only refuses: keep DCP's order
+        order = []
+    ordered = {k: template[k] for k in order if k in template}
+    ordered.update({k: v for k, v in template.items() if k not in ordered})
+    return ordered
+
+
+def export(checkpoint_dir: str | os.PathLike, out: str | os.PathLike) -> dict[str, Tensor]:
+    """Write the single-device state dict of a checkpoint folder to ``out`` (``torch.save``) and return it.
+
+    Example:
+        >>> sd = export("checkpoints/last.ckpt", "model.pt")  # doctest: +SKIP
+        >>> MyModule().load_state_dict(torch.load("model.pt"))  # doctest: +SKIP
+    """
+    state_dict = load_consolidated(checkpoint_dir)
+    torch.save(state_dict, out)
+    return state_dict
+
+
+class LoadWeights(pl.Callback):
+    """Start training (or evaluation) from a single-device state dict file, e.g. one written by :func:`export`.
+
+    Loads once per callback instance, at the start of the first ``fit`` / ``validate`` / ``test`` /
+    ``predict``: after ``ThreeDStrategy`` has split and sharded the model and before a ``ckpt_path`` is
+    restored (a resumed checkpoint wins); each rank copies only its own slices. Works with any strategy
+    (others get ``load_state_dict``). A Lightning checkpoint file (``{"state_dict": ...}``) works too.
+
+    Args:
+        path: the ``torch.save`` file.
+        strict: refuse missing or unexpected keys.
+
+    Example:
+        >>> Trainer(strategy=ThreeDStrategy(pp=2), callbacks=[LoadWeights("model.pt")])  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike, strict: bool = True) -> None:
+        self.path, self.strict = Path(path), strict
+        self._loaded = False
+
+    def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        state_dict = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        if isinstance(state_dict.get("state_dict"), Mapping):
+            state_dict = state_dict["state_dict"]
+        load_full = getattr(trainer.strategy, "load_full_state_dict", None)
+        if callable(load_full):
+            load_full(state_dict, strict=self.strict)
+        else:
+            pl_module.load_state_dict(state_dict, strict=self.strict)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module)
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_3d.checkpoint {export,info} ...``"""
+    parser = argparse.ArgumentParser(prog="python -m lightning_3d.checkpoint", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_export = sub.add_parser("export", help="write the single-device state dict of a checkpoint folder")
+    p_export.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints/last.ckpt)")
+    p_export.add_argument("out", help="output file (torch.save)")
+    p_info = sub.add_parser("info", help="print the layout, progress and keys of a checkpoint folder")
+    p_info.add_argument("checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            state_dict = export(args.checkpoint, args.out)
+            numel = sum(t.numel() for t in state_dict.values() if isinstance(t, Tensor))
+            print(f"wrote {args.out}: {len(state_dict)} tensors, {numel:,} elements")
+        else:
+            path = Path(args.checkpoint)
+            check_complete(path)
+            meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+            shapes = saved_model_shapes(FileSystemReader(path).read_metadata())
+            layout = meta.get(SECTION, {}).get("layout", {})
+            print(f"{path}: epoch {meta.get('epoch')}, global step {meta.get('global_step')}, layout {layout}")
+            for key, shape in shapes.items():
+                print(f"  {key}: {shape}")
+    except (FileNotFoundError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Layout-independent state: one rank's model and optimizer keyed by parameter name, and key checks.
+
+Pipeline stages keep the unsplit layer names (``body.7.attn.q_proj.weight``), so a rank's shard of the model
+is simply its ``state_dict()``, DTensors included. The optimizer is keyed the same way, in the flattened
+layout of torch's ``flatten_optimizer_state_dict``: ``state.<fqn>.<name>`` (``exp_avg`` ...) and
+``param_groups.<fqn>.<hyperparameter>`` (``lr`` ...), so that any layout finds the entries of the parameters
+it holds. Loading goes the other way: empty tensors shaped like the rank's parameters (DTensors with the
+same placements, so DCP reads just the local shard) are filled by DCP and handed to
+``optimizer.load_state_dict`` in torch's own format.
+
+Optimizer states must be shaped like their parameter (Adam, SGD momentum, ...) or be replicated values such
+as Adam's scalar ``step``; factored states (e.g. Adafactor's row/column statistics) are not resharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+MODEL = "state_dict"  # DCP key prefix of the model; ``optimizer_<i>`` for optimizer i
+
+
+def model_state_dict(module: nn.Module) -> dict[str, Any]:
+    """This rank's shard of the model: its stages' tensors under their unsplit names (DTensors as they are)."""
+    return module.state_dict()
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """Each parameter's name in ``module`` (the unsplit model's name), by object identity."""
+    return {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _name_of(names: Mapping[int, str], param: Tensor) -> str:
+    try:
+        return names[id(param)]
+    except KeyError:
+        raise RuntimeError(
+            f"lightning_3d: the optimizer holds a parameter of shape {tuple(param.shape)} that is not a parameter "
+            "of the LightningModule; only the module's own parameters can be checkpointed."
+        ) from None
+
+
+def optimizer_state_dict(module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """This rank's optimizer state keyed by parameter name (torch's flattened layout).
+
+    Unlike ``get_optimizer_state_dict``, an optimizer that never stepped is saved as it is (hyperparameters
+    only) instead of being initialised with a zero-gradient step, which would change the run being saved.
+    """
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+    names = param_names(module)
+    flat: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for param in group["params"]:
+            fqn = _name_of(names, param)
+            flat.update({f"param_groups.{fqn}.{k}": v for k, v in hyper.items()})
+            flat.update({f"state.{fqn}.{k}": v for k, v in optimizer.state.get(param, {}).items()})
+    return flat
+
+
+def optimizer_template(names: Mapping[int, str], optimizer: Any, prefix: str, metadata: Metadata) -> dict[str, Any]:
+    """Empty tensors (like the parameter, or as saved) for every saved key of this rank's parameters."""
+    saved: dict[str, dict[str, Any]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith(prefix + "."):
+            owner, _, name = key[len(prefix) + 1 :].rpartition(".")
+            saved.setdefault(owner, {})[name] = entry
+    template: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            fqn = _name_of(names, param)
+            template.update({f"param_groups.{fqn}.{k}": None for k in saved.get(f"param_groups.{fqn}", {})})
+            for name, entry in saved.get(f"state.{fqn}", {}).items():
+                key = f"state.{fqn}.{name}"
+                if not isinstance(entry, TensorStorageMetadata):
+                    template[key] = None
+                elif tuple(entry.size) == tuple(param.shape) and param.dim() > 0:
+                    template[key] = torch.empty_like(param, dtype=entry.properties.dtype)
+                else:
+                    template[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    return template
+
+
+def torch_optimizer_state(names: Mapping[int, str], optimizer: Any, flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The flattened state of this rank's parameters in ``optimizer.load_state_dict`` form."""
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group in optimizer.param_groups:
+        new = {k: v for k, v in group.items() if k != "params"}
+        ids = []
+        for position, param in enumerate(group["params"]):
+            fqn = _name_of(names, param)
+            if position == 0:  # a group's hyperparameters are those saved for its first parameter
+                new.update({k: flat[f"param_groups.{fqn}.{k}"] for k in new if f"param_groups.{fqn}.{k}" in flat})
+            head = f"state.{fqn}."
+            entries = {key[len(head) :]: value for key, value in flat.items() if key.startswith(head)}
+            if entries:
+                state[index] = entries
+            ids.append(index)
+            index += 1
+        new["params"] = ids
+        groups.append(new)
+    return {"state": state, "param_groups": groups}
+
+
+# ------------------------------------------------------------------------------------------- key checks
+@dataclass
+class KeyReport:
+    """How a checkpoint's model keys compare with the model's."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.mismatched)
+
+    def message(self, path: Path | str) -> str:
+        def show(keys: list[str]) -> str:
+            return ", ".join(keys[:12]) + (f" ... ({len(keys)} in all)" if len(keys) > 12 else "") or "none"
+
+        return (
+            f"lightning_3d: checkpoint {str(path)!r} does not match the model. Missing keys (in the model, not in "
+            f"the checkpoint): {show(self.missing)}. Unexpected keys (in the checkpoint, not in the model): "
+            f"{show(self.unexpected)}. Shape mismatches: {show(self.mismatched)}. Nothing was loaded."
+        )
+
+
+def saved_model_shapes(metadata: Metadata) -> dict[str, tuple[int, ...] | None]:
+    """Model keys of a checkpoint with their global shapes (``None`` for non-tensor entries)."""
+    head = MODEL + "."
+    return {
+        key[len(head) :]: tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(head)
+    }
+
+
+def compare_keys(expected: Mapping[str, tuple[int, ...]], saved: Mapping[str, tuple[int, ...] | None]) -> KeyReport:
+    """Missing, unexpected and differently shaped keys of ``saved`` against the full model's ``expected``."""
+    return KeyReport(
+        missing=sorted(k for k in expected if k not in saved),
+        unexpected=sorted(k for k in saved if k not in expected),
+        mismatched=[
+            f"{k}: checkpoint {saved[k]}, model {tuple(shape)}"
+            for k, shape in expected.items()
+            if k in saved and saved[k] is not None and tuple(saved[k] or ()) != tuple(shape)
+        ],
+    )

@@ -1,0 +1,199 @@
+"""Exact resume: every rank's random-number state and the position in the training data.
+
+A checkpoint (see ``checkpoint.py``) holds the weights, the optimizer and Lightning's loop counters; this
+module holds the rest of what "continue exactly" needs:
+
+* **RNG states** of every rank (torch CPU, CUDA, python ``random``, numpy), saved as tensors and plain types
+  so that ``torch.load(weights_only=True)`` reads them. At the same layout rank ``r`` gets back its own
+  state; at another layout a rank takes the state of the saved rank with the same (dp, pp, tp)
+  coordinates modulo the saved degrees, so tensor-parallel peers still share their state.
+* **Data position.** With a plain ``DataLoader``, Lightning restarts an interrupted epoch from its first
+  batch (and warns that the loader is not resumable). :class:`ResumePosition` instead sets the sampler's
+  epoch, restarts the loader's iterator and skips the batches the epoch had already consumed, then puts
+  the RNG states back, right before the first training batch, so that a resumed run consumes random
+  numbers in exactly the order the uninterrupted run did.
+
+When the data-parallel degree changes, the skip is exact if the global batch (dp x per-replica batch) is
+unchanged and the sampler deals samples round-robin over replicas (``DistributedSampler``): the replicas
+together then consumed the first ``steps x global batch`` samples of the epoch's order, whatever dp is.
+Otherwise the position is rounded down to whole new global batches, with a warning.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+if TYPE_CHECKING:
+    from .topology import Topology
+
+_LIGHTNING_RESUME_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
+
+
+# ------------------------------------------------------------------------------------------- RNG states
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's random-number states, as tensors and plain Python types."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)),
+    }
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore states written by :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if device is not None and device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def source_rank(saved: dict[str, int], topology: Topology, rank: int) -> int:
+    """The saved rank whose RNG state ``rank`` takes: itself at the same layout, else by coordinates."""
+    dp, pp, tp = topology.shape
+    if (saved["dp"], saved["pp"], saved["tp"]) == (dp, pp, tp):
+        return rank
+    c = topology.coordinates(rank)
+    d, p, t = c["dp"] % saved["dp"], c["pp"] % saved["pp"], c["tp"] % saved["tp"]
+    return (d * saved["pp"] + p) * saved["tp"] + t
+
+
+# ------------------------------------------------------------------------------------------- data position
+def train_batch_size(trainer: pl.Trainer) -> int | None:
+    """The per-replica training batch size, when the training loader declares one."""
+    loader = trainer.fit_loop._combined_loader
+    if loader is None:
+        return None
+    sizes = set()
+    for dl in loader.flattened:
+        size = getattr(dl, "batch_size", None)
+        if size is None:
+            size = getattr(getattr(dl, "batch_sampler", None), "batch_size", None)
+        sizes.add(size)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _consumed_batches(trainer: pl.Trainer) -> int:
+    """Batches of the current epoch the checkpointed run had finished, counted as Lightning counts them."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.batch_progress.current
+    return progress.completed + (1 if epoch_loop.restarted_on_train_batch_end else 0)
+
+
+def _skip_for_layout(k: int, saved: dict[str, Any], dp: int, batch: int | None) -> tuple[int, str | None]:
+    """Batches to skip under the new layout and, if the position is not exact, why."""
+    old_dp, old_batch = int(saved.get("dp", dp)), saved.get("batch_size")
+    if old_dp == dp and (old_batch is None or batch is None or old_batch == batch):
+        return k, None
+    if old_batch is None or batch is None:
+        return k, (
+            f"the checkpoint was written with dp={old_dp} and this run has dp={dp}, but the per-replica batch size "
+            f"is unknown, so {k} batches per replica are skipped as saved"
+        )
+    old_global, new_global = old_dp * old_batch, dp * batch
+    if old_global == new_global:
+        rank_zero_info(
+            f"lightning_3d: dp changed from {old_dp} to {dp} with the same global batch ({new_global}): each replica "
+            f"skips {k} batches, which resumes at the same sample of the epoch (exact for samplers that deal "
+            "samples round-robin over replicas, as DistributedSampler does)."
+        )
+        return k, None
+    samples = k * old_global
+    new_k = samples // new_global
+    return new_k, (
+        f"the global batch changed from {old_global} (dp={old_dp} x {old_batch}) to {new_global} (dp={dp} x "
+        f"{batch}): the epoch had consumed {samples} samples, so {new_k} new batches ({new_k * new_global} samples) "
+        f"are skipped and {samples - new_k * new_global} samples are seen again"
+    )
+
+
+class ResumePosition(pl.Callback):
+    """Put the data position and the RNG states back right before the first resumed training batch.
+
+    Attached by ``ThreeDStrategy.load_checkpoint``; acts once, in ``on_train_start`` (after Lightning built
+    the training loader and before it sets the sampler's epoch and fetches the first batch).
+
+    Args:
+        rng: the RNG state this rank restores, or ``None``.
+        data: what the checkpoint recorded about the data (``dp``, per-replica ``batch_size``).
+        dp: this run's data-parallel degree.
+        device: this rank's device (for CUDA RNG).
+    """
+
+    def __init__(self, rng: dict[str, Any] | None, data: dict[str, Any], dp: int, device: torch.device) -> None:
+        self.rng, self.data, self.dp, self.device = rng, data, dp, device
+        self.done = False
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.done:
+            return
+        self.done = True
+        fit_loop = trainer.fit_loop
+        fetcher = fit_loop._data_fetcher
+        combined = fit_loop._combined_loader
+        if fetcher is None or combined is None:
+            self._restore_rng()
+            return
+        from lightning.fabric.utilities.data import _set_sampler_epoch
+        from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
+
+        mid_epoch = fit_loop.restarted_mid_epoch
+        k = _consumed_batches(trainer) if mid_epoch else 0
+        if k >= trainer.num_training_batches:
+            k = 0
+        if k and all(hasattr(dl, "load_state_dict") for dl in combined.flattened):
+            k = 0  # a resumable loader restored its own position (Lightning's ``combined_loader`` state)
+        if type(fetcher) is not _PrefetchDataFetcher:
+            if k:
+                warnings.warn(
+                    f"lightning_3d: cannot restore the data position with a {type(fetcher).__name__}; Lightning "
+                    "replays the interrupted epoch from its first batch.",
+                    stacklevel=1,
+                )
+            self._restore_rng()
+            return
+        if k and fetcher.length is None:
+            warnings.warn(
+                "lightning_3d: cannot restore the data position in a training loader without a length; Lightning "
+                "replays the interrupted epoch from its first batch.",
+                stacklevel=1,
+            )
+            k = 0
+        skip, problem = _skip_for_layout(k, self.data, self.dp, train_batch_size(trainer)) if k else (0, None)
+        if problem:
+            warnings.warn(f"lightning_3d: the data position is approximate: {problem}.", stacklevel=1)
+        epoch = fit_loop.epoch_progress.current.processed
+        for dl in combined.flattened:
+            _set_sampler_epoch(dl, epoch)
+        if k:
+            # The uninterrupted run created this epoch's iterator before the saved RNG state; do the same.
+            iter(fetcher)
+            assert fetcher.iterator is not None
+            for _ in range(skip):
+                next(fetcher.iterator)
+            self._restore_rng()
+            warnings.filterwarnings("ignore", message=_LIGHTNING_RESUME_WARNING)
+            rank_zero_info(
+                f"lightning_3d: resumed epoch {epoch} after its first {skip} batches (data position restored)."
+            )
+        else:
+            # At an epoch boundary the uninterrupted run created the next epoch's iterator after the save.
+            self._restore_rng()
+            iter(fetcher)
+
+    def _restore_rng(self) -> None:
+        if self.rng is not None:
+            set_rng_state(self.rng, self.device)

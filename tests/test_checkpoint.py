@@ -1,0 +1,333 @@
+"""Checkpoints under ThreeDStrategy: sharded save, exact resume, resharding, export / import, safety.
+
+Multi-process checks go through ``launch.run_lightning`` (hard time limits) and share launches:
+
+* one pp2 x dp2 launch (``ckpt_resume.py``): reference runs, bitwise resume from an end-of-epoch and a mid-epoch
+  checkpoint, ModelCheckpoint top-k / save_last / removal, another model's checkpoint;
+* reshard loads of its step-5 checkpoint at (tp1, pp4, dp1), (tp2, pp1, dp1) and one process, each also
+  checking import (``LoadWeights``), and the one-process launch plain single-device Lightning;
+* a kill launch and a resume launch (``ckpt_kill.py``);
+* opt-in (``LIGHTNING_3D_TP_MATRIX=1``): the (tp2, pp2, dp2) save, bitwise resume and reshard matrix (tp1 pp4
+  dp2, tp4 pp1 dp2, tp2 pp1 dp1, one process): 8-process launches, several minutes on 2 cores.
+
+The rest runs in this process: key checks, folder completeness, the atomic rename, Lightning's ``last``
+pattern, the optimizer-state layout against torch's, the data-position arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_3d import checkpoint as ckpt
+from lightning_3d.named_state import compare_keys, optimizer_state_dict, torch_optimizer_state
+from lightning_3d.resume import _skip_for_layout, source_rank
+from lightning_3d.topology import Topology
+
+from launch import base_env, run_lightning
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+STEPS = 10
+REL = 1e-4  # float32, after several optimizer steps
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ (bitwise), plus keys present on one side only."""
+    diff = sorted(set(a) ^ set(b))
+    return diff + [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
+
+
+def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in b)
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def _launch(out: Path, tp: int, pp: int, dp: int, timeout: float) -> dict:
+    run_lightning("ckpt_resume.py", ["--tp", tp, "--pp", pp, "--dp", dp, "--out", out], timeout=timeout)
+    return _load(out / "resume.pt")
+
+
+def _check_resume(rec: dict) -> None:
+    straight = rec["straight"]
+    assert len(straight["losses"]) == STEPS
+    # Saving after every step changes nothing in the run being saved.
+    assert rec["saving"]["losses"] == straight["losses"]
+    assert not _equal(rec["saving"]["snap_end"]["params"], straight["snap_end"]["params"])
+    # 10 steps == N steps + save + resume + (10 - N) steps, bitwise: losses, parameters, Adam states.
+    for name, start in (("from4", 4), ("from5", 5)):
+        resumed = rec[name]
+        assert resumed["steps"] == list(range(start + 1, STEPS + 1)), name
+        assert resumed["losses"] == straight["losses"][start:], name
+        assert not _equal(resumed["snap_end"]["params"], straight["snap_end"]["params"]), name
+        assert not _equal(resumed["snap_end"]["opt"], straight["snap_end"]["opt"]), name
+
+
+def _check_reshard(rec: dict, ref: dict, export: dict[str, torch.Tensor] | None) -> None:
+    """Full parameters and optimizer states equal right after loading; the continuation within float32."""
+    resumed = rec["resume"]
+    at5 = ref["snap_5"]
+    assert not _equal(resumed["snap_start"]["params"], at5["params"])
+    assert len(at5["opt"]) == 3 * len(at5["params"])  # step, exp_avg, exp_avg_sq per parameter
+    assert not _equal(resumed["snap_start"]["opt"], at5["opt"])
+    assert resumed["steps"] == list(range(6, STEPS + 1))
+    for got, want in zip(resumed["losses"], ref["losses"][5:]):
+        assert abs(got - want) <= REL * abs(want), (resumed["losses"], ref["losses"][5:])
+    assert _max_rel(resumed["snap_end"]["params"], ref["snap_end"]["params"]) <= REL
+    if export is not None and "imported" in rec:
+        assert not _equal(rec["imported"], export)  # 3D training starts from the exported weights
+
+
+def _reshard(out: Path, tp: int, pp: int, dp: int, extra: list, timeout: float) -> dict:
+    args = ["--tp", tp, "--pp", pp, "--dp", dp, "--ckpt", out / "all" / "step=5.ckpt", "--out", out, *extra]
+    run_lightning("ckpt_reshard.py", args, timeout=timeout)
+    return _load(out / f"reshard-tp{tp}-pp{pp}-dp{dp}.pt")
+
+
+# --------------------------------------------------------------------------------------------- pp2 x dp2
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pp2 x dp2 launch of ``ckpt_resume.py``, and the step-5 checkpoint exported by the CLI."""
+    out = tmp_path_factory.mktemp("ckpt")
+    _launch(out, 1, 2, 2, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(saved: Path) -> Path:
+    """``python -m lightning_3d.checkpoint export`` of the step-5 checkpoint (one process, no process group)."""
+    target = saved / "step5.pt"
+    cmd = [sys.executable, "-m", "lightning_3d.checkpoint", "export", str(saved / "all" / "step=5.ckpt"), str(target)]
+    done = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout and "RuntimeWarning" not in done.stderr, done.stderr
+    return target
+
+
+@pytest.mark.slow
+def test_resume_is_bitwise_pp2_dp2(saved: Path) -> None:
+    _check_resume(_load(saved / "resume.pt"))
+
+
+@pytest.mark.slow
+def test_model_checkpoint_top_k_last_and_removal(saved: Path) -> None:
+    top = _load(saved / "resume.pt")["top"]
+    # monitor="train_loss", save_top_k=2, save_last=True, saving every step: exactly the two best survive
+    assert len(top["best_k"]) == 2
+    assert sorted(Path(p).name for p in top["best_k"]) == sorted(n for n in top["listing"] if n != "last.ckpt")
+    assert top["listing"] == sorted(top["listing"]) and "last.ckpt" in top["listing"]
+    assert not [n for n in top["listing"] if n.startswith(".")]  # no staging / deleting leftovers
+    assert top["best"] == min(top["best_k"], key=top["best_k"].get)
+    for name in top["listing"]:  # every survivor is a complete checkpoint folder
+        ckpt.check_complete(saved / "top" / name)
+    last = torch.load(saved / "top" / "last.ckpt" / ckpt.META_FILE, weights_only=False)
+    assert last["global_step"] == STEPS
+
+
+@pytest.mark.slow
+def test_other_model_names_keys_and_changes_nothing(saved: Path) -> None:
+    wrong = _load(saved / "resume.pt")["wrong"]
+    assert wrong["error"] and wrong["error"].startswith("KeyError")
+    message = wrong["error"]
+    for key in ("body.3.weight", "body.5.weight"):  # in the model, not in the checkpoint
+        assert key in message.split("Unexpected")[0]
+    for key in ("body.4.weight", "body.6.weight"):  # in the checkpoint, not in the model
+        assert key in message.split("Unexpected")[1]
+    assert "Nothing was loaded" in message
+    assert wrong["unchanged_all_ranks"] == [True] * 4
+    assert wrong["optimizer_untouched"]
+
+
+@pytest.mark.slow
+def test_export_loads_into_the_single_device_module(saved: Path, exported: Path) -> None:
+    from models import TinyMLP
+
+    state = torch.load(exported, weights_only=True)
+    model = TinyMLP(build="init")
+    result = model.load_state_dict(state)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert list(state) == list(model.state_dict())  # the plain module's keys, in its order
+    assert not _equal(dict(model.named_parameters()), _load(saved / "resume.pt")["clean"]["snap_5"]["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp", "weights", "plain"),
+    [(1, 4, 1, True, False), (2, 1, 1, False, False), (1, 1, 1, True, True)],
+    ids=["tp1-pp4-dp1", "tp2-pp1-dp1", "one-process"],
+)
+def test_reshard_from_pp2_dp2(
+    saved: Path, exported: Path, tp: int, pp: int, dp: int, weights: bool, plain: bool
+) -> None:
+    extra = (["--weights", exported] if weights else []) + (["--plain"] if plain else [])
+    rec = _reshard(saved, tp, pp, dp, extra, timeout=240)
+    export = torch.load(exported, weights_only=True)
+    _check_reshard(rec, _load(saved / "resume.pt")["clean"], export)
+    assert ("imported" in rec) == weights
+    if plain:  # plain single-device Lightning: LoadWeights and load_state_dict of the export
+        assert not _equal(rec["plain_imported"], export)
+        assert rec["plain"]["missing"] == [] and rec["plain"]["unexpected"] == []
+        assert not _equal(rec["plain"]["params"], export)
+        got, want = rec["validate"]  # trainer.validate(ckpt_path=...) restores the weights only
+        assert abs(got - want) <= 1e-6 * abs(want)
+
+
+@pytest.mark.slow
+def test_killed_save_is_never_resumed(tmp_path: Path) -> None:
+    job = run_lightning("ckpt_kill.py", ["--phase", "kill", "--out", tmp_path], timeout=240, check=False)
+    assert job.returncode != 0 and "KILLING rank 0" in job.output, job.tail()
+    folder = tmp_path / "kill"
+    partial = folder / ".last.ckpt.partial"
+    # DCP finished (.metadata written) but the checkpoint was not: never named last.ckpt
+    assert (partial / ckpt.DCP_METADATA).is_file() and not (partial / ckpt.META_FILE).exists()
+    with pytest.raises(ValueError, match="incomplete"):
+        ckpt.check_complete(partial)
+    ckpt.check_complete(folder / "last.ckpt")
+    assert torch.load(folder / "last.ckpt" / ckpt.META_FILE, weights_only=False)["global_step"] == 2
+
+    run_lightning("ckpt_kill.py", ["--phase", "resume", "--out", tmp_path], timeout=240)
+    rec = _load(tmp_path / "kill.pt")
+    assert Path(rec["picked"]).name == "last.ckpt"
+    assert rec["resumed"]["steps"] == [3, 4, 5, 6]
+    assert rec["resumed"]["losses"] == rec["straight"]["losses"][2:]
+    assert not _equal(rec["resumed"]["snap_end"]["params"], rec["straight"]["snap_end"]["params"])
+    assert ".last.ckpt.partial" in rec["before"]
+    assert not [n for n in rec["after"] if n.startswith(".")]  # the next save of last.ckpt cleared it
+
+
+# --------------------------------------------------------------------------------------------- tp2 x pp2 x dp2
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("LIGHTNING_3D_TP_MATRIX") != "1", reason="8-process launches: set LIGHTNING_3D_TP_MATRIX=1"
+)
+def test_tp2_pp2_dp2_resume_and_reshard_matrix(tmp_path: Path) -> None:
+    """Save at (tp2, pp2, dp2), resume bitwise there, load at (tp1, pp4, dp2), (tp4, pp1, dp2), (tp2, pp1, dp1)
+    and in one process (several minutes on 2 cores)."""
+    rec = _launch(tmp_path, 2, 2, 2, timeout=900)
+    _check_resume(rec)
+    ref = rec["clean"]
+    export = tmp_path / "step5.pt"
+    ckpt.export(tmp_path / "all" / "step=5.ckpt", export)
+    weights = torch.load(export, weights_only=True)
+    assert not _equal(weights, ref["snap_5"]["params"])
+    for tp, pp, dp, extra in [
+        (1, 4, 2, []),
+        (4, 1, 2, []),
+        (2, 1, 1, ["--weights", export]),
+        (1, 1, 1, ["--weights", export, "--plain"]),
+    ]:
+        _check_reshard(_reshard(tmp_path, tp, pp, dp, extra, timeout=900), ref, weights)
+
+
+# --------------------------------------------------------------------------------------------- in-process
+def test_incomplete_or_missing_folders_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ckpt.check_complete(tmp_path / "nope.ckpt")
+    folder = tmp_path / "half.ckpt"
+    folder.mkdir()
+    (folder / ckpt.DCP_METADATA).write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"incomplete \(no meta.pt\)"):
+        ckpt.check_complete(folder)
+    (tmp_path / "file.ckpt").write_bytes(b"x")
+    with pytest.raises(ValueError, match="LoadWeights"):
+        ckpt.check_complete(tmp_path / "file.ckpt")
+
+
+def test_staging_and_trash_names_are_invisible_to_model_checkpoint(tmp_path: Path) -> None:
+    """``ckpt_path="last"`` considers ``last*.ckpt`` only: no staging, trash or deleting folder matches."""
+    for name in ("last.ckpt", ".last.ckpt.partial", ".last.ckpt.old", ".last-v1.ckpt.deleting", "step=3.ckpt"):
+        (tmp_path / name).mkdir()
+    mc = ModelCheckpoint(dirpath=tmp_path)
+    found = mc._find_last_checkpoints(trainer=None)  # dirpath is set, so the trainer is not consulted
+    assert {Path(p).name for p in found} == {"last.ckpt"}
+    assert ckpt.staging_path(tmp_path / "last.ckpt").name == ".last.ckpt.partial"
+
+
+def test_publish_replaces_atomically_and_remove_hides_first(tmp_path: Path) -> None:
+    target = tmp_path / "last.ckpt"
+    for version in ("old", "new"):
+        staging = ckpt.staging_path(target)
+        staging.mkdir()
+        (staging / "version").write_text(version)
+        ckpt._publish(staging, target)
+        assert (target / "version").read_text() == version
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    link = tmp_path / "link.ckpt"
+    link.symlink_to(target.name)
+
+    class Rank0:
+        global_rank = 0
+
+    ckpt.remove_checkpoint(Rank0(), link)  # a save_last="link" symlink: the link goes, the target stays
+    assert not link.exists() and target.is_dir()
+    ckpt.remove_checkpoint(Rank0(), target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_keys_names_everything() -> None:
+    report = compare_keys({"a": (2,), "b": (3,), "c": (4,)}, {"a": (2,), "c": (5,), "d": (1,)})
+    assert report.missing == ["b"] and report.unexpected == ["d"]
+    assert report.mismatched == ["c: checkpoint (5,), model (4,)"]
+    message = report.message("x.ckpt")
+    assert re.search(r"Missing keys .*: b\. Unexpected keys .*: d\. Shape mismatches: c: ", message)
+    assert not compare_keys({"a": (2,)}, {"a": (2,)})
+
+
+def test_optimizer_state_matches_torch_flattened_layout_and_round_trips() -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.1}], lr=0.01)
+    assert optimizer_state_dict(model, opt).keys() == {
+        f"param_groups.{n}.{k}"
+        for g in opt.param_groups
+        for n, p in model.named_parameters()
+        if any(p is q for q in g["params"])
+        for k in g
+        if k != "params"
+    }  # an optimizer that never stepped: hyperparameters only, no fake initialising step
+    assert not opt.state
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    ours = optimizer_state_dict(model, opt)
+    theirs = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    assert ours.keys() == theirs.keys()
+    rebuilt = torch_optimizer_state({id(p): n for n, p in model.named_parameters()}, opt, ours)
+    original = opt.state_dict()
+    assert rebuilt["param_groups"] == original["param_groups"]
+    for index, state in original["state"].items():
+        assert rebuilt["state"][index].keys() == state.keys()
+        assert all(torch.equal(rebuilt["state"][index][k], v) for k, v in state.items())
+
+
+def test_data_position_across_data_parallel_degrees() -> None:
+    # same layout, or the same global batch at another dp: skip the saved number of batches, exactly
+    assert _skip_for_layout(3, {"dp": 2, "batch_size": 8}, 2, 8) == (3, None)
+    assert _skip_for_layout(3, {"dp": 2, "batch_size": 8}, 1, 16) == (3, None)
+    assert _skip_for_layout(3, {"dp": 2, "batch_size": 8}, 4, 4) == (3, None)
+    # another global batch: rounded down to whole new batches, and said so
+    skip, problem = _skip_for_layout(3, {"dp": 2, "batch_size": 8}, 1, 32)
+    assert skip == 1 and "48 samples" in problem and "16 samples are seen again" in problem
+
+
+def test_rng_source_rank_follows_coordinates() -> None:
+    saved = {"dp": 2, "pp": 2, "tp": 2}
+    same = Topology(8, tp=2, pp=2)
+    assert [source_rank(saved, same, r) for r in range(8)] == list(range(8))
+    # tp2 -> tp4: tensor-parallel peers take states of saved tp ranks (which were identical)
+    wider = Topology(8, tp=4, pp=1)
+    assert [source_rank(saved, wider, r) for r in range(8)] == [0, 1, 0, 1, 4, 5, 4, 5]
+    assert source_rank(saved, Topology(1), 0) == 0
