@@ -176,7 +176,9 @@ class StepAdapter:
 
         def stub(*args: Any, **kwargs: Any) -> Any:
             called.append(True)
-            return output
+            # A copy if the output is a view: the user's loss code may modify it in place (logits /= t), which on
+            # a view would bypass the data-parallel wrapper's backward hook.
+            return output.clone() if isinstance(output, torch.Tensor) and output._base is not None else output
 
         with body_replaced(self.body, stub), self._recorder.recording(length):
             result = self._step_fn(micro_batch, *self._step_args)
