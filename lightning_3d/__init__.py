@@ -9,16 +9,22 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .materialize import LoadReport, load_full_state_dict
 from .partition import ParameterPartitioner, Partitioner, UniformPartitioner
+from .reliability import ConsistencyError, DPConsistencyCheck, DPDivergenceError, NonFiniteError, diagnose_barrier
 from .strategy import ThreeDStrategy
 from .topology import Topology
 
 __all__ = [
+    "ConsistencyError",
+    "DPConsistencyCheck",
+    "DPDivergenceError",
     "LoadReport",
+    "NonFiniteError",
     "ParameterPartitioner",
     "Partitioner",
     "ThreeDStrategy",
     "Topology",
     "UniformPartitioner",
+    "diagnose_barrier",
     "load_full_state_dict",
 ]
 

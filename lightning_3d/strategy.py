@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Generator, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -49,7 +50,6 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
-from . import checkpoint as ckpt
 from . import partition
 from .data_parallel import apply_data_parallel
 from .grad_norm import clip_grads_, global_grad_norm
@@ -62,6 +62,7 @@ from .materialize import (
     materialize,
 )
 from .pipeline import StageSpec, is_multi_stage, min_micro_batches, schedule_class
+from .reliability import Reliability, as_timedelta, diagnose_barrier  # ---- reliability
 from .runner import BatchRunner
 from .topology import Topology, mesh_ranks_table
 
@@ -95,7 +96,15 @@ class ThreeDStrategy(ParallelStrategy):
         body: dotted name of the ``nn.Sequential`` body when the module has several.
         seed: seed for initialising layers built in ``configure_model``; ``None`` takes rank 0's
             ``torch.initial_seed()`` (set by ``seed_everything``).
-        timeout: timeout of the process groups.
+        timeout: timeout of the process groups during setup (the first collectives wait for every rank to import,
+            build and materialise its part of the model) and the first training step.
+        train_timeout: timeout of every process group (and of pipeline sends and receives) once the first training
+            step has finished: a rank that stops answering fails the others this soon. ``None`` keeps ``timeout``.
+        on_nonfinite: a NaN or inf in the loss or in any gradient: ``"raise"`` (every rank raises
+            ``NonFiniteError`` at the same step, before the optimizer steps), ``"skip"`` (every rank drops that
+            optimizer step's gradients; the global step and LR schedulers still advance) or ``"off"``.
+        check_consistency: compare a hash of the settings and the model structure across ranks at setup.
+        fail_fast: when one rank fails, stop every rank within about a second (see ``failure_watch.py``).
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
         print_layout: rank 0 prints the mesh, the stages and the tensor-parallel plan once.
     """
@@ -116,6 +125,10 @@ class ThreeDStrategy(ParallelStrategy):
         body: str | None = None,
         seed: int | None = None,
         timeout: timedelta | float | None = timedelta(minutes=30),
+        train_timeout: timedelta | float | None = timedelta(minutes=10),  # ---- reliability
+        on_nonfinite: str = "raise",  # ---- reliability
+        check_consistency: bool = True,  # ---- reliability
+        fail_fast: bool = True,  # ---- reliability
         process_group_backend: str | None = None,
         print_layout: bool = True,
         accelerator: Accelerator | None = None,
@@ -173,6 +186,10 @@ class ThreeDStrategy(ParallelStrategy):
         self.runner: BatchRunner | None = None
         self._example_input: Any = None
         self.last_grad_norm: Tensor | None = None
+        # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
+        self._reliability = Reliability(
+            self, self._timeout, as_timedelta(train_timeout), on_nonfinite, check_consistency, fail_fast
+        )
 
     # ------------------------------------------------------------------ topology and processes
     @property
@@ -235,6 +252,7 @@ class ThreeDStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self._reliability.on_process_group_ready()  # ---- reliability: layout check (before the mesh), watch
         if self._mesh is None:  # later trainer.validate / test / predict calls reuse the mesh
             self._mesh = self.topology.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
@@ -254,6 +272,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         if self.runner is None:
             self._parallelize()
+        _quiet_known_warnings()
         self.model = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -305,6 +324,7 @@ class ThreeDStrategy(ParallelStrategy):
         if is_meta:
             check_materializable(body.module, body.fqn)
         # --- from here on ranks communicate
+        self._reliability.check_consistency(body, stage_plan)  # ---- reliability: FIRST collective of _parallelize
         seed = self._broadcast_seed()
         pp_rank = mesh["pp"].get_local_rank()
         my_stages = [s for s in range(stage_plan.num_stages) if stage_plan.stage_to_rank[s] == pp_rank]
@@ -390,6 +410,7 @@ class ThreeDStrategy(ParallelStrategy):
             scale=1.0 / accumulate,
             defer_grad_sync=accumulate > 1 and trainer.fit_loop.epoch_loop._should_accumulate(),
         )
+        self._reliability.after_train_step()  # ---- reliability: train_timeout after the first step
         dtype = logs.loss_dtype or torch.get_default_dtype()
         return torch.tensor(logs.loss_total / max(logs.loss_weight, 1.0), dtype=dtype, device=self.root_device)
 
@@ -405,11 +426,14 @@ class ThreeDStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         assert self.runner is not None
         self.runner.stash.restore()
+        self._reliability.after_backward(closure_loss)  # ---- reliability: non-finite loss / gradients
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        if self._reliability.step_skipped:  # ---- reliability: on_nonfinite="skip" dropped every gradient
+            return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.last_grad_norm = self.grad_norm(params)
         clip_grads_(params, float(clip_val), self.last_grad_norm)
@@ -460,7 +484,8 @@ class ThreeDStrategy(ParallelStrategy):
         writer = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
         return gather_full_state_dict(self.lightning_module, writer=writer)
 
-    # ---- checkpoints: sharded DCP folders, written atomically, loadable at any layout (see checkpoint.py)
+    # ---- checkpoints: sharded DCP folders, written atomically, loadable at any layout (see checkpoint.py;
+    # imported where used so that `python -m lightning_3d.checkpoint` runs a module not yet imported)
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -473,11 +498,15 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        from . import checkpoint as ckpt
+
         assert self.lightning_module is not None
         return ckpt.model_state_dict(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from . import checkpoint as ckpt
+
         assert self.lightning_module is not None
         return ckpt.optimizer_state_dict(self.lightning_module, optimizer)
 
@@ -491,14 +520,20 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        from . import checkpoint as ckpt
+
         ckpt.save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from . import checkpoint as ckpt
+
         return ckpt.load_checkpoint(self, checkpoint_path, weights_only)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        from . import checkpoint as ckpt
+
         ckpt.remove_checkpoint(self, filepath)
 
     # ------------------------------------------------------------------ collectives
@@ -525,8 +560,19 @@ class ThreeDStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # ---- reliability: fail fast, and a barrier that names missing ranks
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._reliability.on_exception(exception)
+
+    def diagnose_barrier(self, timeout: timedelta | float = 60.0) -> None:
+        """A barrier over all ranks that names the ranks not arriving within ``timeout`` (collective; gloo's
+        ``monitored_barrier``, with a temporary gloo group under NCCL)."""
+        diagnose_barrier(timeout)
+
     @override
     def teardown(self) -> None:
+        self._reliability.teardown()  # ---- reliability
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None
@@ -538,6 +584,18 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("3d", cls, description="Tensor x pipeline x data parallel (lightning_3d)")
+
+
+def _quiet_known_warnings() -> None:
+    """Silence two warnings that do not apply under this strategy.
+
+    * Lightning recommends ``sync_dist=True`` for epoch-level values; the values the strategy replays from the
+      last stage are already combined over micro-batches and replicas and identical on every rank.
+    * FSDP2 (``replicate``) warns when a stage returns a view (tensor-parallel outputs are views of DTensor
+      locals); stage outputs are only sent to the next stage, and the last stage hands the user a copy.
+    """
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`")
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(ReplicateSequential\) returned a view tensor")
 
 
 def _sync_replicas(body: nn.Module, mesh: DeviceMesh) -> None:

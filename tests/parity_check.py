@@ -14,7 +14,7 @@ TOL = {
     "64": {"grad_rtol": 1e-10, "grad_atol": 1e-10, "curve": 1e-10, "param_rel": 1e-10},
     "32": {"grad_rtol": 1e-5, "grad_atol": 4e-5, "curve": 1e-4, "param_rel": 1e-4},
     # bf16 autocast: a different split of a matmul's reduction changes bf16 rounding (~1e-2 per op).
-    "bf": {"grad_rtol": 0.2, "grad_atol": 2e-2, "curve": 1e-2, "param_rel": 0.25},
+    "bf": {"grad_rtol": 0.2, "grad_atol": 2e-2, "curve": 2e-2, "param_rel": 0.25},
 }
 
 

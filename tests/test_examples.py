@@ -13,6 +13,9 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import RandomSampler, SequentialSampler
+
 from lightning_3d_examples import (
     GPT,
     PRESETS,
@@ -26,8 +29,6 @@ from lightning_3d_examples import (
 )
 from lightning_3d_examples.gpt import CausalSelfAttention, Embedding, Head
 from lightning_3d_examples.text_data import read_corpus, stdlib_sources
-from torch import nn
-from torch.utils.data import RandomSampler, SequentialSampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 

@@ -11,6 +11,7 @@ numbers, which is why the analysis leaves it replicated.
 from __future__ import annotations
 
 import pytest
+
 from launch import run_ranks
 
 

@@ -35,7 +35,7 @@ CASES = {
     "mlp32": ("mlp", "32-true", 12, 0.5, 1, "init"),
     "gpt32": ("gpt", "32-true", 12, 0.5, 1, "configure"),
     "mlp32acc": ("mlp", "32-true", 6, 0.5, 2, "configure"),
-    "gptbf": ("gpt", "bf16-mixed", 4, 0.5, 1, "configure"),
+    "gptbf": ("gpt", "bf16-mixed", 2, 0.5, 1, "configure"),
 }
 GLOBAL_BATCH = 16
 

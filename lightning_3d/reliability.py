@@ -1,0 +1,470 @@
+"""Reliability of a 3D job: same configuration everywhere, bounded waits, no training on non-finite numbers.
+
+``Reliability`` is owned by ``ThreeDStrategy`` and called from a few marked places in it (``# ---- reliability``):
+
+==========================  ======================================================================================
+``on_process_group_ready``  setup timeout on every process group; a layout check (tp, pp, dp, world) BEFORE the
+                            mesh is built (a mismatched mesh hangs in ``new_group``); starts the ``FailureWatch``
+``check_consistency``       the first collective of ``_parallelize``: a hash of strategy + Trainer settings and
+                            the model structure, compared across ranks; on mismatch, every rank raises
+                            ``ConsistencyError`` naming the keys that differ and their values on which ranks
+``after_train_step``        after the first training step: a barrier, then the shorter ``train_timeout`` on every
+                            process group (the mesh's sub-groups included) and on pipeline receives (gloo)
+``after_backward``          non-finite loss or gradients, agreed by all ranks with one tiny all-reduce per batch;
+                            ``on_nonfinite="raise"``: every rank raises ``NonFiniteError`` at the same step,
+                            ``"skip"``: every rank drops the gradients of that optimizer step
+``on_exception``            fail fast (``failure_watch.py``)
+``teardown``                stops the watch and restores the setup timeout, then a barrier (success path only)
+==========================  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch import Tensor
+
+from .dp_check import DPConsistencyCheck, DPDivergenceError
+from .failure_watch import FailureWatch, is_agreed, mark_agreed
+
+if TYPE_CHECKING:
+    from .strategy import ThreeDStrategy
+
+log = logging.getLogger(__name__)
+
+NONFINITE_MODES = ("raise", "skip", "off")
+
+
+class ConsistencyError(ValueError):
+    """The ranks of one job were started with different settings or models (raised by every rank)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or gradient under ``on_nonfinite="raise"`` (raised by every rank at the same step)."""
+
+
+def as_timedelta(value: timedelta | float | None) -> timedelta | None:
+    """Seconds or a ``timedelta`` as a ``timedelta`` (``None`` stays ``None``)."""
+    return timedelta(seconds=value) if isinstance(value, (int, float)) else value
+
+
+# ---------------------------------------------------------------------------------------------- consistency
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _text(value: Any) -> str:
+    return _ADDRESS.sub("", repr(value))
+
+
+def layout_items(strategy: ThreeDStrategy) -> dict[str, str]:
+    """The settings that decide the mesh: checked before the mesh is built."""
+    return {
+        "strategy.tp": _text(strategy.tp),
+        "strategy.pp": _text(strategy.pp),
+        "strategy.dp": _text(strategy._dp_arg),
+        "strategy.stages_per_rank": _text(strategy.stages_per_rank),
+        "world_size": _text(strategy.world_size),
+        "strategy.process_group_backend": _text(strategy.process_group_backend),
+    }
+
+
+_TRAINER_SETTINGS = (
+    "accumulate_grad_batches",
+    "max_steps",
+    "max_epochs",
+    "min_steps",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "limit_train_batches",
+    "limit_val_batches",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+    "num_sanity_val_steps",
+)
+
+
+def config_items(strategy: ThreeDStrategy) -> dict[str, str]:
+    """Strategy and Trainer settings and the model's structure, as ``{key: value text}`` (same on every rank)."""
+    items = layout_items(strategy)
+    rel = strategy._reliability
+    items.update(
+        {
+            "strategy.micro_batches": _text(strategy.micro_batches),
+            "strategy.schedule": _text(strategy.schedule),
+            "strategy.tp_plan": _text(strategy.tp_plan),
+            "strategy.tp_autoplan": _text(strategy.tp_autoplan),
+            "strategy.partitioner": type(strategy.partitioner).__qualname__,
+            "strategy.body": _text(strategy.body_name),
+            "strategy.timeout": _text(rel.setup_timeout),
+            "strategy.train_timeout": _text(rel.train_timeout),
+            "strategy.on_nonfinite": _text(rel.on_nonfinite),
+            "strategy.precision": f"{type(strategy.precision_plugin).__name__} "
+            f"{getattr(strategy.precision_plugin, 'precision', '')}",
+        }
+    )
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if trainer is not None:
+        for name in _TRAINER_SETTINGS:
+            items[f"trainer.{name}"] = _text(getattr(trainer, name, None))
+        items["trainer.fn"] = _text(trainer.state.fn)
+    if module is not None:
+        items["model.class"] = f"{type(module).__module__}.{type(module).__qualname__}"
+    for name, spec in strategy.full_spec.items():
+        kind = "parameter" if spec.is_parameter else "buffer"
+        items[f"model.{name}"] = f"{kind} {tuple(spec.shape)} {spec.dtype}"
+    plan = getattr(strategy.plan, "entries", None) or {}
+    for name, entry in plan.items():
+        style = entry.style if isinstance(entry.style, str) else type(entry.style).__name__
+        items[f"tp_plan.{name}"] = style
+    return items
+
+
+def body_items(body: Any, stage_plan: Any) -> dict[str, str]:
+    """The body's entries (name: type) and the stage split."""
+    items = {f"body.{name}": type(layer).__qualname__ for name, layer in body.module.named_children()}
+    items["stages"] = _text(stage_plan.layer_names)
+    return items
+
+
+def _digest(items: dict[str, str]) -> int:
+    raw = hashlib.sha256(json.dumps(sorted(items.items())).encode()).digest()
+    return int.from_bytes(raw[:8], "little", signed=True)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def compare_across_ranks(items: dict[str, str], device: torch.device, what: str, limit: int = 12) -> None:
+    """Raise ``ConsistencyError`` on every rank if ``items`` differ between ranks.
+
+    One all-gather of an 8-byte hash per rank; only on a mismatch (agreed by all, since all see the same
+    hashes) a second round gathers the items themselves to name what differs.
+    """
+    world = dist.get_world_size()
+    mine = torch.tensor([_digest(items)], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    if all(bool((g == gathered[0]).all()) for g in gathered):
+        return
+    everyone: list[dict[str, str] | None] = [None] * world
+    dist.all_gather_object(everyone, items)
+    lines = []
+    for key in sorted(set().union(*(e or {} for e in everyone))):
+        values = [(e or {}).get(key, "<missing>") for e in everyone]
+        if len(set(values)) > 1:
+            groups: dict[str, list[int]] = {}
+            for rank, value in enumerate(values):
+                groups.setdefault(value, []).append(rank)
+            lines.append(f"  {key}: " + "; ".join(f"{v} on {_ranks_text(r)}" for v, r in groups.items()))
+    shown = lines[:limit] + ([f"  ... and {len(lines) - limit} more"] if len(lines) > limit else [])
+    raise mark_agreed(
+        ConsistencyError(
+            f"ThreeDStrategy: the ranks of this job do not agree on {what}; every rank must run the same "
+            "configuration. Differences:\n" + "\n".join(shown) + "\nCheck that every process gets the same "
+            "arguments and config files, and that nothing rank-dependent (LOCAL_RANK, hostnames, timestamps, "
+            "unseeded randomness) feeds into the model or the settings."
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------- timeouts
+def all_process_groups() -> list[dist.ProcessGroup]:
+    """Every process group this rank belongs to (the default group and the mesh's sub-groups among them)."""
+    return list(dist.distributed_c10d._pg_map)
+
+
+def set_timeouts(timeout: timedelta, groups: Iterable[dist.ProcessGroup] | None = None) -> None:
+    """Set the timeout of collectives on every process group (``_set_pg_timeout``, as torchtitan does)."""
+    for group in all_process_groups() if groups is None else groups:
+        try:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        except (ValueError, AssertionError):  # a group this rank is not part of
+            continue
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The current timeout of a process group's backend (for tests and diagnostics)."""
+    group = group or dist.distributed_c10d._get_default_group()
+    for device in group._device_types:
+        options = getattr(group._get_backend(device), "options", None)
+        if options is not None and hasattr(options, "_timeout"):
+            return options._timeout
+    return None
+
+
+class _P2PTimeout:
+    """Make the pipeline's receives and sends wait at most ``timeout`` on gloo.
+
+    Gloo's point-to-point operations ignore ``_set_pg_timeout`` (they use the timeout the group was created
+    with); the pipeline schedules wait on them through ``schedules._wait_batch_p2p``, so that function is
+    replaced by one that passes the timeout to ``Work.wait``. NCCL needs none of this (its watchdog applies
+    the group's current timeout to every operation).
+    """
+
+    timeout: timedelta | None = None
+    _original: Callable[..., Any] | None = None
+
+    @classmethod
+    def install(cls, timeout: timedelta) -> None:
+        from torch.distributed.pipelining import schedules
+
+        cls.timeout = timeout
+        if cls._original is None:
+            cls._original = schedules._wait_batch_p2p
+
+            def _wait_p2p(work: list[dist.Work]) -> None:
+                for w in work:
+                    if cls.timeout is None:
+                        w.wait()
+                    else:
+                        w.wait(cls.timeout)
+
+            schedules._wait_batch_p2p = _wait_p2p
+
+    @classmethod
+    def remove(cls) -> None:
+        from torch.distributed.pipelining import schedules
+
+        if cls._original is not None:
+            schedules._wait_batch_p2p = cls._original
+            cls._original, cls.timeout = None, None
+
+
+def diagnose_barrier(timeout: timedelta | float = 60.0, group: dist.ProcessGroup | None = None) -> None:
+    """A barrier that names the ranks that do not arrive (collective: call it on every rank).
+
+    Uses ``torch.distributed.monitored_barrier`` (gloo only; under NCCL a temporary gloo group is created):
+    rank 0 raises ``RuntimeError`` listing every rank that did not reach the barrier within ``timeout``.
+
+    Args:
+        timeout: how long to wait for the other ranks.
+        group: the group to check (default: all ranks).
+    """
+    timeout = as_timedelta(timeout)
+    assert timeout is not None
+    if dist.get_backend(group) != "gloo":
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
+
+
+# ---------------------------------------------------------------------------------------------- facade
+class Reliability:
+    """The strategy's reliability features (see the module docstring).
+
+    Args:
+        strategy: the owning ``ThreeDStrategy``.
+        setup_timeout: process-group timeout until the first training step has finished.
+        train_timeout: process-group timeout from then on (``None``: keep ``setup_timeout``).
+        on_nonfinite: ``"raise"``, ``"skip"`` or ``"off"``.
+        check_consistency: compare settings and model structure across ranks at setup.
+        fail_fast: run the ``FailureWatch``.
+        watch_interval: seconds between the watcher's polls.
+    """
+
+    def __init__(
+        self,
+        strategy: ThreeDStrategy,
+        setup_timeout: timedelta | None,
+        train_timeout: timedelta | None,
+        on_nonfinite: str = "raise",
+        check_consistency: bool = True,
+        fail_fast: bool = True,
+        watch_interval: float = 0.5,
+    ) -> None:
+        if on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"ThreeDStrategy: on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}.")
+        self.strategy = strategy
+        self.setup_timeout, self.train_timeout = setup_timeout, train_timeout
+        self.on_nonfinite = on_nonfinite
+        self.consistency = check_consistency
+        self.fail_fast = fail_fast
+        self.watch_interval = watch_interval
+        self.watch: FailureWatch | None = None
+        self.switched = False
+        self.failed = False
+        self.skipped_steps: list[int] = []  # global steps whose optimizer update was skipped
+        self.step_skipped = False  # the current optimizer step's gradients were dropped
+        self._poisoned = False  # a non-finite batch in the current accumulation window ("skip")
+        self._nonfinite_note = ""
+
+    # ------------------------------------------------------------------ setup
+    def _device(self) -> torch.device:
+        return self.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def on_process_group_ready(self) -> None:
+        """In ``setup_environment`` after the process group exists, before the mesh is built."""
+        self.failed, self.switched = False, False
+        if self.setup_timeout is not None:
+            set_timeouts(self.setup_timeout)
+        if self.consistency:
+            compare_across_ranks(layout_items(self.strategy), self._device(), "the parallel layout")
+        if self.fail_fast:
+            strategy = self.strategy
+            assert strategy.topology is not None
+            topology = strategy.topology
+
+            def describe(rank: int) -> str:
+                c = topology.coordinates(rank)
+                return f"dp {c['dp']}, stage {c['pp']} of {topology.pp}, tp {c['tp']}"
+
+            def children() -> list[Any]:
+                launcher = strategy.launcher
+                return list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
+
+            self.watch = FailureWatch(
+                strategy.global_rank, strategy.world_size, describe, children, interval=self.watch_interval
+            )
+            self.watch.start()
+
+    def check_consistency(self, body: Any, stage_plan: Any) -> None:
+        """The first collective of ``_parallelize``: settings and model structure are the same on every rank."""
+        if self.setup_timeout is not None:
+            set_timeouts(self.setup_timeout)  # the mesh's sub-groups were created with the backend's default
+        if self.consistency:
+            items = {**config_items(self.strategy), **body_items(body, stage_plan)}
+            compare_across_ranks(items, self._device(), "the strategy / Trainer settings or the model")
+
+    # ------------------------------------------------------------------ steps
+    def after_train_step(self) -> None:
+        """After each training batch: switch to ``train_timeout`` once the first one has finished."""
+        if self.switched or self.train_timeout is None:
+            return
+        self.switched = True
+        self.strategy.barrier("lightning_3d.train_timeout")  # nobody switches while another rank still sets up
+        set_timeouts(self.train_timeout)
+        if dist.get_backend() == "gloo":
+            _P2PTimeout.install(self.train_timeout)
+
+    def after_backward(self, loss: Tensor) -> None:
+        """In ``backward``, after the schedule's gradients are back on the parameters.
+
+        All ranks agree on non-finite numbers: the loss is already the same on every rank (relayed from the
+        last stage), the gradients' status per stage is combined with one all-reduce (MAX) of a tiny tensor.
+        """
+        self.step_skipped = False
+        if self.on_nonfinite == "off":
+            return
+        strategy = self.strategy
+        module, runner = strategy.lightning_module, strategy.runner
+        assert module is not None and runner is not None
+        trainer = module.trainer
+        num_stages = runner.runtime.num_stages
+        stage_of: dict[int, int] = {}
+        for spec in runner.runtime.stages:
+            for p in spec.module.parameters():
+                stage_of[id(p)] = spec.index
+        named = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
+        device = self._device()
+        flags = torch.zeros(num_stages + 1, dtype=torch.float32, device=device)
+        bad: Tensor | None = None
+        if named:  # no host synchronisation until the all-reduce has run
+            bad = torch.stack([~torch.isfinite(_local(p.grad)).all() for _, p in named]).to(device)
+            stages = torch.tensor([stage_of.get(id(p), num_stages - 1) for _, p in named], device=device)
+            flags.index_put_((stages,), bad.float(), accumulate=True)
+        flags[num_stages] = (~torch.isfinite(loss.detach())).float().to(device).reshape(())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags_list = flags.tolist()
+        accumulating = trainer.fit_loop.epoch_loop._should_accumulate()
+        if any(flags_list):
+            stages_bad = [i for i in range(num_stages) if flags_list[i]]
+            parts = []
+            if flags_list[num_stages]:
+                parts.append(f"the loss is {float(loss.detach().float().cpu())}")
+            if stages_bad:
+                parts.append(f"gradients of pipeline stage(s) {stages_bad} (of {num_stages}) are not finite")
+            where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {_batch_idx(trainer)})"
+            summary = f"ThreeDStrategy: non-finite numbers {where}: " + "; ".join(parts) + "."
+            bad_names = [n for (n, _), b in zip(named, bad.tolist()) if b] if bad is not None else []
+            if bad_names:
+                shown = ", ".join(bad_names[:8]) + (f" and {len(bad_names) - 8} more" if len(bad_names) > 8 else "")
+                log.warning(f"[rank {strategy.global_rank}] non-finite gradients in: {shown}")
+            if self.on_nonfinite == "raise":
+                raise mark_agreed(
+                    NonFiniteError(
+                        summary + " No optimizer step was taken. Every rank raises this error at this step. "
+                        "Use ThreeDStrategy(on_nonfinite='skip') to skip such steps instead, or lower the learning "
+                        "rate / clip gradients."
+                    )
+                )
+            self._poisoned = True
+            self._nonfinite_note = summary
+        if self._poisoned and not accumulating:
+            for p in module.parameters():
+                p.grad = None
+            self._poisoned = False
+            self.step_skipped = True
+            self.skipped_steps.append(trainer.global_step)
+            if strategy.global_rank == 0:
+                log.warning(
+                    f"{self._nonfinite_note} on_nonfinite='skip': the optimizer step is skipped on every rank (all "
+                    "gradients dropped; the global step and LR schedulers still advance). "
+                    f"Skipped so far: {len(self.skipped_steps)}."
+                )
+
+    # ------------------------------------------------------------------ failure and the end
+    def on_exception(self, exception: BaseException) -> None:
+        """``Strategy.on_exception``: report this rank's failure so every rank stops now."""
+        self.failed = True
+        _P2PTimeout.remove()
+        if self.watch is None:
+            return
+        module = self.strategy.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        runner_ready = self.strategy.runner is not None
+        where = f"at global step {trainer.global_step}" if trainer is not None and runner_ready else "during setup"
+        self.watch.report(exception, where)
+
+    def teardown(self) -> None:
+        """End of a trainer call: on success stop the watch and restore the setup timeout, then a barrier."""
+        if self.failed:
+            return
+        watching = self.watch is not None and self.watch.running
+        if self.watch is not None:
+            self.watch.stop()
+        _P2PTimeout.remove()
+        if self.setup_timeout is not None and dist.is_initialized():
+            set_timeouts(self.setup_timeout)
+        if watching:
+            self.strategy.barrier("lightning_3d.teardown")  # no rank exits while another's watch still runs
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _batch_idx(trainer: Any) -> int:
+    return int(trainer.fit_loop.epoch_loop.batch_idx)
+
+
+__all__ = [
+    "ConsistencyError",
+    "DPConsistencyCheck",
+    "DPDivergenceError",
+    "NonFiniteError",
+    "Reliability",
+    "diagnose_barrier",
+    "is_agreed",
+    "mark_agreed",
+]
