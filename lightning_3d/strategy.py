@@ -1,21 +1,21 @@
 """``ThreeDStrategy``: a Lightning strategy for tensor x pipeline x data parallel training.
 
-This file is the orchestrator only. The work is done by one module per concept:
+This file is the orchestrator only: Lightning's hooks, each delegating to one module per concept:
 
 ==================  ==========================================================================
 topology.py         (dp, pp, tp) degrees, their validation, the named device mesh
 partition.py        finding the ``nn.Sequential`` body, splitting it into stages, pruning
 tensor_parallel/    the automatic / explicit tensor-parallel plan (DTensor styles)
-materialize.py      meta-device layers materialised one at a time; loading full weights
+materialize.py      meta-device layers materialised one at a time; full <-> sharded weights
 data_parallel.py    ``replicate`` over the dp mesh
+parallelize.py      the three applied in one fixed order: stages, tensor parallel, data parallel
 pipeline.py         ``PipelineStage`` + schedules, cached per micro-batch shape
-step.py             the user's step run through the pipeline; gradient hand-over to Lightning
-log_relay.py        ``self.log`` from the last stage to every rank
+runner.py, step.py  one batch of the user's hook through the pipeline; gradients handed to Lightning
+log_relay.py        ``self.log`` from the last stage to every rank (metric_sync.py: torchmetrics)
 grad_norm.py        the global gradient norm for clipping
+checkpoint.py       sharded, atomic, layout-independent checkpoints (resume.py, named_state.py)
+reliability.py      consistency check, timeouts, non-finite agreement, fail-fast (failure_watch.py)
 ==================  ==========================================================================
-
-Parallelisms are applied in one fixed order at ``setup``: split into stages, tensor parallel (per layer,
-right after the layer is materialised), then data parallel around each stage.
 """
 
 from __future__ import annotations
@@ -47,24 +47,17 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from typing_extensions import override
 
 from . import partition
-from .data_parallel import apply_data_parallel
 from .grad_norm import clip_grads_, global_grad_norm
-from .materialize import (
-    LoadReport,
-    check_materializable,
-    gather_full_state_dict,
-    has_meta_tensors,
-    load_full_state_dict,
-    materialize,
-)
-from .pipeline import StageSpec, is_multi_stage, min_micro_batches, schedule_class
+from .materialize import LoadReport, gather_full_state_dict, load_full_state_dict
+from .parallelize import ParallelConfig, broadcast_seed, build_stages, describe_layout, plan_model
+from .pipeline import is_multi_stage, min_micro_batches, schedule_class
 from .reliability import Reliability, as_timedelta, diagnose_barrier  # ---- reliability
 from .runner import BatchRunner
-from .topology import Topology, mesh_ranks_table
+from .topology import Topology
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -185,6 +178,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.full_spec: dict[str, partition.TensorSpec] = {}
         self.runner: BatchRunner | None = None
         self._example_input: Any = None
+        self._layout = ""
         self.last_grad_norm: Tensor | None = None
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(
@@ -305,96 +299,43 @@ class ThreeDStrategy(ParallelStrategy):
             )
 
     def _parallelize(self) -> None:
-        """Split, shard and wrap the LightningModule (once per module)."""
+        """Split, shard and wrap the LightningModule (once per module); see ``parallelize.py``."""
         module = self.lightning_module
         assert module is not None and self.topology is not None
-        mesh = self.device_mesh
         self._validate_module(module)
-        # --- checks that need no communication: every rank reaches the same verdict
-        body = partition.find_body(module, self.body_name)
-        partition.check_no_outside_parameters(module, body)
-        self.full_spec = partition.full_model_spec(module)
-        stage_plan = partition.plan_stages(body, self.pp, self.partitioner, self.stages_per_rank)
-        self._example_input = module.example_input_array
-        if self._example_input is not None:
-            # Lightning's model summary would run a forward on rank 0 alone; hide the example from it.
-            module._example_input_array = None
-        self.plan = self._resolve_tp_plan(module, body)
-        is_meta = has_meta_tensors(body.module)
-        if is_meta:
-            check_materializable(body.module, body.fqn)
+        config = ParallelConfig(
+            self.tp, self.pp, self.stages_per_rank, self.partitioner, self.body_name, self.tp_plan, self.tp_autoplan
+        )
+        model = plan_model(module, config)  # every check that needs no communication, on every rank alike
+        self.body, self.stage_plan, self.plan, self.full_spec = (
+            model.body,
+            model.stage_plan,
+            model.tp_plan,
+            model.full_spec,
+        )
+        self._example_input = model.example_input
+        layout = describe_layout(self.topology, self.device_mesh, model, self.schedule, self.micro_batches)
         # --- from here on ranks communicate
-        self._reliability.check_consistency(body, stage_plan)  # ---- reliability: FIRST collective of _parallelize
-        seed = self._broadcast_seed()
-        pp_rank = mesh["pp"].get_local_rank()
-        my_stages = [s for s in range(stage_plan.num_stages) if stage_plan.stage_to_rank[s] == pp_rank]
-        keep = [name for s in my_stages for name in stage_plan.layer_names[s]]
-        partition.prune_body(body, keep)
-        self.precision_plugin.convert_module(module)
-        for name in keep:
-            layer = body.module._modules[name]
-            assert layer is not None
-            if is_meta:
-                materialize(layer, self.root_device, seed, prefix=f"{body.fqn}.{name}")
-            else:
-                layer.to(self.root_device)
-            if self.tp > 1:
-                from torch.distributed.tensor.parallel import parallelize_module
-
-                styles = self.plan.styles_for(name)
-                if styles:
-                    parallelize_module(layer, mesh["tp"], styles)
-        if not is_meta:
-            _sync_replicas(body.module, mesh)
-        module.to(self.root_device)  # anything outside the body (metric states, buffers)
-        stages = []
-        for s in my_stages:
-            container = partition.stage_container(body, stage_plan.layer_names[s])
-            stages.append(StageSpec(s, apply_data_parallel(container, mesh["dp"])))
-        self.body, self.stage_plan = body, stage_plan
+        self._reliability.check_consistency(model.body, model.stage_plan)  # ---- reliability: FIRST collective
+        seed = broadcast_seed(self.seed)
+        stages = build_stages(module, model, self.device_mesh, self.root_device, self.precision_plugin, seed)
         self.runner = BatchRunner(
-            module, body, stages, stage_plan.num_stages, mesh, self.root_device, self.schedule, self.micro_batches
+            module,
+            model.body,
+            stages,
+            model.stage_plan.num_stages,
+            self.device_mesh,
+            self.root_device,
+            self.schedule,
+            self.micro_batches,
         )
+        self._layout = layout
         if self.print_layout and self.global_rank == 0:
-            print(self.describe_layout(), flush=True)
-
-    def _resolve_tp_plan(self, module: pl.LightningModule, body: partition.BodyRef) -> Any:
-        from . import tensor_parallel as tpmod
-
-        explicit = self.tp_plan if self.tp_plan is not None else getattr(module, "tp_plan", None)
-        if self.tp == 1:
-            return tpmod.TPPlan(entries={}, notes={}) if hasattr(tpmod, "TPPlan") else None
-        example = self._example_input if self._example_input is not None else tpmod.example_input_for(body.module)
-        return tpmod.resolve_plan(
-            body.module, self.tp, explicit=explicit, body_prefix=body.fqn, example_input=example, auto=self.tp_autoplan
-        )
-
-    def _broadcast_seed(self) -> int:
-        seed = self.seed if self.seed is not None else torch.initial_seed() % (2**62)
-        holder = [seed]
-        dist.broadcast_object_list(holder, src=0)
-        return int(holder[0])
+            print(layout, flush=True)
 
     def describe_layout(self) -> str:
         """The mesh, the stages and the tensor-parallel plan, as printed once by rank 0."""
-        assert self.topology is not None and self.stage_plan is not None and self.body is not None
-        lines = [
-            f"lightning_3d layout: {self.topology.describe()}, schedule {self.schedule}, "
-            f"{self.micro_batches} micro-batches per batch",
-            mesh_ranks_table(self.device_mesh),
-            "pipeline stages:",
-        ]
-        lines.append(self.stage_plan.describe())
-        if self.tp > 1:
-            from . import tensor_parallel as tpmod
-
-            lines.append(f"tensor-parallel plan (tp={self.tp}):")
-            lines.append(tpmod.describe_plan(self._describe_module(), self.plan, self.tp, body_prefix=self.body.fqn))
-        return "\n".join(lines)
-
-    def _describe_module(self) -> nn.Module:
-        assert self.body is not None
-        return self.body.module
+        return self._layout
 
     # ------------------------------------------------------------------ steps
     @override
@@ -587,30 +528,14 @@ class ThreeDStrategy(ParallelStrategy):
 
 
 def _quiet_known_warnings() -> None:
-    """Silence two warnings that do not apply under this strategy.
+    """Silence warnings that do not apply under this strategy (each rank would print them).
 
     * Lightning recommends ``sync_dist=True`` for epoch-level values; the values the strategy replays from the
       last stage are already combined over micro-batches and replicas and identical on every rank.
     * FSDP2 (``replicate``) warns when a stage returns a view (tensor-parallel outputs are views of DTensor
       locals); stage outputs are only sent to the next stage, and the last stage hands the user a copy.
+    * Lightning 2.6's pytree helper uses an API torch deprecated (``LeafSpec``); nothing a user can act on.
     """
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`")
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(ReplicateSequential\) returned a view tensor")
-
-
-def _sync_replicas(body: nn.Module, mesh: DeviceMesh) -> None:
-    """Make replicated state identical: plain tensors from tp rank 0, and every local tensor from dp rank 0.
-
-    Needed for models built in ``__init__`` without a common seed: ``replicate`` (like FSDP2) does not
-    broadcast at wrap time, unlike ``DistributedDataParallel``.
-    """
-    from torch.distributed.tensor import DTensor
-
-    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
-    with torch.no_grad():
-        for tensor in [*body.parameters(), *body.buffers()]:
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            if tp_mesh.size() > 1 and not isinstance(tensor, DTensor):
-                dist.broadcast(local, src=int(tp_mesh.mesh[0]), group=tp_mesh.get_group())
-            if dp_mesh.size() > 1:
-                dist.broadcast(local, src=int(dp_mesh.mesh[0]), group=dp_mesh.get_group())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
