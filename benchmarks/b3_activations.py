@@ -1,0 +1,228 @@
+"""B3 activation memory in flight: saved-tensor bytes per stage under GPipe, 1F1B and interleaved 1F1B.
+
+Two processes, pp=2, m=8 micro-batches of one sequence, the benchmark GPT. During one training step (after a
+warm-up step that exchanges shapes) ``torch.autograd.graph.saved_tensors_hooks`` tracks every tensor autograd
+saves for backward: a tensor is counted by its storage (several saves of one storage count once) from the
+moment it is packed until the graph lets it go (after its backward), parameters excluded. Each saved tensor
+is charged to the stage running at that moment (its ``forward_one_chunk``, or the loss on the last stage), and
+the peak of the live bytes is taken per stage and per rank. Counting, not timing: the numbers are exact and
+repeatable.
+
+Baseline: 1F1B. Ideal GPipe / 1F1B per stage ``s``: ``m / min(m, p - s)`` (GPipe keeps all m micro-batches,
+1F1B keeps ``p - s`` in flight on stage ``s``; torch's 1F1B warms up with ``p - s`` forwards). The measured
+ratio sits a hair under the ideal because the micro-batches' token ids and targets are views of one batch
+tensor, whose storage is counted once however many micro-batches are in flight. Interleaved 1F1B (2 stages
+per rank, 4 stages) is reported per rank against 1F1B. The record's ratio is the lowest per-stage (GPipe / 1F1B) /
+ideal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .common import Record
+
+ID, TITLE = "B3", "activation memory in flight: saved-tensor bytes per stage, GPipe vs 1F1B vs interleaved"
+
+
+class _Saved:
+    """What a pack hook returns: keeps the tensor, and tells the tracker when autograd drops it."""
+
+    __slots__ = ("ptr", "tensor", "tracker")
+
+    def __init__(self, tracker: SavedTensorTracker, ptr: int, tensor: Any) -> None:
+        self.tracker, self.ptr, self.tensor = tracker, ptr, tensor
+
+    def __del__(self) -> None:
+        self.tracker._release(self.ptr)
+
+
+class SavedTensorTracker:
+    """Live and peak bytes of the tensors autograd saved, by storage, per stage (and per rank).
+
+    Args:
+        exclude: storages (``data_ptr``) not to count, e.g. the parameters'.
+    """
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.current: int = -1
+        self.live: dict[int, int] = defaultdict(int)
+        self.peak: dict[int, int] = defaultdict(int)
+        self.rank_live = 0
+        self.rank_peak = 0
+        self._storages: dict[int, list[int]] = {}  # ptr -> [count, nbytes, stage]
+
+    def _pack(self, tensor: Any) -> Any:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.exclude:
+            return tensor
+        entry = self._storages.get(ptr)
+        if entry is not None:
+            entry[0] += 1
+        else:
+            nbytes, stage = storage.nbytes(), self.current
+            self._storages[ptr] = [1, nbytes, stage]
+            self.live[stage] += nbytes
+            self.peak[stage] = max(self.peak[stage], self.live[stage])
+            self.rank_live += nbytes
+            self.rank_peak = max(self.rank_peak, self.rank_live)
+        return _Saved(self, ptr, tensor)
+
+    @staticmethod
+    def _unpack(packed: Any) -> Any:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def _release(self, ptr: int) -> None:
+        entry = self._storages.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._storages[ptr]
+            self.live[entry[2]] -= entry[1]
+            self.rank_live -= entry[1]
+
+    @contextlib.contextmanager
+    def track(self, schedule: Any) -> Iterator[SavedTensorTracker]:
+        """Track saved tensors during ``schedule.step`` inside the block, charged to the running stage."""
+        import torch
+
+        stages = [schedule._stage] if hasattr(schedule, "_stage") else list(schedule._stages)
+        patched: list[tuple[Any, str]] = []
+
+        def charge(obj: Any, name: str, stage_of: Any) -> None:
+            real = getattr(obj, name)
+
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                previous, self.current = self.current, stage_of(args)
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self.current = previous
+
+            obj.__dict__[name] = wrapper
+            patched.append((obj, name))
+
+        for stage in stages:
+            charge(stage, "forward_one_chunk", lambda args, s=int(stage.stage_index): s)
+        charge(schedule, "_maybe_compute_loss", lambda args: int(args[0].stage_index))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            for obj, name in patched:
+                obj.__dict__.pop(name, None)
+
+
+def worker(m: int, tiny: bool) -> dict[str, Any]:
+    """Runs on both ranks: one tracked step per schedule; returns every rank's peaks (bytes)."""
+    import copy
+    import gc
+
+    import torch.distributed as dist
+
+    from .common import (
+        build_gpt,
+        build_schedule,
+        init_distributed,
+        model_config,
+        pipeline_step,
+        stage_modules,
+        token_batch,
+    )
+
+    rank, world = init_distributed()
+    config = model_config(tiny)
+    model = build_gpt(config)
+    x, y = token_batch(config, m)
+    result: dict[str, Any] = {}
+    for name, per_rank in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2)):
+        piece = copy.deepcopy(model)
+        stages = stage_modules(piece, world, rank, per_rank)
+        num_stages = world * per_rank
+        first = any(s == 0 for s, _ in stages)
+        last = any(s == num_stages - 1 for s, _ in stages)
+        sched = build_schedule(name, stages, num_stages, m)
+        params = {p.untyped_storage().data_ptr() for p in piece.parameters()}
+        pipeline_step(sched, first, last, x, y)  # shapes are exchanged on the first step
+        for p in piece.parameters():
+            p.grad = None
+        gc.collect()
+        tracker = SavedTensorTracker(params)
+        dist.barrier()
+        with tracker.track(sched):
+            pipeline_step(sched, first, last, x, y)
+        gc.collect()
+        mine = {
+            "stages": [s for s, _ in stages],
+            "peak_per_stage": {str(s): tracker.peak[s] for s, _ in stages},
+            "rank_peak": tracker.rank_peak,
+            "unattributed_peak": tracker.peak.get(-1, 0),
+            "left_after_step": tracker.rank_live,
+        }
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        result[name] = gathered
+    return result
+
+
+def run(out: Path, tiny: bool = False) -> Record:
+    """Launch the two processes and build the record."""
+    from .common import launch
+
+    m, p = (4 if tiny else 8), 2
+    res = launch("b3_activations:worker", 2, {"m": m, "tiny": tiny})
+    per_stage = {name: {} for name in res}
+    for name, ranks in res.items():
+        for r in ranks:
+            per_stage[name].update({int(s): v for s, v in r["peak_per_stage"].items()})
+    lines = ["stage | 1F1B MB | GPipe MB | GPipe/1F1B | ideal m/min(m,p-s) | ratio"]
+    measured, baseline, ideal, ratios = {}, {}, {}, {}
+    for s in range(p):
+        one, gp = per_stage["1f1b"][s], per_stage["gpipe"][s]
+        ideal_s = m / min(m, p - s)
+        measured[str(s)], baseline[str(s)], ideal[str(s)] = gp / one, one / 2**20, ideal_s
+        ratios[str(s)] = gp / one / ideal_s
+        mb = f"{one / 2**20:7.2f} | {gp / 2**20:8.2f}"
+        lines.append(f"{s:5d} | {mb} | {gp / one:10.3f} | {ideal_s:18.3f} | {ratios[str(s)]:.3f}")
+    rank_peaks = {name: [r["rank_peak"] for r in ranks] for name, ranks in res.items()}
+    lines.append(
+        "per rank peak MB: "
+        + "; ".join(f"{name} " + ", ".join(f"{b / 2**20:.2f}" for b in peaks) for name, peaks in rank_peaks.items())
+    )
+    inter = [a / b for a, b in zip(rank_peaks["interleaved1f1b"], rank_peaks["1f1b"])]
+    lines.append(
+        "interleaved 1F1B (v=2) / 1F1B per rank: "
+        + ", ".join(f"{r:.3f}" for r in inter)
+        + " (per stage MB: "
+        + ", ".join(f"{s}: {v / 2**20:.2f}" for s, v in sorted(per_stage["interleaved1f1b"].items()))
+        + ")"
+    )
+    per_mb = {str(s): per_stage["gpipe"][s] / m for s in range(p)}
+    details = {
+        "raw": res,
+        "per_stage_bytes": {k: {str(s): v for s, v in d.items()} for k, d in per_stage.items()},
+        "rank_peak_bytes": rank_peaks,
+        "interleaved_over_1f1b_per_rank": inter,
+        "gpipe_bytes_per_microbatch": per_mb,
+        "ratios_per_stage": ratios,
+        "layout": f"pp=2 on 2 processes, m={m}, micro-batch 1 sequence; interleaved: 2 stages per rank",
+    }
+    return Record(
+        ID,
+        TITLE,
+        measured,
+        baseline,
+        ideal,
+        min(ratios.values()),
+        "GPipe/1F1B per stage",
+        details,
+        lines,
+        "MB (1F1B peak per stage)",
+    )
