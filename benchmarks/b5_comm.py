@@ -227,16 +227,6 @@ def analyse(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
         ar = [x for x in recs if x["op"] == "all_reduce"]
         check(f"TP all-reduces per layer per micro-batch ({phase})", len(ar) / m, 2, "Megatron: 2 forward, 2 backward")
         check(f"TP all-reduce elements ({phase})", sum(x["elements"] for x in ar) / len(ar), bsh, "b s h each")
-    # the same backward count against one all-reduce per column-parallel linear fed by a replicated input
-    for (_, _, phase), recs in sorted(per_layer.items()):
-        if phase == "bwd":
-            n = sum(1 for x in recs if x["op"] == "all_reduce") / m
-            check(
-                "TP backward all-reduces per layer, one per column-parallel input (q, k, v, fc)",
-                n,
-                4,
-                "each ColwiseParallel module redistributes its own replicated input",
-            )
     for rank in sorted({key[0] for key in other_tp}):
         embed = [x for (rk, layer, _, _), xs in other_tp.items() if rk == rank and layer == "Embedding" for x in xs]
         if embed:

@@ -8,8 +8,11 @@ plans only, for users who compose sequence parallelism themselves).
 from __future__ import annotations
 
 import math
+import weakref
+from typing import Any
 
-from torch.distributed.tensor import Replicate
+import torch
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -42,16 +45,59 @@ def check_style(style: object, where: str) -> str | ParallelStyle:
     )
 
 
+class _SharedInput:
+    """The DTensor most recently made from a plain input by a column-parallel Linear.
+
+    q, k and v projections (or SwiGLU's w1 and w3) read the same activation. Converted separately, each
+    conversion all-reduces its own share of the input gradient in backward; converted once, autograd sums the
+    three partial gradients first and the conversion all-reduces once (Megatron's count: one all-reduce per
+    column-parallel group). A hit needs the very same tensor object, unmodified, on the same mesh and layouts,
+    so sharing is always exact; only weak references are kept, so no activation is held alive.
+    """
+
+    def __init__(self) -> None:
+        self._source: weakref.ref[torch.Tensor] | None = None
+        self._result: weakref.ref[torch.Tensor] | None = None
+        self._key: tuple[Any, ...] = ()
+
+    def get(self, x: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor | None:
+        if self._source is None or self._source() is not x or self._key != (x._version, *key):
+            return None
+        return self._result() if self._result is not None else None
+
+    def put(self, x: torch.Tensor, key: tuple[Any, ...], result: torch.Tensor) -> None:
+        self._source, self._result, self._key = weakref.ref(x), weakref.ref(result), (x._version, *key)
+
+
+_SHARED_INPUT = _SharedInput()
+
+
+class SharedInputColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` whose input conversion is shared by the Linears that read the same tensor."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # type: ignore[override]
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        key = (id(device_mesh), tuple(input_layouts), tuple(desired_input_layouts))
+        shared = _SHARED_INPUT.get(x, key)
+        if shared is None:
+            shared = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+            _SHARED_INPUT.put(x, key, shared)
+        return shared
+
+
 def make_style(style: str | ParallelStyle) -> ParallelStyle | None:
     """A fresh torch ``ParallelStyle`` for a style name (None for ``replicate``); objects pass through."""
     if isinstance(style, ParallelStyle):
         return style
     if style == "colwise":
-        return ColwiseParallel()
+        return SharedInputColwiseParallel()
     if style == "rowwise":
         return RowwiseParallel()
     if style == "colwise_gather":
-        return ColwiseParallel(output_layouts=Replicate())
+        return SharedInputColwiseParallel(output_layouts=Replicate())
     if style == "vocab":
         return RowwiseParallel(input_layouts=Replicate())
     if style == "sequence":
