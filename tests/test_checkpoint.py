@@ -16,7 +16,6 @@ pattern, the optimizer-state layout against torch's, the data-position arithmeti
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -209,9 +208,6 @@ def test_killed_save_is_never_resumed(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------------------------- tp2 x pp2 x dp2
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("LIGHTNING_3D_TP_MATRIX") != "1", reason="8-process launches: set LIGHTNING_3D_TP_MATRIX=1"
-)
 def test_tp2_pp2_dp2_resume_and_reshard_matrix(tmp_path: Path) -> None:
     """Save at (tp2, pp2, dp2), resume bitwise there, load at (tp1, pp4, dp2), (tp4, pp1, dp2), (tp2, pp1, dp1)
     and in one process (several minutes on 2 cores)."""
