@@ -20,6 +20,7 @@ from lightning_3d.tensor_parallel import (
     local_numel,
     resolve_plan,
 )
+from lightning_3d.tensor_parallel.styles import SharedInputColwiseParallel
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from tp_models import gpt, mlp_chain
@@ -34,9 +35,11 @@ def test_styles_for_maps_names_to_fresh_torch_styles() -> None:
     whole = plan.styles_for("")
     assert "1.ln_2" not in whole, "replicate entries are dropped"
     q, out, head, wte = whole["1.attn.q_proj"], whole["1.attn.out_proj"], whole["2.lm_head"], whole["0.wte"]
-    assert type(q) is ColwiseParallel and q.output_layouts == (Shard(-1),) and q.use_local_output
+    # colwise styles are torch's ColwiseParallel, sharing one input conversion among Linears that read one tensor
+    assert type(q) is SharedInputColwiseParallel and isinstance(q, ColwiseParallel)
+    assert q.output_layouts == (Shard(-1),) and q.use_local_output
     assert type(out) is RowwiseParallel and out.input_layouts == (Shard(-1),) and out.use_local_output
-    assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),) and head.use_local_output
+    assert type(head) is SharedInputColwiseParallel and head.output_layouts == (Replicate(),) and head.use_local_output
     assert type(wte) is RowwiseParallel and wte.input_layouts == (Replicate(),) and wte.use_local_output
     assert type(whole["1.ln_1"]) is SequenceParallel
     assert plan.styles_for("")["1.attn.q_proj"] is not q, "each call must build new style objects"
