@@ -3,7 +3,8 @@
 scripts/eval_run.py trains with sanity validation on and validation every 2 batches (mid-epoch), then calls
 validate, test and predict. The validation/test sets end with a short batch that the micro-batch count does
 not divide. Compared with the single-device reference: training values per step (so interleaved validation
-does not change training), each validation epoch's loss and torchmetrics accuracy, validate/test results,
+does not change training), each validation epoch's loss and torchmetrics accuracy, what EarlyStopping and
+ModelCheckpoint (monitoring a metric) decided from them, validate/test results,
 and the predictions of each data-parallel replica (its share of the samples, in dataset order).
 """
 
@@ -38,6 +39,9 @@ def test_evaluation_matches_single_device(eval_reference, tmp_path, tp, pp, dp):
     for r, g in zip(ref["val"], got["val"]):
         assert set(g) == set(r) == {"val_loss", "val_acc"}
         assert all(_close(g[k], r[k]) for k in r), (g, r)
+    assert _close(got["early_stopping_best"], ref["early_stopping_best"])
+    assert _close(got["checkpoint_best"][0], ref["checkpoint_best"][0])
+    assert got["checkpoint_best"][1] == ref["checkpoint_best"][1]  # the same step was the best
     for kind in ("validate", "test"):
         assert set(got[kind]) == set(ref[kind]) and got[kind], kind
         assert all(_close(got[kind][k], ref[kind][k]) for k in ref[kind]), (kind, got[kind], ref[kind])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
@@ -68,6 +69,9 @@ def main() -> None:
         strategy = ThreeDStrategy(tp=args.tp, pp=args.pp, micro_batches=args.micro, print_layout=False)
         devices, batch = args.tp * args.pp * args.dp, GLOBAL_BATCH // args.dp
     recorder = Recorder(out, args.ref)
+    # Callbacks read what rank 0 logs: their decisions must follow the single-device values.
+    stopper = EarlyStopping(monitor="val_loss", patience=100, mode="min")
+    best = ModelCheckpoint(dirpath=out / "ckpt", monitor="val_acc", mode="max", save_top_k=1, save_weights_only=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -76,15 +80,16 @@ def main() -> None:
         val_check_interval=2,
         num_sanity_val_steps=2,
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[recorder],
+        callbacks=[recorder, stopper, best],
     )
     model = MetricMLP(build="configure", scheduler=False, lr=0.02)
     data = OrderedData("mlp", batch, n=GLOBAL_BATCH * 3, val_n=VAL_N)
     trainer.fit(model, datamodule=data)
+    recorder.rec["early_stopping_best"] = float(stopper.best_score)
+    recorder.rec["checkpoint_best"] = (float(best.best_model_score), Path(best.best_model_path).name)
     recorder.rec["validate"] = {
         k: float(v) for k, v in trainer.validate(model, datamodule=data, verbose=False)[0].items()
     }
