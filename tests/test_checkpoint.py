@@ -112,6 +112,10 @@ def exported(saved: Path) -> Path:
     done = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "wrote" in done.stdout and "RuntimeWarning" not in done.stderr, done.stderr
+    info = [sys.executable, "-m", "lightning_3d.checkpoint", "info", str(saved / "all" / "step=5.ckpt")]
+    shown = subprocess.run(info, env=base_env(), capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "global step 5" in shown.stdout and "body.0.weight" in shown.stdout, shown.stdout
     return target
 
 
