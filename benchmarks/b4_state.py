@@ -37,7 +37,7 @@ def worker(tiny: bool = False, steps: int = 1, n_embd: int | None = None) -> dic
     import lightning as L
     import torch.distributed as dist
 
-    from .common import fit_3d, gpt_local_numel, local_tensor, model_config
+    from .common import fit_3d, gpt_local_numel, local_tensor, model_config, owned_parameters
 
     class Count(L.Callback):
         def __init__(self) -> None:
@@ -49,16 +49,9 @@ def worker(tiny: bool = False, steps: int = 1, n_embd: int | None = None) -> dic
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             strategy = trainer.strategy
-            mesh = strategy.device_mesh
-            coords = {d: mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}
             # the exact share, from the full model's shapes and this rank's stage (independent of the plan)
-            keep = strategy.stage_plan.layer_names[coords["pp"]]
+            coords, keep, owned = owned_parameters(strategy)
             prefix = strategy.stage_plan.body_fqn
-            owned = {
-                n: s.shape
-                for n, s in strategy.full_spec.items()
-                if s.is_parameter and any(n.startswith(f"{prefix}.{k}.") for k in keep)
-            }
             layer_full = {
                 k: sum(4 * math.prod(shape) for n, shape in owned.items() if n.startswith(f"{prefix}.{k}."))
                 for k in keep

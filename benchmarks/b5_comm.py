@@ -101,7 +101,7 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
     import lightning as L
     import torch.distributed as dist
 
-    from .common import fit_3d, gpt_local_numel, model_config
+    from .common import fit_3d, gpt_local_numel, model_config, owned_parameters
 
     CommCounter = _counter_mode()
 
@@ -158,14 +158,7 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
             self.runtime.__dict__.pop("run", None)
             strategy = trainer.strategy
             mesh = strategy.device_mesh
-            coords = {d: mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}
-            keep = strategy.stage_plan.layer_names[coords["pp"]]
-            prefix = strategy.stage_plan.body_fqn
-            owned = {
-                n: s.shape
-                for n, s in strategy.full_spec.items()
-                if s.is_parameter and any(n.startswith(f"{prefix}.{k}.") for k in keep)
-            }
+            coords, keep, owned = owned_parameters(strategy)
             self.result = {
                 "rank": trainer.global_rank,
                 "coords": coords,

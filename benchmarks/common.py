@@ -392,6 +392,24 @@ def gpt_local_numel(name: str, shape: Sequence[int], tp: int) -> int:
     return full
 
 
+def owned_parameters(strategy: Any) -> tuple[dict[str, int], list[str], dict[str, Any]]:
+    """This rank's mesh coordinates, its stage's layer names and the full shapes of the parameters it owns.
+
+    Taken from the full model's shapes and the stage plan, independently of the tensor-parallel plan, so that
+    the benchmarks compare what a rank holds with an exact share computed another way.
+    """
+    mesh = strategy.device_mesh
+    coords = {d: mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}
+    keep = list(strategy.stage_plan.layer_names[coords["pp"]])
+    prefix = strategy.stage_plan.body_fqn
+    owned = {
+        n: s.shape
+        for n, s in strategy.full_spec.items()
+        if s.is_parameter and any(n.startswith(f"{prefix}.{k}.") for k in keep)
+    }
+    return coords, keep, owned
+
+
 def local_tensor(t: Any) -> Any:
     """The rank's local part of a tensor (``to_local()`` of a DTensor)."""
     from torch.distributed.tensor import DTensor
