@@ -72,6 +72,15 @@ def _check_resume(rec: dict) -> None:
         assert resumed["losses"] == straight["losses"][start:], name
         assert not _equal(resumed["snap_end"]["params"], straight["snap_end"]["params"]), name
         assert not _equal(resumed["snap_end"]["opt"], straight["snap_end"]["opt"]), name
+    # With accumulate_grad_batches=2 (a checkpoint per optimizer step, so every two batches): resuming from step 3
+    # (batch 6, the middle of epoch 1) replays batches 7..20 exactly.
+    acc, acc_resumed = rec["acc_straight"], rec["acc_from3"]
+    assert len(acc["losses"]) == 2 * STEPS and acc["steps"][-1] == STEPS
+    assert acc["steps"][:4] == [0, 1, 1, 2], acc["steps"]  # one optimizer step every two batches
+    assert acc_resumed["steps"] == acc["steps"][6:]
+    assert acc_resumed["losses"] == acc["losses"][6:]
+    assert not _equal(acc_resumed["snap_end"]["params"], acc["snap_end"]["params"])
+    assert not _equal(acc_resumed["snap_end"]["opt"], acc["snap_end"]["opt"])
 
 
 def _check_reshard(rec: dict, ref: dict, export: dict[str, torch.Tensor] | None) -> None:

@@ -5,6 +5,8 @@ Runs, in one launch (Lightning's launcher starts the ranks), all writing ``OUT/r
 * ``straight``: NoisyMLP, 10 steps, no checkpoint (the reference);
 * ``saving``: the same with a ModelCheckpoint that saves after every step (must not perturb the run);
 * ``from4`` / ``from5``: resume from the step-4 (end of epoch 0) and step-5 (mid-epoch 1) checkpoints to 10;
+* ``acc_straight`` / ``acc_from3``: the same with ``accumulate_grad_batches=2`` (two batches per optimizer step),
+  resumed from the step-3 checkpoint, which falls in the middle of epoch 1;
 * ``clean``: noise-free run that keeps every step's checkpoint in ``OUT/all`` (for the reshard tests, with full
   snapshots at step 5 and the continuation) and runs ModelCheckpoint(monitor, top-2, save_last) in ``OUT/top``;
 * ``wrong``: ``trainer.fit(OtherMLP(), ckpt_path=step 5)`` must fail naming keys, with parameters unchanged.
@@ -34,10 +36,18 @@ class Snapshot(L.Callback):
         self.before = local_snapshot(pl_module)
 
 
-def run(args, name: str, model: L.LightningModule, ckpt_path: str | None = None, callbacks=(), at_steps=()) -> dict:
+def run(
+    args,
+    name: str,
+    model: L.LightningModule,
+    ckpt_path: str | None = None,
+    callbacks=(),
+    at_steps=(),
+    **trainer_kwargs,
+) -> dict:
     L.seed_everything(1234, verbose=False)
     recorder = Recorder(at_steps)
-    t = trainer(args.tp, args.pp, args.dp, STEPS, [recorder, *callbacks])
+    t = trainer(args.tp, args.pp, args.dp, STEPS, [recorder, *callbacks], **trainer_kwargs)
     t.fit(model, train_dataloaders=loader(args.dp), ckpt_path=ckpt_path)
     result = recorder.record()
     result["ckpt_path"] = t.ckpt_path
@@ -59,6 +69,11 @@ def main() -> None:
     rec["saving"] = run(args, "saving", NoisyMLP(), callbacks=[every])
     rec["from4"] = run(args, "from4", NoisyMLP(), ckpt_path=str(out / "noisy" / "step=4.ckpt"))
     rec["from5"] = run(args, "from5", NoisyMLP(), ckpt_path=str(out / "noisy" / "step=5.ckpt"))
+    acc = ModelCheckpoint(dirpath=out / "acc", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    rec["acc_straight"] = run(args, "acc_straight", NoisyMLP(), callbacks=[acc], accumulate_grad_batches=2)
+    rec["acc_from3"] = run(
+        args, "acc_from3", NoisyMLP(), ckpt_path=str(out / "acc" / "step=3.ckpt"), accumulate_grad_batches=2
+    )
 
     keep_all = ModelCheckpoint(dirpath=out / "all", filename="{step}", every_n_train_steps=1, save_top_k=-1)
     top = ModelCheckpoint(
