@@ -32,8 +32,8 @@ from models import MODELS, OrderedData
 CASES = {
     "mlp64": ("mlp", "64-true", 2, None, 1, "configure"),
     "gpt64": ("gpt", "64-true", 2, None, 1, "configure"),
-    "mlp32": ("mlp", "32-true", 12, 0.5, 1, "init"),
-    "gpt32": ("gpt", "32-true", 12, 0.5, 1, "configure"),
+    "mlp32": ("mlp", "32-true", 20, 0.5, 1, "init"),
+    "gpt32": ("gpt", "32-true", 20, 0.5, 1, "configure"),
     "mlp32acc": ("mlp", "32-true", 6, 0.5, 2, "configure"),
     "gptbf": ("gpt", "bf16-mixed", 2, 0.5, 1, "configure"),
 }
