@@ -60,7 +60,10 @@ class BatchRunner:
         self.module, self.body, self.mesh = module, body, mesh
         self.schedule, self.micro_batches = schedule, micro_batches
         self.pp = mesh["pp"].size()
-        self.adapter = StepAdapter(module, body, lambda: self.runtime.current_initialised())
+        report = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0  # one last-stage rank
+        self.adapter = StepAdapter(
+            module, body, lambda: self.runtime.current_initialised(), report_random=report, device=device
+        )
         self.runtime = PipelineRuntime(stages, num_stages, mesh["pp"].get_group(), device, schedule, self.adapter)
         self.stash = GradStash()
         self.metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}

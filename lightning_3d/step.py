@@ -19,6 +19,9 @@ real micro-batch of a new schedule; that call never reaches the user's code.
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -127,6 +130,38 @@ def extract_loss(output: Any, hook: str) -> torch.Tensor | None:
     raise ValueError(f"{hook} must return the loss tensor or a dict with a 'loss' key, got {type(output).__name__}.")
 
 
+RANDOM_BEFORE_BODY = (
+    "lightning_3d: {hook} drew random numbers ({sources}) before calling the body. Under ThreeDStrategy the "
+    "body's input is computed once per batch on the first pipeline stage, and {hook} runs again per micro-batch "
+    "on the last stage with other random numbers: what the step computes from such draws besides the body's "
+    "input (e.g. a random mask that the loss also uses) does not match what the body saw. Random noise on the "
+    "input alone is fine; randomness that both the input and the loss depend on belongs in the data pipeline "
+    "(Dataset, collate_fn or on_after_batch_transfer). This warning is shown once."
+)
+
+
+def _random_states(device: torch.device | None) -> dict[str, Any]:
+    """Fingerprints of the generators user code commonly draws from (torch CPU/CUDA, random, numpy)."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if device is not None and device.type == "cuda":
+        states["torch.cuda"] = torch.cuda.get_rng_state(device)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        _, keys, pos, *_ = numpy.random.get_state()
+        states["numpy"] = (keys.tobytes(), pos)
+    return states
+
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    changed = []
+    for name, old in before.items():
+        new = after[name]
+        same = torch.equal(old, new) if isinstance(old, torch.Tensor) else old == new
+        if not same:
+            changed.append(name)
+    return changed
+
+
 class StepAdapter:
     """The schedule's loss function: the user's step on one micro-batch, on the last stage.
 
@@ -134,10 +169,21 @@ class StepAdapter:
     stage's output and an index tensor naming the micro-batch's samples.
     """
 
-    def __init__(self, module: LightningModule, body: BodyRef, is_initialised: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        module: LightningModule,
+        body: BodyRef,
+        is_initialised: Callable[[], bool],
+        report_random: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
         self.module = module
         self.body = body
         self.is_initialised = is_initialised
+        # Whether this rank may warn that the step draws random numbers before the body (once per run).
+        self._watch_random = report_random
+        self._watched = 0
+        self._device = device
         self.logs = StepLogs()
         self.outputs: list[Any] = []
         self._recorder = LogRecorder(module, self.logs)
@@ -173,9 +219,17 @@ class StepAdapter:
         start, length = int(target[0]), int(target.numel())
         micro_batch = slice_batch(self._batch, start, length, self._total)
         called = []
+        watch = self._watch_random and self._train and self._watched < 16  # draws show up in the first steps
+        self._watched += watch
+        before = _random_states(self._device) if watch else None
 
         def stub(*args: Any, **kwargs: Any) -> Any:
             called.append(True)
+            if before is not None:
+                sources = _changed(before, _random_states(self._device))
+                if sources:
+                    self._watch_random = False
+                    warnings.warn(RANDOM_BEFORE_BODY.format(hook=self._hook, sources=", ".join(sources)), stacklevel=1)
             # A copy if the output is a view: the user's loss code may modify it in place (logits /= t), which on
             # a view would bypass the data-parallel wrapper's backward hook.
             return output.clone() if isinstance(output, torch.Tensor) and output._base is not None else output
