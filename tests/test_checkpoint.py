@@ -72,6 +72,11 @@ def _check_resume(rec: dict) -> None:
         assert resumed["losses"] == straight["losses"][start:], name
         assert not _equal(resumed["snap_end"]["params"], straight["snap_end"]["params"]), name
         assert not _equal(resumed["snap_end"]["opt"], straight["snap_end"]["opt"]), name
+    # Dropout in the body: the body's random numbers continue exactly too.
+    drop, drop_resumed = rec["drop_straight"], rec["drop_from5"]
+    assert drop_resumed["steps"] == list(range(6, STEPS + 1))
+    assert drop_resumed["losses"] == drop["losses"][5:], (drop["losses"][5:], drop_resumed["losses"])
+    assert not _equal(drop_resumed["snap_end"]["params"], drop["snap_end"]["params"])
     # With accumulate_grad_batches=2 (a checkpoint per optimizer step, so every two batches): resuming from step 3
     # (batch 6, the middle of epoch 1) replays batches 7..20 exactly.
     acc, acc_resumed = rec["acc_straight"], rec["acc_from3"]

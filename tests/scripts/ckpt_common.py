@@ -43,6 +43,25 @@ class NoisyMLP(TinyMLP):
         return super().training_step((x, y), batch_idx)
 
 
+class DropoutMLP(NoisyMLP):
+    """NoisyMLP with dropout inside the body (between the Linears): the body consumes random numbers too."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "body"):
+            return
+        self.body = nn.Sequential(
+            nn.Linear(16, 32),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Linear(32, 32),
+            nn.ReLU(),
+            nn.Dropout(0.2),
+            nn.Linear(32, 32),
+            nn.ReLU(),
+            nn.Linear(32, 4),
+        )
+
+
 class OtherMLP(TinyMLP):
     """Another model: one more hidden layer, no ReLU before it (keys body.0, 2, 3, 5 instead of 0, 2, 4, 6)."""
 

@@ -5,6 +5,7 @@ Runs, in one launch (Lightning's launcher starts the ranks), all writing ``OUT/r
 * ``straight``: NoisyMLP, 10 steps, no checkpoint (the reference);
 * ``saving``: the same with a ModelCheckpoint that saves after every step (must not perturb the run);
 * ``from4`` / ``from5``: resume from the step-4 (end of epoch 0) and step-5 (mid-epoch 1) checkpoints to 10;
+* ``drop_straight`` / ``drop_from5``: a model with dropout in the body, resumed from step 5;
 * ``acc_straight`` / ``acc_from3``: the same with ``accumulate_grad_batches=2`` (two batches per optimizer step),
   resumed from the step-3 checkpoint, which falls in the middle of epoch 1;
 * ``clean``: noise-free run that keeps every step's checkpoint in ``OUT/all`` (for the reshard tests, with full
@@ -24,7 +25,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ckpt_common import NoisyMLP, OtherMLP, Recorder, loader, local_snapshot, trainer
+from ckpt_common import DropoutMLP, NoisyMLP, OtherMLP, Recorder, loader, local_snapshot, trainer
 
 STEPS = 10
 
@@ -69,6 +70,9 @@ def main() -> None:
     rec["saving"] = run(args, "saving", NoisyMLP(), callbacks=[every])
     rec["from4"] = run(args, "from4", NoisyMLP(), ckpt_path=str(out / "noisy" / "step=4.ckpt"))
     rec["from5"] = run(args, "from5", NoisyMLP(), ckpt_path=str(out / "noisy" / "step=5.ckpt"))
+    drop = ModelCheckpoint(dirpath=out / "drop", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    rec["drop_straight"] = run(args, "drop_straight", DropoutMLP(), callbacks=[drop])
+    rec["drop_from5"] = run(args, "drop_from5", DropoutMLP(), ckpt_path=str(out / "drop" / "step=5.ckpt"))
     acc = ModelCheckpoint(dirpath=out / "acc", filename="{step}", every_n_train_steps=1, save_top_k=-1)
     rec["acc_straight"] = run(args, "acc_straight", NoisyMLP(), callbacks=[acc], accumulate_grad_batches=2)
     rec["acc_from3"] = run(
