@@ -193,7 +193,7 @@ def save_checkpoint(
     optimizer_states = checkpoint.pop("optimizer_states", None)
     for i, state in enumerate(optimizer_states or []):
         tensors[f"optimizer_{i}"] = state
-    rng = _gather_to_rank0(rng_state(strategy.root_device))
+    rng = _gather_to_rank0(rng_state(strategy.root_device, strategy.body_randomness))
     dcp.save(tensors, checkpoint_id=staging)
     failure: BaseException | None = None
     if is_rank0:
@@ -287,17 +287,23 @@ def _restore_rank_state(strategy: ThreeDStrategy, trainer: pl.Trainer, section: 
     rng = None
     if layout is not None and rngs:
         rng = rngs[source_rank(layout, strategy.topology, strategy.global_rank)]
-        if (layout["dp"], layout["pp"], layout["tp"]) != (dp, pp, tp) and strategy.global_rank == 0:
+        same_layout = (layout["dp"], layout["pp"], layout["tp"]) == (dp, pp, tp)
+        if not same_layout:
+            # the body's streams belong to stages and tp ranks of the saved layout: fresh ones here
+            rng = {k: v for k, v in rng.items() if k != "streams"}
+        if not same_layout and strategy.global_rank == 0:
             rank_zero_info(
                 f"lightning_3d: resharded a checkpoint saved at (tp={layout['tp']}, pp={layout['pp']}, "
                 f"dp={layout['dp']}) into (tp={tp}, pp={pp}, dp={dp})."
             )
     if not fitting:
         if rng is not None:
-            set_rng_state(rng, strategy.root_device)
+            set_rng_state(rng, strategy.root_device, strategy.body_randomness)
         return
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ResumePosition)]
-    trainer.callbacks.append(ResumePosition(rng, section.get("data", {}), dp, strategy.root_device))
+    trainer.callbacks.append(
+        ResumePosition(rng, section.get("data", {}), dp, strategy.root_device, strategy.body_randomness)
+    )
 
 
 # ------------------------------------------------------------------------------------------- export / import

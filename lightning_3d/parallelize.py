@@ -26,6 +26,7 @@ from . import tensor_parallel as tpmod
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, materialize
 from .pipeline import StageSpec
+from .rng import BodyRandomness
 from .topology import Topology, mesh_ranks_table
 
 
@@ -130,6 +131,24 @@ def build_stages(
         StageSpec(s, apply_data_parallel(partition.stage_container(body, stage_plan.layer_names[s]), mesh["dp"]))
         for s in my_stages
     ]
+
+
+def add_body_randomness(
+    model: ModelPlan, stages: list[StageSpec], mesh: DeviceMesh, device: torch.device, seed: int
+) -> BodyRandomness:
+    """Give this rank's stages their random streams (see ``rng.py``): one per stage, and one per tp rank inside
+    each tensor-parallel region of the stage's layers."""
+    randomness = BodyRandomness(seed, [s.index for s in stages], mesh["tp"].get_local_rank(), device)
+    tp = mesh["tp"].size()
+    for spec in stages:
+        randomness.install_stage(spec.module, spec.index)
+        if tp == 1:
+            continue
+        for name in model.stage_plan.layer_names[spec.index]:
+            styles = model.tp_plan.styles_for(name)
+            if styles:
+                randomness.install_regions(model.body.module._modules[name], styles, spec.index)
+    return randomness
 
 
 def sync_replicas(body: nn.Module, mesh: DeviceMesh) -> None:

@@ -30,6 +30,8 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from .rng import BodyRandomness
+
 SINGLE_STAGE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 
 
@@ -58,6 +60,15 @@ class _Stage(PipelineStage):
     """
 
     defer_grad_sync: bool = False
+    randomness: BodyRandomness | None = None
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # torch's shape inference runs a real forward (under a forked default generator); the body's own
+        # random streams must not advance either, or a rebuilt schedule (after a resume) would shift them.
+        if self.randomness is None:
+            return super()._prepare_forward_infra(*args, **kwargs)
+        with self.randomness.frozen():
+            return super()._prepare_forward_infra(*args, **kwargs)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         module = self.submod
@@ -93,6 +104,7 @@ class PipelineRuntime:
         loss_fn: called by the last stage as ``loss_fn(output, target)`` for every micro-batch, training and
             evaluation alike.
         cache_size: how many (shape, micro-batch count, mode) schedules to keep.
+        randomness: the stages' random streams (frozen during torch's shape inference).
     """
 
     def __init__(
@@ -104,8 +116,10 @@ class PipelineRuntime:
         schedule: str,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         cache_size: int = 8,
+        randomness: BodyRandomness | None = None,
     ) -> None:
         self.stages = list(stages)
+        self.randomness = randomness
         self.num_stages = num_stages
         self.group = group
         self.device = device
@@ -130,6 +144,8 @@ class PipelineRuntime:
         if len(self.stages) > 1 and (cls is ScheduleGPipe or not train):
             cls = schedule_class("loopedbfs")  # forward-only or fill-drain order over several local stages
         built = [_Stage(s.module, s.index, self.num_stages, self.device, group=self.group) for s in self.stages]
+        for stage in built:
+            stage.randomness = self.randomness
         kwargs = {"loss_fn": self.loss_fn, "scale_grads": False}
         if issubclass(cls, PipelineScheduleSingle):
             return cls(built[0], n_micro, **kwargs)

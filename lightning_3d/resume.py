@@ -31,14 +31,15 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
+    from .rng import BodyRandomness
     from .topology import Topology
 
 _LIGHTNING_RESUME_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 # ------------------------------------------------------------------------------------------- RNG states
-def rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """This process's random-number states, as tensors and plain Python types."""
+def rng_state(device: torch.device | None = None, randomness: BodyRandomness | None = None) -> dict[str, Any]:
+    """This process's random-number states, as tensors and plain Python types (plus the body's streams)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -47,11 +48,15 @@ def rng_state(device: torch.device | None = None) -> dict[str, Any]:
     }
     if device is not None and device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    if randomness is not None:
+        state["streams"] = randomness.state_dict()
     return state
 
 
-def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
-    """Restore states written by :func:`rng_state`."""
+def set_rng_state(
+    state: dict[str, Any], device: torch.device | None = None, randomness: BodyRandomness | None = None
+) -> None:
+    """Restore states written by :func:`rng_state` (the body's streams only into ``randomness``, if given)."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -59,6 +64,8 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if device is not None and device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+    if randomness is not None and "streams" in state:
+        randomness.load_state_dict(state["streams"])
 
 
 def source_rank(saved: dict[str, int], topology: Topology, rank: int) -> int:
@@ -131,10 +138,19 @@ class ResumePosition(pl.Callback):
         data: what the checkpoint recorded about the data (``dp``, per-replica ``batch_size``).
         dp: this run's data-parallel degree.
         device: this rank's device (for CUDA RNG).
+        randomness: the body's random streams, restored from ``rng["streams"]``.
     """
 
-    def __init__(self, rng: dict[str, Any] | None, data: dict[str, Any], dp: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        rng: dict[str, Any] | None,
+        data: dict[str, Any],
+        dp: int,
+        device: torch.device,
+        randomness: BodyRandomness | None = None,
+    ) -> None:
         self.rng, self.data, self.dp, self.device = rng, data, dp, device
+        self.randomness = randomness
         self.done = False
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -196,4 +212,4 @@ class ResumePosition(pl.Callback):
 
     def _restore_rng(self) -> None:
         if self.rng is not None:
-            set_rng_state(self.rng, self.device)
+            set_rng_state(self.rng, self.device, self.randomness)

@@ -22,6 +22,7 @@ from . import metric_sync
 from .log_relay import StepLogs, relay, replay
 from .partition import BodyRef
 from .pipeline import PipelineRuntime, StageSpec, min_micro_batches
+from .rng import BodyRandomness
 from .step import GradStash, StepAdapter, batch_size_of, capture_body_input, merge_outputs, shape_key
 
 _CONTEXTS = {
@@ -44,6 +45,7 @@ class BatchRunner:
         device: this rank's device.
         schedule: training schedule name.
         micro_batches: micro-batches per (full) batch.
+        randomness: the stages' random streams (see ``rng.py``).
     """
 
     def __init__(
@@ -56,15 +58,19 @@ class BatchRunner:
         device: torch.device,
         schedule: str,
         micro_batches: int,
+        randomness: BodyRandomness | None = None,
     ) -> None:
         self.module, self.body, self.mesh = module, body, mesh
+        self.randomness = randomness
         self.schedule, self.micro_batches = schedule, micro_batches
         self.pp = mesh["pp"].size()
         report = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0  # one last-stage rank
         self.adapter = StepAdapter(
             module, body, lambda: self.runtime.current_initialised(), report_random=report, device=device
         )
-        self.runtime = PipelineRuntime(stages, num_stages, mesh["pp"].get_group(), device, schedule, self.adapter)
+        self.runtime = PipelineRuntime(
+            stages, num_stages, mesh["pp"].get_group(), device, schedule, self.adapter, randomness=randomness
+        )
         self.stash = GradStash()
         self.metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}
         metric_sync.use_group(self.metrics, mesh["dp"].get_group())

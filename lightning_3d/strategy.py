@@ -10,6 +10,7 @@ materialize.py      meta-device layers materialised one at a time; full <-> shar
 data_parallel.py    ``replicate`` over the dp mesh
 parallelize.py      the three applied in one fixed order: stages, tensor parallel, data parallel
 pipeline.py         ``PipelineStage`` + schedules, cached per micro-batch shape
+rng.py              the body's random streams: per stage, per tp rank in sharded regions
 runner.py, step.py  one batch of the user's hook through the pipeline; gradients handed to Lightning
 log_relay.py        ``self.log`` from the last stage to every rank (metric_sync.py: torchmetrics)
 grad_norm.py        the global gradient norm for clipping
@@ -53,9 +54,17 @@ from typing_extensions import override
 from . import partition
 from .grad_norm import clip_grads_, global_grad_norm
 from .materialize import LoadReport, gather_full_state_dict, load_full_state_dict
-from .parallelize import ParallelConfig, broadcast_seed, build_stages, describe_layout, plan_model
+from .parallelize import (
+    ParallelConfig,
+    add_body_randomness,
+    broadcast_seed,
+    build_stages,
+    describe_layout,
+    plan_model,
+)
 from .pipeline import is_multi_stage, min_micro_batches, schedule_class
 from .reliability import Reliability, as_timedelta, diagnose_barrier  # ---- reliability
+from .rng import BodyRandomness
 from .runner import BatchRunner
 from .topology import Topology
 
@@ -177,6 +186,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.plan: Any = None
         self.full_spec: dict[str, partition.TensorSpec] = {}
         self.runner: BatchRunner | None = None
+        self.body_randomness: BodyRandomness | None = None
         self._example_input: Any = None
         self._layout = ""
         self.last_grad_norm: Tensor | None = None
@@ -319,6 +329,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._reliability.check_consistency(model.body, model.stage_plan)  # ---- reliability: FIRST collective
         seed = broadcast_seed(self.seed)
         stages = build_stages(module, model, self.device_mesh, self.root_device, self.precision_plugin, seed)
+        self.body_randomness = add_body_randomness(model, stages, self.device_mesh, self.root_device, seed)
         self.runner = BatchRunner(
             module,
             model.body,
@@ -328,6 +339,7 @@ class ThreeDStrategy(ParallelStrategy):
             self.root_device,
             self.schedule,
             self.micro_batches,
+            randomness=self.body_randomness,
         )
         self._layout = layout
         if self.print_layout and self.global_rank == 0:
