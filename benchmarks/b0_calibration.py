@@ -70,32 +70,33 @@ def worker(reps: int = 20, seconds: float = 1.0, tiny: bool = False) -> dict[str
         }
         out["model_microbatch_ms"] = _model_microbatch_ms(tiny, max(3, reps // 2))
     dist.barrier()
-    for size in SIZES:
-        t = torch.ones(max(1, size // 4))
+
+    def timed_median(op: Any) -> float:
+        """Median seconds of ``op()`` over ``reps`` calls after 3 warm-up calls, each started after a barrier."""
         times = []
         for i in range(reps + 3):
             dist.barrier()
             start = time.perf_counter()
-            if rank == 0:
-                dist.send(t, 1)
-                dist.recv(t, 1)
-            else:
-                dist.recv(t, 0)
-                dist.send(t, 0)
+            op()
             if i >= 3:
-                times.append((time.perf_counter() - start) / 2)
-        one_way = median(times)
+                times.append(time.perf_counter() - start)
+        return median(times)
+
+    def ping_pong(t: Any) -> None:
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+
+    for size in SIZES:
+        t = torch.ones(max(1, size // 4))
+        one_way = timed_median(lambda t=t: ping_pong(t)) / 2
         out["p2p"][str(size)] = {"bytes": size, "one_way_ms": one_way * 1e3, "GB_per_s": size / one_way / 1e9}
     for size in SIZES:
         t = torch.ones(max(1, size // 4))
-        times = []
-        for i in range(reps + 3):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            if i >= 3:
-                times.append(time.perf_counter() - start)
-        tm = median(times)
+        tm = timed_median(lambda t=t: dist.all_reduce(t))
         out["allreduce"][str(size)] = {"bytes": size, "ms": tm * 1e3, "algo_GB_per_s": size / tm / 1e9}
     return out
 

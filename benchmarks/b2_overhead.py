@@ -116,11 +116,7 @@ def _strategy_run(
 ) -> dict[str, list[float]]:
     import lightning as L
 
-    from lightning_3d import ThreeDStrategy
-
-    from .common import build_gpt, quiet_lightning
-
-    quiet_lightning()
+    from .common import fit_3d
 
     class Clock(L.Callback):
         """Step starts, and the time spent in the schedule, in the strategy's batch runner (schedule + input
@@ -161,19 +157,7 @@ def _strategy_run(
             self.times["optimizer"].append(time.perf_counter() - self._before_opt)
 
     clock = Clock()
-    model = build_gpt(config, seed=0, build=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=tp * pp,
-        strategy=ThreeDStrategy(tp=tp, pp=pp, micro_batches=m, print_layout=False, **strategy_kwargs),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock],
-    )
-    trainer.fit(model, _data(config, batch, steps))
+    fit_3d(config, clock, tp=tp, pp=pp, micro_batches=m, batch=batch, steps=steps, devices=tp * pp, **strategy_kwargs)
     s = clock.starts
     return {"steps": [b - a for a, b in itertools.pairwise(s)], **{k: v[:-1] for k, v in clock.times.items()}}
 

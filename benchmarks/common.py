@@ -427,9 +427,11 @@ def fit_3d(
     batch: int,
     steps: int,
     devices: int,
+    **strategy_kwargs: Any,
 ) -> Any:
     """``Trainer.fit`` of the example GPT with ``ThreeDStrategy`` in the processes of this job (built in
-    ``configure_model``, i.e. on the meta device and materialised shard by shard); returns the trainer."""
+    ``configure_model``, i.e. on the meta device and materialised shard by shard); returns the trainer.
+    ``strategy_kwargs`` go to ``ThreeDStrategy`` (e.g. ``on_nonfinite="off"``)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -444,7 +446,7 @@ def fit_3d(
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=ThreeDStrategy(tp=tp, pp=pp, micro_batches=micro_batches, print_layout=False),
+        strategy=ThreeDStrategy(tp=tp, pp=pp, micro_batches=micro_batches, print_layout=False, **strategy_kwargs),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
