@@ -11,7 +11,7 @@ step's time is the slower rank's. No optimizer step on either side: this is the 
 
 Speed-up = baseline time / pipelined time; the ideal speed-up of a balanced 2-stage pipeline with free
 communication is ``2m / (m + 1)`` (bubble ``(p - 1) / (m + p - 1)``); the record's ratio is measured / ideal
-for 1F1B at m = 8. Seven more steps of each schedule at m = 8 are recorded with :mod:`lightning_3d.timeline`
+for 1F1B at m = 8. Seven more steps of each schedule at m = 8 are recorded with :mod:`lightning_3d.tools.timeline`
 (the one of median length goes to a Chrome trace + Gantt chart in the output folder): the record splits the
 step into compute, waiting for the neighbour and the rest, and gives the bound that the measured stage
 imbalance alone allows,
@@ -43,7 +43,13 @@ def worker(
     """Runs on both ranks (see the module docstring); returns the times of every round."""
     import torch.distributed as dist
 
-    from lightning_3d.timeline import ScheduleRecorder, bubble_stats, gather_timelines, plot_gantt, write_chrome_trace
+    from lightning_3d.tools.timeline import (
+        ScheduleRecorder,
+        bubble_stats,
+        gather_timelines,
+        plot_gantt,
+        write_chrome_trace,
+    )
 
     from .common import (
         build_gpt,

@@ -65,8 +65,8 @@ def _hand_loop(config: dict[str, Any], tp: int, pp: int, m: int, batch: int, ste
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from lightning_3d import partition
-    from lightning_3d.tensor_parallel import resolve_plan
+    from lightning_3d.core import partition
+    from lightning_3d.core.tensor_parallel import resolve_plan
 
     from .common import build_gpt, gpt_loss
 

@@ -32,8 +32,8 @@ def _tp_model(config: dict[str, Any], mesh: Any) -> Any:
     import torch
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_3d import partition
-    from lightning_3d.tensor_parallel import resolve_plan
+    from lightning_3d.core import partition
+    from lightning_3d.core.tensor_parallel import resolve_plan
 
     from .common import build_gpt
 

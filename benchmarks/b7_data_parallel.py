@@ -1,7 +1,7 @@
 """B7 data-parallel weak scaling: dp=2 on 2 processes against one process with the same per-rank batch.
 
 Two processes, one thread each, the benchmark GPT, 4 sequences per rank, forward + backward + AdamW. dp=2 wraps
-the whole model with ``replicate`` over a 2-rank mesh (``lightning_3d.data_parallel.apply_data_parallel``,
+the whole model with ``replicate`` over a 2-rank mesh (``lightning_3d.core.data_parallel.apply_data_parallel``,
 what the strategy does around each stage): one all-reduce of every gradient after backward. Baseline, in
 the same run: rank 0 alone training its own copy on the same per-rank batch while rank 1 waits in a barrier.
 Rounds alternate the two; medians after warm-up; a dp step is the slower rank's. The time of one all-reduce
@@ -30,7 +30,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_3d.data_parallel import apply_data_parallel
+    from lightning_3d.core.data_parallel import apply_data_parallel
 
     from .common import build_gpt, gpt_loss, init_distributed, model_config, profile_breakdown, token_batch
 

@@ -326,7 +326,7 @@ def stage_modules(model: Any, pp: int, pp_rank: int, stages_per_rank: int = 1) -
     Returns ``[(stage_index, nn.Sequential of that stage's layers, under their body names)]``; the layers are
     shared with ``model`` (deep-copy the model first to keep a whole copy).
     """
-    from lightning_3d import partition
+    from lightning_3d.core import partition
 
     body = partition.find_body(model)
     plan = partition.plan_stages(body, pp, partition.get_partitioner("uniform"), stages_per_rank)
@@ -346,7 +346,7 @@ def build_schedule(
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-    from lightning_3d.pipeline import schedule_class
+    from lightning_3d.core.pipeline import schedule_class
 
     cls = schedule_class(name)
     built = [PipelineStage(mod, s, num_stages, torch.device("cpu"), group=group) for s, mod in stages]

@@ -7,11 +7,11 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .materialize import LoadReport, load_full_state_dict
-from .partition import ParameterPartitioner, Partitioner, UniformPartitioner
+from .core.materialize import LoadReport, load_full_state_dict
+from .core.partition import ParameterPartitioner, Partitioner, UniformPartitioner
+from .core.topology import Topology
 from .reliability import ConsistencyError, DPConsistencyCheck, DPDivergenceError, NonFiniteError, diagnose_barrier
 from .strategy import ThreeDStrategy
-from .topology import Topology
 
 __all__ = [
     "ConsistencyError",

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import Tensor
 
-from .dp_check import DPConsistencyCheck, DPDivergenceError
-from .failure_watch import FailureWatch, is_agreed, mark_agreed
+from .core.agreed import is_agreed, mark_agreed
+from .tools.dp_check import DPConsistencyCheck, DPDivergenceError
+from .tools.failure_watch import FailureWatch
 
 if TYPE_CHECKING:
     from .strategy import ThreeDStrategy

@@ -2,21 +2,22 @@
 
 This file is the orchestrator only: Lightning's hooks, each delegating to one module per concept:
 
-==================  ==========================================================================
-topology.py         (dp, pp, tp) degrees, their validation, the named device mesh
-partition.py        finding the ``nn.Sequential`` body, splitting it into stages, pruning
-tensor_parallel/    the automatic / explicit tensor-parallel plan (DTensor styles)
-materialize.py      meta-device layers materialised one at a time; full <-> sharded weights
-data_parallel.py    ``replicate`` over the dp mesh
-parallelize.py      the three applied in one fixed order: stages, tensor parallel, data parallel
-pipeline.py         ``PipelineStage`` + schedules, cached per micro-batch shape
-rng.py              the body's random streams: per stage, per tp rank in sharded regions
-runner.py, step.py  one batch of the user's hook through the pipeline; gradients handed to Lightning
-log_relay.py        ``self.log`` from the last stage to every rank (metric_sync.py: torchmetrics)
-grad_norm.py        the global gradient norm for clipping
-checkpoint.py       sharded, atomic, layout-independent checkpoints (resume.py, named_state.py)
-reliability.py      consistency check, timeouts, non-finite agreement, fail-fast (failure_watch.py)
-==================  ==========================================================================
+==========================  ====================================================================
+core/topology.py            (dp, pp, tp) degrees, their validation, the named device mesh
+core/partition.py           finding the ``nn.Sequential`` body, splitting it into stages, pruning
+core/tensor_parallel/       the automatic / explicit tensor-parallel plan (DTensor styles)
+core/materialize.py         meta-device layers materialised one at a time; full <-> sharded weights
+core/data_parallel.py       ``replicate`` over the dp mesh
+core/parallelize.py         the three applied in one fixed order: stages, tensor parallel, data parallel
+core/pipeline.py            ``PipelineStage`` + schedules, cached per micro-batch shape
+core/rng.py                 the body's random streams: per stage, per tp rank in sharded regions
+core/runner.py, step.py     one batch of the user's hook through the pipeline; gradients handed over
+core/log_relay.py           ``self.log`` from the last stage to every rank (metric_sync.py: torchmetrics)
+core/grad_norm.py           the global gradient norm for clipping
+checkpoint/                 sharded, atomic, layout-independent checkpoints (``python -m`` CLI)
+reliability.py              consistency check, timeouts, non-finite agreement, fail-fast wiring
+tools/                      opt-in: pipeline timeline, fail-fast watch, data-parallel check
+==========================  ====================================================================
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from . import partition
-from .grad_norm import clip_grads_, global_grad_norm
-from .materialize import LoadReport, gather_full_state_dict, load_full_state_dict
-from .parallelize import (
+from .core import partition
+from .core.grad_norm import clip_grads_, global_grad_norm
+from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
+from .core.parallelize import (
     ParallelConfig,
     add_body_randomness,
     broadcast_seed,
@@ -62,11 +63,11 @@ from .parallelize import (
     describe_layout,
     plan_model,
 )
-from .pipeline import is_multi_stage, min_micro_batches, schedule_class
+from .core.pipeline import is_multi_stage, min_micro_batches, schedule_class
+from .core.rng import BodyRandomness
+from .core.runner import BatchRunner
+from .core.topology import Topology
 from .reliability import Reliability, as_timedelta, diagnose_barrier  # ---- reliability
-from .rng import BodyRandomness
-from .runner import BatchRunner
-from .topology import Topology
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -27,9 +27,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_3d import checkpoint as ckpt
-from lightning_3d.named_state import compare_keys, optimizer_state_dict, torch_optimizer_state
-from lightning_3d.resume import _skip_for_layout, source_rank
-from lightning_3d.topology import Topology
+from lightning_3d.checkpoint.named_state import compare_keys, optimizer_state_dict, torch_optimizer_state
+from lightning_3d.checkpoint.resume import _skip_for_layout, source_rank
+from lightning_3d.core.topology import Topology
 
 from launch import base_env, run_lightning
 

@@ -18,8 +18,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lightning_3d.config import register_configs
-from lightning_3d.train import CONF_DIR, ConfigurationError, _register_resolvers, build
+from lightning_3d.train.app import CONF_DIR, ConfigurationError, _register_resolvers, build
+from lightning_3d.train.config import register_configs
 from lightning_3d_examples import PRESETS
 
 from launch import run_lightning

@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from lightning_3d import ThreeDStrategy
-from lightning_3d.dp_check import bit_checksum
-from lightning_3d.failure_watch import is_communication_error, summarize
 from lightning_3d.reliability import _P2PTimeout, _ranks_text
+from lightning_3d.tools.dp_check import bit_checksum
+from lightning_3d.tools.failure_watch import is_communication_error, summarize
 
 from launch import JobResult, run_lightning, run_ranks
 

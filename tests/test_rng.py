@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.rng import BodyRandomness, region_stream, stage_stream, stream_seed
+from lightning_3d.core.rng import BodyRandomness, region_stream, stage_stream, stream_seed
 
 from launch import run_lightning
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from lightning_3d.tensor_parallel import (
+from lightning_3d.core.tensor_parallel import (
     STYLE_NAMES,
     PlanEntry,
     TPPlan,
@@ -20,7 +20,7 @@ from lightning_3d.tensor_parallel import (
     local_numel,
     resolve_plan,
 )
-from lightning_3d.tensor_parallel.styles import SharedInputColwiseParallel
+from lightning_3d.core.tensor_parallel.styles import SharedInputColwiseParallel
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from tp_models import gpt, mlp_chain

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lightning_3d import timeline as tl
+from lightning_3d.tools import timeline as tl
 
 from launch import run_lightning
 

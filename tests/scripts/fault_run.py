@@ -40,8 +40,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import DPConsistencyCheck, ThreeDStrategy
-from lightning_3d.dp_check import bit_checksum
 from lightning_3d.reliability import group_timeout
+from lightning_3d.tools.dp_check import bit_checksum
 
 from models import TinyMLP, loader
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_3d import ThreeDStrategy
-from lightning_3d.timeline import PipelineTimeline, matplotlib_available
+from lightning_3d.tools.timeline import PipelineTimeline, matplotlib_available
 from lightning_3d_examples.gpt import GPT
 
 

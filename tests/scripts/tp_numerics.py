@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp_models import Attention, Block, Embed, gpt, mlp_chain, swiglu_model
 
-from lightning_3d.tensor_parallel import local_numel, resolve_plan
+from lightning_3d.core.tensor_parallel import local_numel, resolve_plan
 
 TOL = 1e-10
 

@@ -6,10 +6,10 @@ plan into ``parallelize_module`` arguments for one pipeline stage; :func:`descri
 :func:`local_numel` says how much of each parameter one rank must hold.
 """
 
-from lightning_3d.tensor_parallel.analyzer import example_input_for
-from lightning_3d.tensor_parallel.describe import describe_plan
-from lightning_3d.tensor_parallel.plan import PlanEntry, TPPlan, local_numel, resolve_plan
-from lightning_3d.tensor_parallel.styles import STYLE_NAMES
+from lightning_3d.core.tensor_parallel.analyzer import example_input_for
+from lightning_3d.core.tensor_parallel.describe import describe_plan
+from lightning_3d.core.tensor_parallel.plan import PlanEntry, TPPlan, local_numel, resolve_plan
+from lightning_3d.core.tensor_parallel.styles import STYLE_NAMES
 
 __all__ = [
     "STYLE_NAMES",

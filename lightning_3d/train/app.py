@@ -39,7 +39,7 @@ from .config import register_configs
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # Set by the launching process while a job runs; the processes Lightning starts read their config from it.
 JOB_CONFIG_ENV = "LIGHTNING_3D_JOB_CONFIG"
 

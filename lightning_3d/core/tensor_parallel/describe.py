@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_3d.tensor_parallel.plan import TPPlan
-from lightning_3d.tensor_parallel.styles import local_shape, style_kind, style_label
+from lightning_3d.core.tensor_parallel.plan import TPPlan
+from lightning_3d.core.tensor_parallel.styles import local_shape, style_kind, style_label
 
 
 def _shape(mod: nn.Module, kind: str, tp: int) -> str:
@@ -24,7 +24,7 @@ def describe_plan(body: nn.Module, plan: TPPlan, tp: int, *, body_prefix: str = 
 
     Args:
         body: the model body the plan was made for (unsharded or on the meta device).
-        plan: the plan from :func:`~lightning_3d.tensor_parallel.resolve_plan`.
+        plan: the plan from :func:`~lightning_3d.core.tensor_parallel.resolve_plan`.
         tp: tensor-parallel size.
         body_prefix: attribute name of the body in the LightningModule.
 

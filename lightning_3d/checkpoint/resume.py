@@ -31,8 +31,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
-    from .rng import BodyRandomness
-    from .topology import Topology
+    from ..core.rng import BodyRandomness
+    from ..core.topology import Topology
 
 _LIGHTNING_RESUME_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_3d.tensor_parallel.flow import FlowMode, FlowState, user_location
-from lightning_3d.tensor_parallel.rules import Tag, op_name, tensors_in
+from lightning_3d.core.tensor_parallel.flow import FlowMode, FlowState, user_location
+from lightning_3d.core.tensor_parallel.rules import Tag, op_name, tensors_in
 
 
 class SimFailure(Exception):

@@ -42,19 +42,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..core.agreed import is_agreed
+
 ABORT_EXIT_CODE = 1
-_AGREED_ATTR = "_lightning_3d_agreed"
-
-
-def mark_agreed(exc: BaseException) -> BaseException:
-    """Mark an exception as raised by every rank at the same point (no fail-fast record is posted)."""
-    setattr(exc, _AGREED_ATTR, True)
-    return exc
-
-
-def is_agreed(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised by every rank together (see :func:`mark_agreed`)."""
-    return bool(getattr(exc, _AGREED_ATTR, False))
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

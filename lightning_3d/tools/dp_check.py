@@ -19,7 +19,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from .failure_watch import mark_agreed
+from ..core.agreed import mark_agreed
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _CHUNK = 1 << 22

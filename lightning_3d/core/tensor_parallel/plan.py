@@ -17,8 +17,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_3d.tensor_parallel.analyzer import AnalysisError, analyze, candidates, divisors_text, example_input_for
-from lightning_3d.tensor_parallel.styles import STYLE_NAMES, check_style, local_numel_of, make_style, style_kind
+from lightning_3d.core.tensor_parallel.analyzer import (
+    AnalysisError,
+    analyze,
+    candidates,
+    divisors_text,
+    example_input_for,
+)
+from lightning_3d.core.tensor_parallel.styles import STYLE_NAMES, check_style, local_numel_of, make_style, style_kind
 
 
 @dataclass(frozen=True)
@@ -197,7 +203,7 @@ def resolve_plan(
 
     The automatic analysis (if ``auto``) runs the body once on a tiny example input and shards the
     MLP and attention pairs it recognises from the data flow, the final projection and the
-    embeddings (see :mod:`lightning_3d.tensor_parallel.analyzer`). Explicit entries are applied on
+    embeddings (see :mod:`lightning_3d.core.tensor_parallel.analyzer`). Explicit entries are applied on
     top and win for the modules they match; ``"replicate"`` on a module also keeps everything
     inside it replicated.
 
@@ -269,7 +275,7 @@ def local_numel(param_fqn: str, full_shape: tuple[int, ...], plan: TPPlan, tp: i
 
     Column-wise (and colwise_gather): weight and bias / tp; row-wise: weight / tp, bias whole;
     vocab: weight / tp; anything else whole. ``ParallelStyle`` objects count as the style they
-    are (see :func:`~lightning_3d.tensor_parallel.styles.style_kind`); unknown objects as whole.
+    are (see :func:`~lightning_3d.core.tensor_parallel.styles.style_kind`); unknown objects as whole.
 
     Args:
         param_fqn: body-relative parameter name, e.g. ``"3.attn.q_proj.weight"``.

@@ -1,9 +1,9 @@
 """Propagate "this tensor would be sharded" through the operations of one forward pass.
 
-A :class:`~lightning_3d.tensor_parallel.rules.Tag` marks a tensor that is derived from the output
+A :class:`~lightning_3d.core.tensor_parallel.rules.Tag` marks a tensor that is derived from the output
 of column-wise candidate Linears (``srcs``) and says which of its dimensions would be sharded
 under tensor parallelism. The :class:`FlowMode` (a ``TorchFunctionMode``) sees every torch call of
-the forward pass and asks :mod:`~lightning_3d.tensor_parallel.rules` how the tags of the inputs
+the forward pass and asks :mod:`~lightning_3d.core.tensor_parallel.rules` how the tags of the inputs
 map to the outputs. An operation that mixes or reduces the sharded dimension, or that the rules do
 not know, is refused: the Linears in ``srcs`` are then recorded as unshardable with that reason.
 Replicated is always correct; a wrong shard is a silent numerical bug, so unknown means refuse."""
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_3d.tensor_parallel.rules import BENIGN, NO_GRAD, Refuse, Tag, apply_rule, op_name, tensors_in
+from lightning_3d.core.tensor_parallel.rules import BENIGN, NO_GRAD, Refuse, Tag, apply_rule, op_name, tensors_in
 
 
 def user_location() -> str:

@@ -1,7 +1,7 @@
 """Rules: how the sharding of a call's inputs maps to its outputs.
 
 :func:`apply_rule` is asked, for every torch call that gets a tagged (would-be sharded) input,
-which tags its outputs carry. It raises :class:`~lightning_3d.tensor_parallel.shapes.Refuse` when
+which tags its outputs carry. It raises :class:`~lightning_3d.core.tensor_parallel.shapes.Refuse` when
 the call would need the full activation: it mixes, reduces, splits or contracts the sharded
 dimension, combines it with a full-size tensor (a residual) or with a broadcast tensor that needs a
 gradient (whose gradient would only be a partial sum on each rank), or is not known at all.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_3d.tensor_parallel.shapes import (
+from lightning_3d.core.tensor_parallel.shapes import (
     Refuse,
     broadcast_pos,
     map_getitem,
@@ -28,7 +28,7 @@ from lightning_3d.tensor_parallel.shapes import (
 )
 
 if TYPE_CHECKING:
-    from lightning_3d.tensor_parallel.flow import FlowState
+    from lightning_3d.core.tensor_parallel.flow import FlowState
 
 FUSED = "is split into parts (a fused projection?): give an explicit plan or use separate Linears"
 RESIDUAL = "is combined with a full-size tensor that is not sharded the same way (e.g. a residual connection)"

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_3d.tensor_parallel.flow import FlowMode, FlowState
-from lightning_3d.tensor_parallel.rules import Tag, tensors_in
-from lightning_3d.tensor_parallel.simulate import simulate
+from lightning_3d.core.tensor_parallel.flow import FlowMode, FlowState
+from lightning_3d.core.tensor_parallel.rules import Tag, tensors_in
+from lightning_3d.core.tensor_parallel.simulate import simulate
 
 FINAL = "final:"  # marks, in the escaped set, the last module called in the forward pass
 

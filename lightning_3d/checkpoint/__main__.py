@@ -1,0 +1,49 @@
+"""``python -m lightning_3d.checkpoint {export,info} ...``: checkpoint folders from the command line, one process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader
+
+from . import META_FILE, SECTION, check_complete, export, saved_model_shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_3d.checkpoint {export,info} ...``"""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_3d.checkpoint", description="Export or inspect a lightning_3d checkpoint folder."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_export = sub.add_parser("export", help="write the single-device state dict of a checkpoint folder")
+    p_export.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints/last.ckpt)")
+    p_export.add_argument("out", help="output file (torch.save)")
+    p_info = sub.add_parser("info", help="print the layout, progress and keys of a checkpoint folder")
+    p_info.add_argument("checkpoint")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            state_dict = export(args.checkpoint, args.out)
+            numel = sum(t.numel() for t in state_dict.values() if isinstance(t, Tensor))
+            print(f"wrote {args.out}: {len(state_dict)} tensors, {numel:,} elements")
+        else:
+            path = Path(args.checkpoint)
+            check_complete(path)
+            meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+            shapes = saved_model_shapes(FileSystemReader(path).read_metadata())
+            layout = meta.get(SECTION, {}).get("layout", {})
+            print(f"{path}: epoch {meta.get('epoch')}, global step {meta.get('global_step')}, layout {layout}")
+            for key, shape in shapes.items():
+                print(f"  {key}: {shape}")
+    except (FileNotFoundError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
