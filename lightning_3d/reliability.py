@@ -337,12 +337,21 @@ class Reliability:
             )
             self.watch.start()
 
-    def check_consistency(self, body: Any, stage_plan: Any) -> None:
-        """The first collective of ``_parallelize``: settings and model structure are the same on every rank."""
+    def check_consistency(self, body: Any, stage_plan: Any, error: BaseException | None = None) -> None:
+        """The first collective of ``_parallelize``: settings and model structure are the same on every rank.
+
+        ``error`` is this rank's planning error, if any (a configuration the model does not fit): it joins the
+        compared items, so a rank that fails planning while another does not is named in a ``ConsistencyError``
+        on every rank instead of leaving the others waiting; when every rank failed alike the caller raises it.
+        """
         if self.setup_timeout is not None:
             set_timeouts(self.setup_timeout)  # the mesh's sub-groups were created with the backend's default
         if self.consistency:
-            items = {**config_items(self.strategy), **body_items(body, stage_plan)}
+            items = config_items(self.strategy)
+            if error is None:
+                items.update(body_items(body, stage_plan))
+            else:
+                items["setup_error"] = f"{type(error).__name__}: {error}"
             compare_across_ranks(items, self._device(), "the strategy / Trainer settings or the model")
 
     # ------------------------------------------------------------------ steps

@@ -53,6 +53,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from .core import partition
+from .core.agreed import mark_agreed
 from .core.grad_norm import clip_grads_, global_grad_norm
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
 from .core.parallelize import (
@@ -317,7 +318,12 @@ class ThreeDStrategy(ParallelStrategy):
         config = ParallelConfig(
             self.tp, self.pp, self.stages_per_rank, self.partitioner, self.body_name, self.tp_plan, self.tp_autoplan
         )
-        model = plan_model(module, config)  # every check that needs no communication, on every rank alike
+        try:
+            model = plan_model(module, config)  # every check that needs no communication, on every rank alike
+        except ValueError as err:
+            # Every rank raises it alike (the consistency check below proves it): not a one-rank failure.
+            self._reliability.check_consistency(None, None, error=err)
+            raise mark_agreed(err) from None
         self.body, self.stage_plan, self.plan, self.full_spec = (
             model.body,
             model.stage_plan,

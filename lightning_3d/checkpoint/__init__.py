@@ -45,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from ..core.agreed import mark_agreed
 from .named_state import (
     MODEL,
     compare_keys,
@@ -230,7 +231,10 @@ def load_checkpoint(
         Lightning's remaining checkpoint dict (loops, callbacks, LR schedulers, ...), for Lightning to restore.
     """
     path = Path(strategy.broadcast(os.fspath(checkpoint_path)))
-    check_complete(path)
+    try:
+        check_complete(path)
+    except FileNotFoundError as err:
+        raise mark_agreed(err) from None
     module = strategy.lightning_module
     assert module is not None and strategy.topology is not None
     metadata = FileSystemReader(path).read_metadata()
@@ -238,8 +242,10 @@ def load_checkpoint(
     section = meta.pop(SECTION, None) or {}
     saved = saved_model_shapes(metadata)
     report = compare_keys({k: spec.shape for k, spec in strategy.full_spec.items()}, saved)
+    # The checks below see the same folder and (setup checked it) the same model on every rank: each rank raises
+    # the same error by itself, so they are "agreed" and do not trip the fail-fast watch (see core/agreed.py).
     if report.mismatched or (report and module.strict_loading):
-        raise KeyError(report.message(path))
+        raise mark_agreed(KeyError(report.message(path)))
     if report:
         warnings.warn(report.message(path).replace("Nothing was loaded.", "Loading the common keys."), stacklevel=2)
     trainer = module.trainer
@@ -247,14 +253,18 @@ def load_checkpoint(
     optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers] if fitting else []
     saved_optimizers = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")})
     if optimizers and not saved_optimizers:
-        raise KeyError(
-            "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to "
-            "`ModelCheckpoint.save_weights_only` being set to `True`."
+        raise mark_agreed(
+            KeyError(
+                "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to "
+                "`ModelCheckpoint.save_weights_only` being set to `True`."
+            )
         )
     if optimizers and len(saved_optimizers) != len(optimizers):
-        raise ValueError(
-            f"lightning_3d: checkpoint {str(path)!r} holds {len(saved_optimizers)} optimizer states but "
-            f"configure_optimizers returned {len(optimizers)} optimizers. Nothing was loaded."
+        raise mark_agreed(
+            ValueError(
+                f"lightning_3d: checkpoint {str(path)!r} holds {len(saved_optimizers)} optimizer states but "
+                f"configure_optimizers returned {len(optimizers)} optimizers. Nothing was loaded."
+            )
         )
     names = param_names(module)
     model = {k: torch.empty_like(v) for k, v in module.state_dict().items() if k in saved}

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchmetrics import Metric
 
 from . import metric_sync
+from .agreed import mark_agreed
 from .log_relay import StepLogs, relay, replay
 from .partition import BodyRef
 from .pipeline import PipelineRuntime, StageSpec, min_micro_batches
@@ -31,6 +32,19 @@ _CONTEXTS = {
     "test_step": "test_step_context",
     "predict_step": "predict_step_context",
 }
+
+
+def micro_batch_mismatch(total: int, micro_batches: int, minimum: int) -> str:
+    """The message for a per-replica batch of ``total`` samples that ``micro_batches`` does not divide."""
+    below = total - total % micro_batches
+    sizes = [s for s in (below, below + micro_batches) if s > 0]
+    workable = [d for d in range(minimum, total + 1) if total % d == 0]
+    return (
+        f"ThreeDStrategy: the training batch has {total} samples per data-parallel replica, which "
+        f"micro_batches={micro_batches} does not divide. Use a per-replica batch size that is a multiple of "
+        f"{micro_batches} (e.g. {' or '.join(map(str, sizes))})"
+        + (f", or micro_batches in {workable}." if workable else ".")
+    )
 
 
 class BatchRunner:
@@ -92,12 +106,8 @@ class BatchRunner:
         if train and not self._checked_first_train_batch:
             self._checked_first_train_batch = True
             if total % m != 0:
-                workable = [d for d in range(minimum, total + 1) if total % d == 0]
-                raise ValueError(
-                    f"ThreeDStrategy: the training batch has {total} samples per data-parallel replica, which "
-                    f"micro_batches={m} does not divide. Use a per-replica batch size that is a multiple of {m} "
-                    f"(e.g. {max(m, total - total % m)} or {total + m - total % m}), or micro_batches in {workable}."
-                )
+                # Every replica's batch has the same size, so every rank raises this alike (no fail-fast record).
+                raise mark_agreed(ValueError(micro_batch_mismatch(total, m, minimum)))
         if total % m == 0:
             return m, self.schedule
         divisors = [d for d in range(1, total + 1) if total % d == 0]
