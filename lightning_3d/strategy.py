@@ -67,6 +67,8 @@ from .core.parallelize import (
 from .core.pipeline import is_multi_stage, min_micro_batches, schedule_class
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
+from .core.step import HeldGrads
+from .core.tied import TiedWeights, canonical_names
 from .core.topology import Topology
 from .reliability import Reliability, as_timedelta, diagnose_barrier  # ---- reliability
 
@@ -97,7 +99,10 @@ class ThreeDStrategy(ParallelStrategy):
             plan for the modules it matches. A ``tp_plan`` attribute on the LightningModule works the same.
         tp_autoplan: find the plan for standard blocks automatically from the data flow.
         partitioner: ``"uniform"`` (layers per stage), ``"parameters"`` or a callable.
-        body: dotted name of the ``nn.Sequential`` body when the module has several.
+        body: dotted name of the ``nn.Sequential`` body when the module has several (the Sequential contract).
+        blocks: dotted name of the block container (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``) to
+            split into pipeline stages; default: a Hugging Face model's declared one, else the container of
+            same-type blocks holding most parameters.
         seed: seed for initialising layers built in ``configure_model``; ``None`` takes rank 0's
             ``torch.initial_seed()`` (set by ``seed_everything``).
         timeout: timeout of the process groups during setup (the first collectives wait for every rank to import,
@@ -127,6 +132,7 @@ class ThreeDStrategy(ParallelStrategy):
         tp_autoplan: bool = True,
         partitioner: str | partition.Partitioner = "uniform",
         body: str | None = None,
+        blocks: str | None = None,
         seed: int | None = None,
         timeout: timedelta | float | None = timedelta(minutes=30),
         train_timeout: timedelta | float | None = timedelta(minutes=10),  # ---- reliability
@@ -175,6 +181,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.tp_autoplan = tp_autoplan
         self.partitioner = partition.get_partitioner(partitioner)
         self.body_name = body
+        self.blocks_name = blocks
         self.seed = seed
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._process_group_backend = process_group_backend
@@ -192,6 +199,8 @@ class ThreeDStrategy(ParallelStrategy):
         self._example_input: Any = None
         self._layout = ""
         self.last_grad_norm: Tensor | None = None
+        self._held_grads: HeldGrads | None = None  # the last training batch's gradients, until backward()
+        self._tied: TiedWeights | None = None
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(
             self, self._timeout, as_timedelta(train_timeout), on_nonfinite, check_consistency, fail_fast
@@ -316,7 +325,14 @@ class ThreeDStrategy(ParallelStrategy):
         assert module is not None and self.topology is not None
         self._validate_module(module)
         config = ParallelConfig(
-            self.tp, self.pp, self.stages_per_rank, self.partitioner, self.body_name, self.tp_plan, self.tp_autoplan
+            self.tp,
+            self.pp,
+            self.stages_per_rank,
+            self.partitioner,
+            self.body_name,
+            self.tp_plan,
+            self.tp_autoplan,
+            blocks=self.blocks_name,
         )
         try:
             model = plan_model(module, config)  # every check that needs no communication, on every rank alike
@@ -335,18 +351,20 @@ class ThreeDStrategy(ParallelStrategy):
         # --- from here on ranks communicate
         self._reliability.check_consistency(model.body, model.stage_plan)  # ---- reliability: FIRST collective
         seed = broadcast_seed(self.seed)
-        stages = build_stages(module, model, self.device_mesh, self.root_device, self.precision_plugin, seed)
-        self.body_randomness = add_body_randomness(model, stages, self.device_mesh, self.root_device, seed)
+        built = build_stages(module, model, self.device_mesh, self.root_device, self.precision_plugin, seed)
+        self._tied = built.tied
+        self.body_randomness = add_body_randomness(model, built.stages, self.device_mesh, self.root_device, seed)
         self.runner = BatchRunner(
             module,
-            model.body,
-            stages,
+            model.body if built.executor is None else None,
+            built.stages,
             model.stage_plan.num_stages,
             self.device_mesh,
             self.root_device,
             self.schedule,
             self.micro_batches,
             randomness=self.body_randomness,
+            executor=built.executor,
         )
         self._layout = layout
         if self.print_layout and self.global_rank == 0:
@@ -362,7 +380,7 @@ class ThreeDStrategy(ParallelStrategy):
         assert self.lightning_module is not None and self.runner is not None
         trainer = self.lightning_module.trainer
         accumulate = trainer.accumulate_grad_batches
-        logs = self.runner.run(
+        result = self.runner.run(
             "training_step",
             args,
             self.precision_plugin,
@@ -370,7 +388,9 @@ class ThreeDStrategy(ParallelStrategy):
             scale=1.0 / accumulate,
             defer_grad_sync=accumulate > 1 and trainer.fit_loop.epoch_loop._should_accumulate(),
         )
+        self._held_grads = result.grads  # Lightning's zero_grad runs next; backward() puts them back
         self._reliability.after_train_step()  # ---- reliability: train_timeout after the first step
+        logs = result.logs
         dtype = logs.loss_dtype or torch.get_default_dtype()
         return torch.tensor(logs.loss_total / max(logs.loss_weight, 1.0), dtype=dtype, device=self.root_device)
 
@@ -384,8 +404,11 @@ class ThreeDStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        assert self.runner is not None
-        self.runner.stash.restore()
+        held, self._held_grads = self._held_grads, None
+        if held is not None:
+            if self._tied is not None:  # this batch's gradients of weights tied across stages: summed once
+                self._tied.sum_grads(held.params, held.grads)
+            held.restore()
         self._reliability.after_backward(closure_loss)  # ---- reliability: non-finite loss / gradients
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
@@ -395,13 +418,16 @@ class ThreeDStrategy(ParallelStrategy):
         if self._reliability.step_skipped:  # ---- reliability: on_nonfinite="skip" dropped every gradient
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.last_grad_norm = self.grad_norm(params)
+        counted = self._tied.for_norm(params) if self._tied is not None else params
+        self.last_grad_norm = self.grad_norm(counted)
         clip_grads_(params, float(clip_val), self.last_grad_norm)
 
     def grad_norm(self, parameters: list[Tensor] | None = None, norm_type: float = 2.0) -> Tensor:
         """The 2-norm of the whole model's gradients (all stages and shards), equal on every rank."""
         assert self.lightning_module is not None
         params = list(self.lightning_module.parameters()) if parameters is None else parameters
+        if parameters is None and self._tied is not None:
+            params = self._tied.for_norm(params)  # a weight tied across stages counts once
         mesh = self.device_mesh
         return global_grad_norm(
             params,
@@ -416,8 +442,7 @@ class ThreeDStrategy(ParallelStrategy):
         last stage; ``predict_step`` outputs are returned on every stage (rank 0 included), others are
         ``None`` outside the last stage."""
         assert self.runner is not None
-        self.runner.run(hook, args, self.precision_plugin, train=False)
-        return self.runner.outputs
+        return self.runner.run(hook, args, self.precision_plugin, train=False).outputs
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -435,6 +460,8 @@ class ThreeDStrategy(ParallelStrategy):
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> LoadReport:
         """Load a single-device state dict (e.g. pretrained weights) into this rank's shard of the model."""
         assert self.lightning_module is not None
+        aliases = canonical_names(self.lightning_module)  # a tied weight's second name (saved by some libraries)
+        state_dict = {k: v for k, v in state_dict.items() if not (k in aliases and aliases[k] in state_dict)}
         return load_full_state_dict(self.lightning_module, state_dict, full_keys=self.full_spec.keys(), strict=strict)
 
     def full_state_dict(self) -> dict[str, Tensor] | None:

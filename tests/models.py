@@ -136,13 +136,117 @@ class TinyGPT(_Base):
         return loss
 
 
-MODELS = {"mlp": TinyMLP, "gpt": TinyGPT}
+class NanoGPT(_Base):
+    """nanoGPT's layout: blocks in an nn.ModuleList inside an nn.ModuleDict, embeddings and head around them,
+    a forward that loops over the blocks. ``tie=True`` ties the head to the token embedding (as nanoGPT does)."""
+
+    vocab, block, dim, heads, layers = 32, 8, 16, 2, 4
+
+    def __init__(self, tie: bool = False, **kwargs):
+        self.tie = tie
+        super().__init__(**kwargs)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "transformer"):
+            return
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(self.vocab, self.dim),
+                "wpe": nn.Embedding(self.block, self.dim),
+                "drop": nn.Dropout(0.0),
+                "h": nn.ModuleList(Block(self.dim, self.heads) for _ in range(self.layers)),
+                "ln_f": nn.LayerNorm(self.dim),
+            }
+        )
+        self.lm_head = nn.Linear(self.dim, self.vocab, bias=False)
+        if self.tie:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+    training_step = TinyGPT.training_step
+    validation_step = TinyGPT.validation_step
+
+
+def hf_config(arch: str, vocab: int = 32, layers: int = 4):
+    """A tiny Hugging Face config of a causal LM family, dropout off and no KV cache (built offline)."""
+    from transformers import AutoConfig
+
+    common = {"vocab_size": vocab, "use_cache": False}
+    if arch == "gpt2":
+        return AutoConfig.for_model(
+            "gpt2",
+            n_layer=layers,
+            n_embd=16,
+            n_head=2,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **common,
+        )
+    return AutoConfig.for_model(
+        arch,
+        num_hidden_layers=layers,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        **common,
+    )
+
+
+class HFCausalLM(_Base):
+    """A LightningModule holding an unmodified Hugging Face causal LM; the loss comes from ``labels=``."""
+
+    def __init__(self, arch: str = "llama", **kwargs):
+        self.arch = arch
+        super().__init__(**kwargs)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_config(hf_config(self.arch), attn_implementation="eager")
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        loss = self.model(input_ids=x, labels=x).loss
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+
+MODELS = {
+    "mlp": TinyMLP,
+    "gpt": TinyGPT,
+    "nano": NanoGPT,
+    "nanotied": lambda **kw: NanoGPT(tie=True, **kw),
+    "llama": lambda **kw: HFCausalLM("llama", **kw),
+    "qwen3": lambda **kw: HFCausalLM("qwen3", **kw),
+    "gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
+}
+TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "qwen3", "gpt2"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:
     """Deterministic synthetic data for a model name."""
     g = torch.Generator().manual_seed(seed)
-    if model == "mlp":
+    if model not in TOKEN_MODELS:
         x = torch.randn(n, 16, generator=g)
         y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
         return TensorDataset(x, y)

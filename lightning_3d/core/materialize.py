@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .tied import canonical_names
+
 
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in _tensors(module, recurse=True))
@@ -82,7 +84,8 @@ class LoadReport:
 
 def _local_targets(module: nn.Module) -> dict[str, torch.Tensor]:
     persistent = set(module.state_dict(keep_vars=True).keys())
-    targets = {n: p for n, p in module.named_parameters()}
+    aliases = canonical_names(module)  # a weight tied across stages goes by its canonical name
+    targets = {aliases.get(n, n): p for n, p in module.named_parameters()}
     targets.update({n: b for n, b in module.named_buffers() if n in persistent})
     return targets
 

@@ -9,6 +9,7 @@ sharded), and wrap each stage for data parallelism.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,13 +21,16 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
-from . import partition
+from . import blocks, partition
 from . import tensor_parallel as tpmod
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, materialize
 from .pipeline import StageSpec
 from .rng import BodyRandomness
+from .stage_exec import StageExecutor, StageModule
+from .tied import TiedWeights, install_alias_hooks
 from .topology import Topology, mesh_ranks_table
 
 
@@ -41,11 +45,19 @@ class ParallelConfig:
     body_name: str | None
     tp_plan: Mapping[str, Any] | None
     tp_autoplan: bool
+    blocks: str | None = None
 
 
 @dataclass
 class ModelPlan:
-    """What ``plan_model`` decided for a module."""
+    """What ``plan_model`` decided for a module.
+
+    Two ways to run a model exist. A module whose model is ONE ``nn.Sequential`` with every parameter inside it
+    (``split is None``) is split into stage ``Sequential``s that pass one tensor (``step.py`` runs the user's step
+    around the pipeline). Any other module (``split`` set) is split at its block container, and every stage runs
+    the user's step with the model arranged for that stage (``stage_exec.py``); at pp = 1 the one stage holds
+    everything and needs no container.
+    """
 
     body: partition.BodyRef
     stage_plan: partition.StagePlan
@@ -53,6 +65,7 @@ class ModelPlan:
     full_spec: dict[str, partition.TensorSpec]
     example_input: Any
     is_meta: bool
+    split: blocks.ModelSplit | None = None
 
 
 def plan_model(module: LightningModule, config: ParallelConfig) -> ModelPlan:
@@ -62,6 +75,8 @@ def plan_model(module: LightningModule, config: ParallelConfig) -> ModelPlan:
         ValueError: the module breaks the contract or the layout does not fit it (each message says why and
             what would work).
     """
+    if not uses_sequential_body(module, config):
+        return _plan_split_model(module, config)
     body = partition.find_body(module, config.body_name)
     partition.check_no_outside_parameters(module, body)
     full_spec = partition.full_model_spec(module)
@@ -89,6 +104,107 @@ def plan_model(module: LightningModule, config: ParallelConfig) -> ModelPlan:
     return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta)
 
 
+def uses_sequential_body(module: nn.Module, config: ParallelConfig) -> bool:
+    """Whether the module follows the ``nn.Sequential`` body contract (one Sequential holding every parameter,
+    or the one named with ``body=``); any other module is split at its blocks."""
+    if config.body_name is not None:
+        return True
+    if config.blocks is not None:
+        return False
+    try:
+        body = partition.find_body(module, None)
+        partition.check_no_outside_parameters(module, body)
+    except ValueError:
+        return False
+    return True
+
+
+def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelPlan:
+    """Plan a model split at its block container (or, at pp = 1, not split at all)."""
+    full_spec = partition.full_model_spec(module)
+    num_stages = config.pp * config.stages_per_rank
+    try:
+        container = blocks.find_blocks(module, config.blocks)
+    except ValueError:
+        if num_stages > 1 or config.blocks is not None:
+            raise
+        container = None
+    if container is None:
+        split = blocks.ModelSplit(None, [[]], [], [], [0], tied=[])
+        body = partition.BodyRef(parent=module, attr="", fqn="", module=nn.Sequential())
+    else:
+        layers = [(name, container.module._modules[name]) for name in container.names]
+        if len(layers) < num_stages:
+            raise ValueError(
+                f"The block container {container.fqn!r} has {len(layers)} blocks but {num_stages} pipeline stages "
+                "were asked for: every stage needs at least one block. "
+                f"Use pp <= {len(layers) // config.stages_per_rank}."
+            )
+        ranges = config.partitioner(layers, num_stages)
+        flat = [i for r in ranges for i in r]
+        if len(ranges) != num_stages or flat != list(range(len(layers))) or any(len(r) == 0 for r in ranges):
+            raise ValueError(
+                f"Partitioner {config.partitioner!r} returned {ranges}: expected {num_stages} contiguous non-empty "
+                f"ranges covering blocks 0..{len(layers) - 1} in order."
+            )
+        split = blocks.split_model(module, container, config.pp, ranges, config.stages_per_rank)
+        parent_name, _, attr = container.fqn.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        body = partition.BodyRef(parent=parent, attr=attr, fqn=container.fqn, module=container.module)  # type: ignore[arg-type]
+    stage_plan = partition.StagePlan([list(b) for b in split.stage_blocks], body.fqn, list(split.stage_to_rank))
+    explicit = config.tp_plan if config.tp_plan is not None else getattr(module, "tp_plan", None)
+    tp_plan = tpmod.TPPlan()
+    if container is not None and (config.tp > 1 or explicit):
+        view = nn.Sequential(OrderedDict(container.module.named_children()))
+        tp_plan = tpmod.resolve_plan(
+            view,
+            config.tp,
+            explicit=explicit,
+            body_prefix=container.fqn,
+            example_input=_block_example(view),
+            auto=config.tp_autoplan,
+        )
+    is_meta = has_meta_tensors(module)
+    if is_meta:
+        for name in [*split.first, *split.last, *(f"{body.fqn}.{b}" for b in stage_plan.layer_names[0])]:
+            check_materializable(module.get_submodule(name), name)
+    return ModelPlan(body, stage_plan, tp_plan, full_spec, None, is_meta, split)
+
+
+def _block_example(view: nn.Module) -> torch.Tensor | None:
+    """A (1, 2, hidden) input for the blocks, hidden taken from the first block's first LayerNorm / Linear."""
+    first = next(view.children(), None)
+    if first is None:
+        return None
+    param = next(first.parameters(), None)
+    for sub in first.modules():
+        if isinstance(sub, nn.LayerNorm) and len(sub.normalized_shape) == 1:
+            size = sub.normalized_shape[0]
+        elif isinstance(sub, nn.Linear):
+            size = sub.in_features
+        else:
+            continue
+        device = param.device if param is not None else torch.device("cpu")
+        dtype = param.dtype if param is not None else torch.get_default_dtype()
+        return torch.zeros(1, 2, size, device=device, dtype=dtype)
+    return None
+
+
+@dataclass
+class BuiltStages:
+    """What ``build_stages`` made on this rank.
+
+    Attributes:
+        stages: this rank's stages (tensor- and data-parallel already).
+        executor: runs the user's step on each stage (split models only; ``None`` for a Sequential body).
+        tied: this rank's copies of weights tied across the first and last stage (``None`` when there are none).
+    """
+
+    stages: list[StageSpec]
+    executor: StageExecutor | None = None
+    tied: TiedWeights | None = None
+
+
 def broadcast_seed(seed: int | None) -> int:
     """The run's initialisation seed, taken from rank 0 (``torch.initial_seed()`` when ``seed`` is None)."""
     holder = [seed if seed is not None else torch.initial_seed() % (2**62)]
@@ -103,8 +219,10 @@ def build_stages(
     device: torch.device,
     precision: Precision,
     seed: int,
-) -> list[StageSpec]:
+) -> BuiltStages:
     """Prune, materialise, tensor-shard and data-parallel-wrap this rank's stages (in that order)."""
+    if model.split is not None:
+        return _build_split_stages(module, model, mesh, device, precision, seed)
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
     my_stages = [s for s in range(stage_plan.num_stages) if stage_plan.stage_to_rank[s] == pp_rank]
@@ -121,16 +239,61 @@ def build_stages(
             layer.to(device)
         styles = model.tp_plan.styles_for(name) if tp > 1 else {}
         if styles:
-            from torch.distributed.tensor.parallel import parallelize_module
-
             parallelize_module(layer, mesh["tp"], styles)
     if not model.is_meta:
         sync_replicas(body.module, mesh)
     module.to(device)  # anything outside the body (metric states, buffers)
-    return [
-        StageSpec(s, apply_data_parallel(partition.stage_container(body, stage_plan.layer_names[s]), mesh["dp"]))
-        for s in my_stages
-    ]
+    return BuiltStages(
+        [
+            StageSpec(s, apply_data_parallel(partition.stage_container(body, stage_plan.layer_names[s]), mesh["dp"]))
+            for s in my_stages
+        ]
+    )
+
+
+def _build_split_stages(
+    module: LightningModule,
+    model: ModelPlan,
+    mesh: DeviceMesh,
+    device: torch.device,
+    precision: Precision,
+    seed: int,
+) -> BuiltStages:
+    split = model.split
+    assert split is not None
+    pp_rank = mesh["pp"].get_local_rank()
+    my_stages = [s for s in range(split.num_stages) if split.stage_to_rank[s] == pp_rank]
+    if split.container is None:  # pp = 1 and no container: the one stage holds the whole module
+        executor = StageExecutor(module, split, my_stages, whole=True)
+        held_names: list[str] = []
+    else:
+        executor = StageExecutor(module, split, my_stages)
+        executor.prune()
+        held_names = [n for s in my_stages for n in split.modules_of(s)]
+    precision.convert_module(module)
+    tp = mesh["tp"].size()
+    container = split.container
+    if model.is_meta:
+        for name in held_names or [""]:
+            materialize(module.get_submodule(name), device, seed, prefix=name)
+    for block in [b for s in my_stages for b in split.stage_blocks[s]]:
+        styles = model.tp_plan.styles_for(block) if tp > 1 else {}
+        if styles:
+            assert container is not None
+            parallelize_module(container.module._modules[block], mesh["tp"], styles)
+    module.to(device)
+    if not model.is_meta:
+        sync_replicas(module, mesh)
+    tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 else None
+    install_alias_hooks(module, split.tied)
+    if tied is not None:
+        tied.broadcast_from_first()
+    stages = []
+    for s in my_stages:
+        held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
+        stage_module = StageModule(s, held, executor)
+        stages.append(StageSpec(s, apply_data_parallel(stage_module, mesh["dp"])))
+    return BuiltStages(stages, executor, tied)
 
 
 def add_body_randomness(
@@ -173,7 +336,7 @@ def describe_layout(topology: Topology, mesh: DeviceMesh, model: ModelPlan, sche
         f"lightning_3d layout: {topology.describe()}, schedule {schedule}, {micro_batches} micro-batches per batch",
         mesh_ranks_table(mesh),
         "pipeline stages:",
-        model.stage_plan.describe(),
+        model.stage_plan.describe() if model.split is None else model.split.describe(),
     ]
     tp = mesh["tp"].size()
     if tp > 1:

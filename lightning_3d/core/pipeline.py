@@ -14,6 +14,7 @@ to interleave.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,13 +62,20 @@ class _Stage(PipelineStage):
 
     defer_grad_sync: bool = False
     randomness: BodyRandomness | None = None
+    # Told which micro-batch each forward belongs to (stages that run the user's step, see stage_exec.py).
+    on_chunk: Callable[[int, int | None], None] | None = None
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.on_chunk is not None:
+            self.on_chunk(self.stage_index, fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         # torch's shape inference runs a real forward (under a forked default generator); the body's own
         # random streams must not advance either, or a rebuilt schedule (after a resume) would shift them.
-        if self.randomness is None:
-            return super()._prepare_forward_infra(*args, **kwargs)
-        with self.randomness.frozen():
+        if self.on_chunk is not None:
+            self.on_chunk(self.stage_index, None)  # no chunk: a shape-inference forward
+        with self.randomness.frozen() if self.randomness is not None else contextlib.nullcontext():
             return super()._prepare_forward_infra(*args, **kwargs)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
@@ -117,7 +125,9 @@ class PipelineRuntime:
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         cache_size: int = 8,
         randomness: BodyRandomness | None = None,
+        on_chunk: Callable[[int, int | None], None] | None = None,
     ) -> None:
+        self.on_chunk = on_chunk
         self.stages = list(stages)
         self.randomness = randomness
         self.num_stages = num_stages
@@ -127,7 +137,6 @@ class PipelineRuntime:
         self.loss_fn = loss_fn
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
-        self.defer_grad_sync = False
         self.current: Any = None
         self._sync_pending = False
 
@@ -146,6 +155,7 @@ class PipelineRuntime:
         built = [_Stage(s.module, s.index, self.num_stages, self.device, group=self.group) for s in self.stages]
         for stage in built:
             stage.randomness = self.randomness
+            stage.on_chunk = self.on_chunk
         kwargs = {"loss_fn": self.loss_fn, "scale_grads": False}
         if issubclass(cls, PipelineScheduleSingle):
             return cls(built[0], n_micro, **kwargs)
@@ -177,6 +187,7 @@ class PipelineRuntime:
         shape_key: tuple,
         train: bool,
         schedule: str | None = None,
+        defer_grad_sync: bool = False,
     ) -> None:
         """Run one batch: forward (and backward when ``train``) of ``n_micro`` micro-batches.
 
@@ -187,9 +198,10 @@ class PipelineRuntime:
             shape_key: identifies the micro-batch shapes (a new key builds new stages).
             train: forward and backward, or forward only.
             schedule: schedule name for this batch (default: the runtime's).
+            defer_grad_sync: keep the data-parallel gradient reduction for a later batch (accumulation).
         """
         sched = self.schedule(n_micro, shape_key, train, schedule)
-        defer = self.defer_grad_sync and train
+        defer = defer_grad_sync and train
         for stage in _stages_of(sched):
             stage.defer_grad_sync = defer
         args = (body_input,) if self.has_first else ()

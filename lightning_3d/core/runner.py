@@ -10,6 +10,7 @@ keeps torchmetrics objects exact (``metric_sync.py``) and relays what was logged
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,7 +25,17 @@ from .log_relay import StepLogs, relay, replay
 from .partition import BodyRef
 from .pipeline import PipelineRuntime, StageSpec, min_micro_batches
 from .rng import BodyRandomness
-from .step import GradStash, StepAdapter, batch_size_of, capture_body_input, merge_outputs, shape_key
+from .stage_exec import StageExecutor
+from .step import (
+    HeldGrads,
+    StepAdapter,
+    batch_size_of,
+    capture_body_input,
+    merge_outputs,
+    put_grads,
+    shape_key,
+    take_grads,
+)
 
 _CONTEXTS = {
     "training_step": "train_step_context",
@@ -32,6 +43,22 @@ _CONTEXTS = {
     "test_step": "test_step_context",
     "predict_step": "predict_step_context",
 }
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """What one batch through the pipeline produced.
+
+    Attributes:
+        logs: the batch's ``self.log`` values combined over micro-batches and replicas (identical on every rank).
+        outputs: the step's outputs joined over micro-batches: on the last stage for validation / test, on every
+            stage for predict, ``None`` otherwise.
+        grads: the batch's gradients, held away from the parameters until Lightning's backward (training only).
+    """
+
+    logs: StepLogs
+    outputs: Any
+    grads: HeldGrads | None
 
 
 def micro_batch_mismatch(total: int, micro_batches: int, minimum: int) -> str:
@@ -65,7 +92,7 @@ class BatchRunner:
     def __init__(
         self,
         module: LightningModule,
-        body: BodyRef,
+        body: BodyRef | None,
         stages: Sequence[StageSpec],
         num_stages: int,
         mesh: DeviceMesh,
@@ -73,24 +100,38 @@ class BatchRunner:
         schedule: str,
         micro_batches: int,
         randomness: BodyRandomness | None = None,
+        executor: StageExecutor | None = None,
     ) -> None:
         self.module, self.body, self.mesh = module, body, mesh
+        self.device = device
         self.randomness = randomness
         self.schedule, self.micro_batches = schedule, micro_batches
         self.pp = mesh["pp"].size()
-        report = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0  # one last-stage rank
-        self.adapter = StepAdapter(
-            module, body, lambda: self.runtime.current_initialised(), report_random=report, device=device
-        )
+        self.executor = executor
+        if executor is not None:
+            self.stepper: StageExecutor | StepAdapter = executor
+            loss_fn = executor.loss_fn
+        else:
+            assert body is not None
+            report = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0  # one last-stage rank
+            adapter = StepAdapter(
+                module, body, lambda: self.runtime.current_initialised(), report_random=report, device=device
+            )
+            self.stepper, loss_fn = adapter, adapter
         self.runtime = PipelineRuntime(
-            stages, num_stages, mesh["pp"].get_group(), device, schedule, self.adapter, randomness=randomness
+            stages,
+            num_stages,
+            mesh["pp"].get_group(),
+            device,
+            schedule,
+            loss_fn,
+            randomness=randomness,
+            on_chunk=executor.on_chunk if executor is not None else None,
         )
-        self.stash = GradStash()
         self.metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}
         metric_sync.use_group(self.metrics, mesh["dp"].get_group())
         self._batch_metrics = metric_sync.BatchMetrics(self.metrics)
         self._checked_first_train_batch = False
-        self.outputs: Any = None
 
     # ------------------------------------------------------------------ micro-batching
     def micro_batches_for(self, total: int, train: bool) -> tuple[int, str]:
@@ -126,12 +167,12 @@ class BatchRunner:
         train: bool,
         scale: float = 1.0,
         defer_grad_sync: bool = False,
-    ) -> StepLogs:
-        """Run ``hook`` over one batch; returns the logs as every rank replayed them.
+    ) -> BatchResult:
+        """Run ``hook`` over one batch through the pipeline.
 
         Gradients present before the batch are moved aside while the schedule runs (a new schedule's shape
-        inference clears them) and put back afterwards; in training the batch's own gradients are held in
-        ``self.stash`` until Lightning's backward asks for them.
+        inference clears them) and put back afterwards; in training the batch's own gradients are returned in
+        ``BatchResult.grads`` for Lightning's backward to add (``HeldGrads.restore``).
 
         Args:
             hook: the LightningModule method (``"training_step"``, ...).
@@ -140,6 +181,9 @@ class BatchRunner:
             train: forward and backward, or forward only.
             scale: loss multiplier in training (1 / accumulate_grad_batches).
             defer_grad_sync: keep data-parallel gradients local (not the last batch of an accumulation window).
+
+        Returns:
+            The logs as every rank replayed them, the step's outputs and, in training, the batch's gradients.
         """
         module, runtime = self.module, self.runtime
         step_fn: Callable[..., Any] = getattr(module, hook)
@@ -147,33 +191,50 @@ class BatchRunner:
         total = batch_size_of(batch)
         n_micro, schedule = self.micro_batches_for(total, train)
         key = shape_key(batch)
-        runtime.defer_grad_sync = defer_grad_sync
         runtime.schedule(n_micro, key, train, schedule)  # build first: it may all-reduce held-back gradients
+        # The schedule splits its input and its target on dim 0 into the micro-batches. The target given to the
+        # last stage is `sample_index`, the batch's sample numbers: the loss function (or the stage executor) gets
+        # micro-batch k's slice of it and reads which samples of the batch (the user's own, unsplit) are its own.
+        sample_index = torch.arange(total, device=self.device)
         params = list(module.parameters())
-        prior = GradStash.take(params)
-        context: Callable[[], Any] = getattr(precision, _CONTEXTS[hook])
+        prior = take_grads(params)
+        held: HeldGrads | None = None
         try:
-            with context():
-                body_input = capture_body_input(module, self.body, step_fn, args, hook) if runtime.has_first else None
-                self.adapter.begin(hook, step_fn, batch, rest, total, scale, train)
+            with getattr(precision, _CONTEXTS[hook])():
+                if self.executor is not None:
+                    stage_input = sample_index  # the first stage runs the user's step on its micro-batch itself
+                elif runtime.has_first:
+                    assert self.body is not None
+                    stage_input = capture_body_input(module, self.body, step_fn, args, hook)
+                else:
+                    stage_input = None
+                self.stepper.begin(hook, step_fn, batch, rest, total, n_micro, scale, train)
                 if runtime.has_last:
                     self._batch_metrics.begin()
-                runtime.run(body_input, torch.arange(total), n_micro, key, train=train, schedule=schedule)
-                if runtime.has_last:
-                    self.adapter.logs.metric_batch = self._batch_metrics.end()
+                runtime.run(
+                    stage_input,
+                    sample_index,
+                    n_micro,
+                    key,
+                    train=train,
+                    schedule=schedule,
+                    defer_grad_sync=defer_grad_sync,
+                )
+                step_logs, step_outputs = self.stepper.finish()
+                metric_batch = self._batch_metrics.end() if runtime.has_last else {}
             if train:
-                self.stash.hold(params, GradStash.take(params))
+                held = HeldGrads(params, take_grads(params))
         finally:
-            GradStash.put(params, prior)
-        local_outputs = merge_outputs(self.adapter.outputs) if runtime.has_last and not train else None
-        logs, extra = self._relay(self.adapter.logs if runtime.has_last else None, hook, local_outputs)
+            put_grads(params, prior)
+        last = runtime.has_last
+        local_outputs = merge_outputs(step_outputs) if last and not train else None
+        logs, extra = self._relay(replace(step_logs, metric_batch=metric_batch) if last else None, hook, local_outputs)
         exported, values, broadcast_outputs = extra
-        if not runtime.has_last:
+        if not last:
             metric_sync.import_states(self.metrics, exported)
         metric_sync.set_step_values(self.metrics, values)
-        self.outputs = local_outputs if runtime.has_last else broadcast_outputs
         replay(module, logs, self.metrics)
-        return logs
+        return BatchResult(logs, local_outputs if last else broadcast_outputs, held)
 
     def _relay(self, logs: StepLogs | None, hook: str, outputs: Any) -> tuple[StepLogs, Any]:
         pp_mesh, dp_mesh = self.mesh["pp"], self.mesh["dp"]

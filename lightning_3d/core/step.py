@@ -23,6 +23,7 @@ import random
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -202,16 +203,26 @@ class StepAdapter:
         batch: Any,
         rest: tuple[Any, ...],
         total: int,
+        n_micro: int,
         scale: float,
         train: bool,
     ) -> None:
+        """Set up one batch (``n_micro`` is implied by the sample index the schedule hands each call)."""
         self._hook, self._step_fn, self._batch, self._step_args = hook, step_fn, batch, rest
         self._total, self._scale, self._train = total, scale, train
         self.logs = StepLogs()
         self._recorder.logs = self.logs
         self.outputs = []
 
+    def finish(self) -> tuple[StepLogs, list[Any]]:
+        """The batch's logs and per-micro-batch outputs, and forget the batch."""
+        logs, outputs = self.logs, self.outputs
+        self._batch, self._step_fn = None, None
+        return logs, outputs
+
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function. ``target`` is the micro-batch's slice of the batch's sample index (see
+        ``BatchRunner.run``): its first entry and length say which samples of the batch this micro-batch is."""
         if self._train and not self.is_initialised():
             # torch's shape inference for a new schedule: a loss that depends on the output, nothing else.
             return torch.stack([o.float().sum() * 0.0 for o in _as_tuple(output)]).sum()
@@ -283,32 +294,33 @@ def _as_tuple(output: Any) -> tuple[torch.Tensor, ...]:
     return tuple(output) if isinstance(output, (tuple, list)) else (output,)
 
 
-class GradStash:
-    """Moves gradients aside so Lightning's ``zero_grad`` (which runs after ``training_step``) cannot wipe
-    the gradients the schedule has just computed; ``restore`` adds them back in ``backward``."""
+def take_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    """Detach the parameters' gradients and return them (the parameters are left with ``grad = None``)."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
 
-    def __init__(self) -> None:
-        self._params: list[torch.nn.Parameter] = []
-        self._grads: list[torch.Tensor | None] = []
 
-    @staticmethod
-    def take(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-        grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        return grads
+def put_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    """Set the parameters' gradients to ``grads`` (as returned by :func:`take_grads`)."""
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
 
-    @staticmethod
-    def put(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
 
-    def hold(self, params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
-        self._params, self._grads = list(params), list(grads)
+@dataclass
+class HeldGrads:
+    """A batch's gradients held away from the parameters.
+
+    Lightning's ``zero_grad`` runs after ``training_step``, i.e. after the schedule has already run backward; it
+    would wipe them. ``restore`` adds them back in the strategy's ``backward``, after that ``zero_grad``.
+    """
+
+    params: list[torch.nn.Parameter]
+    grads: list[torch.Tensor | None]
 
     def restore(self) -> None:
-        for p, g in zip(self._params, self._grads, strict=True):
+        for p, g in zip(self.params, self.grads, strict=True):
             if g is None:
                 continue
             p.grad = g if p.grad is None else p.grad + g
-        self._params, self._grads = [], []

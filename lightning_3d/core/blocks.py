@@ -1,0 +1,240 @@
+"""Finding a model's repeated blocks and deciding which modules each pipeline stage holds.
+
+A model is split at its **block container**: the ``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential`` whose
+children are the repeated blocks (``model.layers`` of a Hugging Face Llama, ``transformer.h`` of GPT-2 or nanoGPT).
+It is found, in this order:
+
+1. named by the user (``ThreeDStrategy(blocks="model.model.layers")``);
+2. declared by a Hugging Face model (``config.base_model_pp_plan``: the entry whose module is a container);
+3. the container of same-type children that holds the most parameters.
+
+Every other module that owns parameters is assigned by where it sits relative to the container: modules
+registered before it (embeddings) go with the first stage, modules registered after it (final norm, head) with
+the last stage. Modules without parameters (dropout, rotary tables) stay on every stage, so the model's own forward
+can run unchanged everywhere. Parameters shared by modules on different stages (an LM head tied to the input
+embedding) are reported in ``tied`` so the caller can keep their copies equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+BLOCKS_CONTRACT = (
+    "Under pipeline parallelism lightning_3d splits the model at its repeated blocks: a container "
+    "(nn.ModuleList, nn.ModuleDict or nn.Sequential) of blocks that pass one tensor from block to block, such as "
+    "`self.layers = nn.ModuleList(Block(...) for _ in range(n))` used as `for block in self.layers: x = block(x, ...)`."
+)
+
+
+@dataclass(frozen=True)
+class BlockContainer:
+    """Where the blocks live: ``fqn`` is the container's name in the root module; ``names`` its children's keys."""
+
+    fqn: str
+    module: nn.Module
+    names: tuple[str, ...]
+    source: str  # "named", "hugging face pp plan" or "largest container"
+
+    def block_fqn(self, name: str) -> str:
+        return f"{self.fqn}.{name}" if self.fqn else name
+
+
+@dataclass
+class ModelSplit:
+    """Which modules each pipeline stage holds.
+
+    Attributes:
+        container: the block container.
+        stage_blocks: per stage, the container keys of its blocks (contiguous, in order).
+        first: fully qualified names of the modules outside the container held by the first stage.
+        last: ... held by the last stage.
+        stage_to_rank: pipeline rank of each stage.
+        tied: groups of parameter names that are one tensor held on different stages (first name canonical).
+    """
+
+    container: BlockContainer | None  # None: one stage holding the whole model (pp = 1, no container)
+    stage_blocks: list[list[str]]
+    first: list[str]
+    last: list[str]
+    stage_to_rank: list[int]
+    tied: list[tuple[str, ...]] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_blocks)
+
+    def modules_of(self, stage: int) -> list[str]:
+        """Names of the modules stage ``stage`` holds (outside modules and blocks), in model order."""
+        names = list(self.first) if stage == 0 else []
+        if self.container is not None:
+            names += [self.container.block_fqn(b) for b in self.stage_blocks[stage]]
+        if stage == self.num_stages - 1:
+            names += self.last
+        return names
+
+    def describe(self) -> str:
+        if self.container is None:
+            return "  stage 0: the whole model (no block container; pp = 1)"
+        lines = []
+        for stage, blocks in enumerate(self.stage_blocks):
+            parts = []
+            if stage == 0 and self.first:
+                parts.append(", ".join(self.first))
+            shown = f"{blocks[0]}..{blocks[-1]}" if len(blocks) > 1 else blocks[0]
+            parts.append(f"{self.container.fqn}[{shown}] ({self.container.source})")
+            if stage == self.num_stages - 1 and self.last:
+                parts.append(", ".join(self.last))
+            rank = f" on pp rank {self.stage_to_rank[stage]}" if self.stage_to_rank else ""
+            lines.append(f"  stage {stage}{rank}: " + " + ".join(parts))
+        for group in self.tied:
+            lines.append(f"  tied across stages: {' = '.join(group)} (gradients summed over first and last stage)")
+        return "\n".join(lines)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _hf_container(root: nn.Module) -> str | None:
+    """The block container a Hugging Face model declares in ``config.base_model_pp_plan``."""
+    for name, module in root.named_modules():
+        config = getattr(module, "config", None)
+        plan = getattr(config, "base_model_pp_plan", None) if config is not None else None
+        if not plan or not hasattr(module, "base_model_prefix"):
+            continue
+        base = getattr(module, module.base_model_prefix, module) if module.base_model_prefix else module
+        base_name = name
+        if base is not module:
+            base_name = f"{name}.{module.base_model_prefix}" if name else module.base_model_prefix
+        for key in plan:
+            sub = getattr(base, key, None)
+            if isinstance(sub, CONTAINERS) and len(sub) > 0:
+                return f"{base_name}.{key}" if base_name else key
+    return None
+
+
+def _largest_container(root: nn.Module) -> str | None:
+    best, best_size = None, 0
+    for name, module in root.named_modules():
+        if not isinstance(module, CONTAINERS) or len(module) < 2:
+            continue
+        children = list(module.children())
+        if len(children) != len(module) or len({type(c) for c in children}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = name, size
+    return best
+
+
+def find_blocks(root: nn.Module, name: str | None = None) -> BlockContainer:
+    """Locate the block container of ``root`` (see the module docstring for the order of the searches).
+
+    Raises:
+        ValueError: ``name`` is not a container, or no container was found (naming what was searched).
+    """
+    source = "named"
+    if name is None:
+        name, source = _hf_container(root), "hugging face pp plan"
+        if name is None:
+            name, source = _largest_container(root), "largest container"
+        if name is None:
+            raise ValueError(
+                f"{type(root).__name__} has no block container to split into pipeline stages: searched for a Hugging "
+                "Face `config.base_model_pp_plan` and for an nn.ModuleList / nn.ModuleDict / nn.Sequential of at "
+                "least two blocks of one type. Name it with ThreeDStrategy(blocks='attribute.path'), or use pp=1. "
+                f"{BLOCKS_CONTRACT}"
+            )
+    try:
+        module = root.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"ThreeDStrategy(blocks={name!r}): the module has no submodule {name!r}.") from None
+    if not isinstance(module, CONTAINERS):
+        raise ValueError(
+            f"ThreeDStrategy(blocks={name!r}): {name!r} is a {type(module).__name__}, not an nn.ModuleList, "
+            f"nn.ModuleDict or nn.Sequential. {BLOCKS_CONTRACT}"
+        )
+    names = tuple(module._modules)
+    if not names:
+        raise ValueError(f"The block container {name!r} is empty. {BLOCKS_CONTRACT}")
+    return BlockContainer(name, module, names, source)
+
+
+def outside_modules(root: nn.Module, container: BlockContainer) -> tuple[list[str], list[str]]:
+    """Modules with parameters outside the container, as (before, after) it in registration order.
+
+    Walks from the root down the path to the container: at each level, siblings registered before the path go
+    first, siblings after it go last. A sibling without parameters is on every stage and listed in neither.
+    """
+    before: list[str] = []
+    after: list[str] = []
+    parts = container.fqn.split(".") if container.fqn else []
+    module, prefix = root, ""
+    if next(root.parameters(recurse=False), None) is not None:
+        raise ValueError(
+            f"{type(root).__name__} owns parameters directly ({[n for n, _ in root.named_parameters(recurse=False)]}); "
+            "under pipeline parallelism every parameter must belong to a submodule that one stage holds."
+        )
+    for part in parts:
+        seen_path = False
+        for child_name, child in module._modules.items():
+            if child is None:
+                continue
+            full = f"{prefix}{child_name}"
+            if child_name == part:
+                seen_path = True
+                continue
+            if _has_params(child):
+                (after if seen_path else before).append(full)
+        module = module._modules[part]
+        if next(module.parameters(recurse=False), None) is not None and module is not container.module:
+            raise ValueError(
+                f"{prefix}{part} owns parameters directly and contains the block container {container.fqn!r}: they "
+                "would be on no stage. Move them into a submodule."
+            )
+        prefix = f"{prefix}{part}."
+    return before, after
+
+
+def tied_parameters(root: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of names under which one parameter is registered more than once (first name canonical)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [tuple(names) for names in groups.values() if len(names) > 1]
+
+
+def split_model(
+    root: nn.Module,
+    container: BlockContainer,
+    pp: int,
+    ranges: Sequence[range],
+    stages_per_rank: int = 1,
+) -> ModelSplit:
+    """Assign blocks to ``pp * stages_per_rank`` stages by ``ranges`` (indices into ``container.names``)."""
+    num_stages = pp * stages_per_rank
+    before, after = outside_modules(root, container)
+    stage_blocks = [[container.names[i] for i in r] for r in ranges]
+    split = ModelSplit(container, stage_blocks, before, after, [s % pp for s in range(num_stages)])
+    owner: dict[str, set[int]] = {}
+    for stage in range(num_stages):
+        for fqn in split.modules_of(stage):
+            for pname, _ in root.get_submodule(fqn).named_parameters(prefix=fqn, remove_duplicate=False):
+                owner.setdefault(pname, set()).add(stage)
+    for group in tied_parameters(root):
+        stages = set().union(*(owner.get(n, set()) for n in group))
+        if len(stages) > 1:
+            ends = {0, num_stages - 1}
+            if not stages <= ends:
+                raise ValueError(
+                    f"The parameter {' = '.join(group)} is shared by modules on pipeline stages {sorted(stages)}: "
+                    "only weights tied between the first and the last stage (input embedding and LM head) are "
+                    "supported across stages."
+                )
+            split.tied.append(group)
+    return split

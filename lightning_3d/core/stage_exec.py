@@ -1,0 +1,334 @@
+"""Running a model's own forward, and the user's unchanged step, on every pipeline stage.
+
+A stage of a model split at its block container (``blocks.py``) is not a module that can be called on its own:
+the blocks need what the model's forward computes around them (attention masks, position ids, rotary tables).
+So every stage runs the user's ``training_step`` (or evaluation step) itself, on its micro-batch of the batch
+(every rank of a data-parallel replica reads the same batch), with the model arranged for that stage:
+
+* modules held by other stages are stood in for: a block by :class:`Skipped` (returns its first argument), a module
+  before the blocks by :class:`Elsewhere` (returns zeros shaped like the stage's input: its output is never used),
+  a module after the blocks by an :class:`Elsewhere` that raises if it is ever reached;
+* on a later stage, a forward pre-hook on the stage's first block replaces the block's first tensor argument (the
+  tensor flowing through the container) by the activation received from the previous stage;
+* on an earlier stage, a forward hook on the stage's last block stops the step (``_StageDone``) and the block's
+  output tensor becomes the stage's output, sent to the next stage;
+* on the last stage the step runs to its end: its loss, weighted by the micro-batch's share of the batch, is the
+  stage's output, and its ``self.log`` calls are recorded (``log_relay.py``); other stages' logging is silenced.
+
+:class:`StageModule` is the ``nn.Module`` torch's ``PipelineStage`` drives (and data parallelism wraps): it holds the
+stage's modules (for their parameters) and calls :meth:`StageExecutor.run_stage`. The micro-batch a call belongs to
+is the schedule's chunk id, reported by the pipeline stage before each forward (``pipeline.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from .blocks import BLOCKS_CONTRACT, ModelSplit
+from .log_relay import LogRecorder, StepLogs, silenced
+from .step import extract_loss, slice_batch
+
+
+class _StageDone(BaseException):
+    # user's `except Exception` inside training_step cannot swallow it
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__("stage output captured")
+        self.output = output
+
+
+class Skipped(nn.Module):
+    """A block held by another pipeline stage: passes its first argument through (it is replaced later anyway)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            return args[0]
+        return next(iter(kwargs.values()))
+
+
+class Elsewhere(nn.Module):
+    """A module outside the blocks that another stage holds.
+
+    Args:
+        fqn: its name in the model.
+        role: ``"first"`` (before the blocks: stands in with zeros shaped like the stage's input, which the stage's
+            first block then replaces) or ``"last"`` (after the blocks: reaching it is an error).
+        executor: the executor whose current stage input the zeros are shaped like.
+    """
+
+    def __init__(self, fqn: str, role: str, executor: StageExecutor) -> None:
+        super().__init__()
+        self.fqn, self.role = fqn, role
+        self.__dict__["_executor"] = executor  # not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        current = self._executor.current
+        if self.role == "first" and current is not None and current.received is not None:
+            return torch.zeros_like(current.received)
+        stage = current.stage if current is not None else "?"
+        raise RuntimeError(
+            f"lightning_3d: {self.fqn} is held by the {self.role} pipeline stage, but stage {stage} reached it "
+            f"{'before' if self.role == 'last' else 'without'} its blocks. Modules registered before the block "
+            "container run on the first stage and modules after it on the last; name the container with "
+            f"ThreeDStrategy(blocks=...) if another one was meant. {BLOCKS_CONTRACT}"
+        )
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    if isinstance(value, Mapping):
+        return next((v for v in value.values() if isinstance(v, torch.Tensor)), None)
+    return getattr(value, "last_hidden_state", None)
+
+
+@dataclass
+class _Running:
+    """What the stage being run right now needs: set by ``run_stage`` for the duration of one forward."""
+
+    stage: int
+    received: torch.Tensor | None
+    first_block: nn.Module | None  # gets ``received`` (later stages)
+    last_block: nn.Module | None  # stops the step (all but the last stage)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: the modules it holds (for their parameters) and a forward that runs the user's step.
+
+    Args:
+        index: the stage's global index.
+        held: the modules this stage holds, by their names in the model (shared with the model, not copies).
+        executor: runs the step for this stage.
+    """
+
+    def __init__(self, index: int, held: Mapping[str, nn.Module], executor: StageExecutor) -> None:
+        super().__init__()
+        self.index = index
+        self.names = list(held)
+        self.held = nn.ModuleList(held.values())
+        self.__dict__["_executor"] = executor
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self._executor.run_stage(self.index, inputs)
+
+
+class StageExecutor:
+    """Runs one micro-batch of the user's hook on one of this rank's stages (see the module docstring).
+
+    Args:
+        module: the LightningModule (already pruned to this rank's stages).
+        split: which modules each stage holds.
+        local_stages: the stages this rank holds.
+        whole: one stage holds the whole module (pp = 1 without a block container): nothing is arranged.
+    """
+
+    def __init__(
+        self, module: LightningModule, split: ModelSplit, local_stages: Sequence[int], whole: bool = False
+    ) -> None:
+        self.module, self.split = module, split
+        self.num_stages = split.num_stages
+        self.local_stages = list(local_stages)
+        self.current: _Running | None = None
+        self.chunk: dict[int, int] = {}
+        self.logs = StepLogs()
+        self.outputs: list[Any] = []
+        self._recorder = LogRecorder(module, self.logs)
+        self._step_fn: Callable[..., Any] | None = None
+        self._batch: Any = None
+        self._rest: tuple[Any, ...] = ()
+        self._total = 0
+        self._n_micro = 1
+        self._scale = 1.0
+        self._train = True
+        self._hook = "training_step"
+        container = split.container
+        self._blocks: dict[int, list[nn.Module]] = {s: [] for s in local_stages}
+        self._swaps: dict[int, list[tuple[nn.Module, str, nn.Module]]] = {s: [] for s in local_stages}
+        if whole or container is None:
+            return
+        self._blocks = {s: [container.module._modules[b] for b in split.stage_blocks[s]] for s in local_stages}
+        held = {name for s in local_stages for name in split.modules_of(s)}
+        # Modules this rank holds that a given local stage does not: stood in for while that stage runs.
+        for stage in local_stages:
+            mine = set(split.modules_of(stage))
+            swaps = []
+            for name in sorted(held - mine, key=lambda n: _order(split, n)):
+                parent_name, _, attr = name.rpartition(".")
+                parent = module.get_submodule(parent_name) if parent_name else module
+                stand_in = self._stand_in(name)
+                swaps.append((parent, attr, stand_in))
+            self._swaps[stage] = swaps
+        for stage in local_stages:
+            blocks = self._blocks[stage]
+            if stage > 0:
+                blocks[0].register_forward_pre_hook(self._receive, with_kwargs=True)
+            if stage < self.num_stages - 1:
+                blocks[-1].register_forward_hook(self._stop)
+
+    # ------------------------------------------------------------------ stand-ins and hooks
+    def _stand_in(self, name: str) -> nn.Module:
+        if name in self.split.first:
+            return Elsewhere(name, "first", self)
+        if name in self.split.last:
+            return Elsewhere(name, "last", self)
+        return Skipped()
+
+    def prune(self) -> None:
+        """Replace every module of the split that no local stage holds by its stand-in (frees its parameters)."""
+        container = self.split.container
+        if container is None:
+            return
+        held = {name for s in self.local_stages for name in self.split.modules_of(s)}
+        every = set(self.split.first) | set(self.split.last)
+        every |= {container.block_fqn(b) for b in container.names}
+        for name in every - held:
+            parent_name, _, attr = name.rpartition(".")
+            parent = self.module.get_submodule(parent_name) if parent_name else self.module
+            parent._modules[attr] = self._stand_in(name)
+
+    def _receive(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        current = self.current
+        if current is None or block is not current.first_block or current.received is None:
+            return None
+        if args and isinstance(args[0], torch.Tensor):
+            return (current.received, *args[1:]), kwargs
+        for key in ("hidden_states", "x", "hidden", "input", "inputs"):
+            if isinstance(kwargs.get(key), torch.Tensor):
+                return args, {**kwargs, key: current.received}
+        raise ValueError(
+            f"lightning_3d: the first block of pipeline stage {current.stage} was called without a tensor as its first "
+            f"argument; the tensor flowing from block to block must be the first argument. {BLOCKS_CONTRACT}"
+        )
+
+    def _stop(self, block: nn.Module, args: Any, output: Any) -> None:
+        current = self.current
+        if current is None or block is not current.last_block:
+            return
+        tensor = _first_tensor(output)
+        if tensor is None:
+            raise ValueError(
+                f"lightning_3d: the last block of pipeline stage {current.stage} returned {type(output).__name__}; "
+                f"a block must return the tensor that flows to the next block (or a tuple starting with it). "
+                f"{BLOCKS_CONTRACT}"
+            )
+        raise _StageDone(tensor)
+
+    @contextlib.contextmanager
+    def _arranged(self, stage: int, received: torch.Tensor | None) -> Iterator[None]:
+        swaps = self._swaps[stage]
+        saved = [(parent, attr, parent._modules[attr]) for parent, attr, _ in swaps]
+        for parent, attr, stand_in in swaps:
+            parent._modules[attr] = stand_in
+        blocks = self._blocks[stage]
+        first = blocks[0] if blocks else None
+        last = blocks[-1] if blocks and stage < self.num_stages - 1 else None
+        self.current = _Running(stage, received, first, last)
+        try:
+            yield
+        finally:
+            self.current = None
+            for parent, attr, real in saved:
+                parent._modules[attr] = real
+
+    # ------------------------------------------------------------------ one batch, one micro-batch
+    def begin(
+        self,
+        hook: str,
+        step_fn: Callable[..., Any],
+        batch: Any,
+        rest: tuple[Any, ...],
+        total: int,
+        n_micro: int,
+        scale: float,
+        train: bool,
+    ) -> None:
+        """Set up one batch of ``hook`` (``total`` samples in ``n_micro`` equal micro-batches)."""
+        self._hook, self._step_fn, self._batch, self._rest = hook, step_fn, batch, rest
+        self._total, self._n_micro, self._scale, self._train = total, n_micro, scale, train
+        self.logs = StepLogs()
+        self._recorder.logs = self.logs
+        self.outputs = []
+        self.chunk.clear()
+
+    def finish(self) -> tuple[StepLogs, list[Any]]:
+        """The batch's logs and per-micro-batch outputs (last stage), and forget the batch."""
+        logs, outputs = self.logs, self.outputs
+        self._batch, self._step_fn = None, None
+        return logs, outputs
+
+    def on_chunk(self, stage: int, chunk: int | None) -> None:
+        """Called by the pipeline stage before each forward: which micro-batch it is (``None``: shape inference)."""
+        if chunk is None:
+            self.chunk.pop(stage, None)
+        else:
+            self.chunk[stage] = chunk
+
+    def loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the last stage's output already is the weighted loss (shape ``(1,)``, so
+        that torch can join the micro-batches' outputs; back to a scalar here)."""
+        return output.sum()
+
+    def run_stage(self, stage: int, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """One forward of ``stage`` on its current micro-batch; returns what the stage sends on (or the loss)."""
+        assert self._step_fn is not None, "run_stage outside a batch"
+        chunk = self.chunk.get(stage)
+        inferring = chunk is None  # torch's shape inference: a forward on the first micro-batch's shapes
+        chunk = chunk or 0
+        length = self._total // self._n_micro
+        micro_batch = slice_batch(self._batch, chunk * length, length, self._total)
+        received = inputs[0] if stage > 0 and inputs else None
+        last = stage == self.num_stages - 1
+        record = last and not inferring
+        logging = self._recorder.recording(length) if record else silenced(self.module)
+        with self._arranged(stage, received), logging:
+            try:
+                result = self._step_fn(micro_batch, *self._rest)
+            except _StageDone as done:
+                if last:
+                    raise AssertionError("the last stage was stopped early") from None
+                return done.output
+        if not last:
+            raise ValueError(
+                f"{type(self.module).__name__}.{self._hook} returned without running the blocks of pipeline stage "
+                f"{stage}; under pipeline parallelism every {self._hook} must run the model once. {BLOCKS_CONTRACT}"
+            )
+        if inferring:
+            loss = extract_loss(result, self._hook) if self._train else None
+            return (loss * 0.0).reshape(1) if isinstance(loss, torch.Tensor) else torch.zeros(1, device=_device(inputs))
+        if not self._train:
+            self.outputs.append(result)
+            loss = extract_loss(result, self._hook) if isinstance(result, (torch.Tensor, Mapping)) else None
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                self.logs.add_loss(loss, length)
+            return torch.zeros(1, device=_device(inputs))
+        loss = extract_loss(result, self._hook)
+        if loss is None:
+            raise ValueError(
+                f"{self._hook} returned None: skipping a batch is not supported under pipeline parallelism "
+                "(every stage has already run it)."
+            )
+        if loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError(
+                f"{self._hook} must return a scalar loss computed from the model's output (got shape "
+                f"{tuple(loss.shape)}, requires_grad={loss.requires_grad})."
+            )
+        self.logs.add_loss(loss, length)
+        return (loss * (length / self._total * self._scale)).reshape(1)
+
+
+def _device(inputs: Sequence[torch.Tensor]) -> torch.device | None:
+    return inputs[0].device if inputs else None
+
+
+def _order(split: ModelSplit, name: str) -> int:
+    container = split.container
+    names = split.first + ([container.block_fqn(b) for b in container.names] if container else []) + split.last
+    return names.index(name) if name in names else len(names)

@@ -1,0 +1,123 @@
+"""Weights tied across the first and the last pipeline stage (an LM head sharing the input embedding's matrix).
+
+Megatron's way, which keeps single-device numbers: the first stage (embedding) and the last stage (head) each hold
+the weight, start from the same values (broadcast from the first stage at setup), and after every batch's backward
+the two gradients are summed over the *embedding group* (the first and last stage rank of each pipeline, i.e. the
+same dp and tp coordinates), so both copies take the same optimizer step. The gradient norm counts the weight once
+(the last stage's copy is left out of the norm), and checkpoints store it once, under the name it has in the
+unsplit model (the first name it is registered under): ``alias_hooks`` renames the other name in ``state_dict`` and
+back in ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+ALIASES_ATTR = "_lightning_3d_aliases"
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def install_alias_hooks(module: nn.Module, groups: Sequence[Sequence[str]]) -> None:
+    """Make ``module.state_dict()`` name each tied weight once, canonically, and ``load_state_dict`` accept that.
+
+    Args:
+        module: the root module (the LightningModule).
+        groups: names of one tied parameter each; the first is canonical.
+    """
+    aliases = {alias: group[0] for group in groups for alias in group[1:]}
+    if not aliases:
+        return
+    setattr(module, ALIASES_ATTR, aliases)
+
+    def save_hook(mod: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for alias, canonical in aliases.items():
+            key = prefix + alias
+            if key not in state:
+                continue
+            value = state.pop(key)
+            state.setdefault(prefix + canonical, value)
+
+    def load_hook(mod: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        raw = {name for name, _ in mod.named_parameters(remove_duplicate=False)}
+        for alias, canonical in aliases.items():
+            if prefix + canonical in state and alias in raw and canonical not in raw:
+                state[prefix + alias] = state.pop(prefix + canonical)
+
+    module.register_state_dict_post_hook(save_hook)
+    module.register_load_state_dict_pre_hook(load_hook)
+
+
+def canonical_names(module: nn.Module) -> Mapping[str, str]:
+    """``{alias: canonical}`` for the tied weights of ``module`` (empty when there are none)."""
+    return getattr(module, ALIASES_ATTR, {})
+
+
+class TiedWeights:
+    """This rank's copies of the weights tied across the first and last stage, and their embedding groups.
+
+    Build it on every rank (it creates process groups: a collective call); ranks on neither end stage hold nothing.
+
+    Args:
+        module: the LightningModule, already pruned to this rank's stages.
+        groups: the tied parameter names (first canonical), from ``ModelSplit.tied``.
+        mesh: the (dp, pp, tp) mesh.
+    """
+
+    def __init__(self, module: nn.Module, groups: Sequence[Sequence[str]], mesh: DeviceMesh) -> None:
+        grid = mesh.mesh  # (dp, pp, tp) global ranks
+        dp, pp, tp = grid.shape
+        self.group: dist.ProcessGroup | None = None
+        me = dist.get_rank()
+        for d in range(dp):
+            for t in range(tp):
+                ranks = [int(grid[d, 0, t]), int(grid[d, pp - 1, t])]
+                group = dist.new_group(ranks)  # every rank creates every group, in the same order
+                if me in ranks:
+                    self.group, self.first = group, ranks[0]
+        named = dict(module.named_parameters(remove_duplicate=False))
+        self.params: list[nn.Parameter] = []
+        self.secondary: set[int] = set()  # the last stage's copies: left out of the gradient norm
+        for names in groups:
+            present = [n for n in names if n in named]
+            if not present:
+                continue
+            param = named[present[0]]
+            self.params.append(param)
+            if names[0] not in named:
+                self.secondary.add(id(param))
+
+    def broadcast_from_first(self) -> None:
+        """Give the last stage's copies the first stage's values (they must start equal)."""
+        if self.group is None:
+            return
+        with torch.no_grad():
+            for param in self.params:
+                dist.broadcast(_local(param), src=self.first, group=self.group)
+
+    def sum_grads(self, params: Sequence[nn.Parameter], grads: list[Tensor | None]) -> None:
+        """Sum one batch's gradients of the tied weights over the embedding group, in ``grads`` (aligned with
+        ``params``): both copies then hold the gradient single-device training computes for the one weight."""
+        if self.group is None:
+            return
+        index = {id(p): i for i, p in enumerate(params)}
+        for param in self.params:
+            i = index[id(param)]
+            grad = grads[i]
+            if grad is None:
+                grad = torch.zeros_like(param)
+                grads[i] = grad
+            dist.all_reduce(_local(grad), group=self.group)
+
+    def for_norm(self, params: Sequence[Tensor]) -> list[Tensor]:
+        """``params`` without the copies the gradient norm must not count twice."""
+        return [p for p in params if id(p) not in self.secondary]
