@@ -207,9 +207,11 @@ def hf_config(arch: str, vocab: int = 32, layers: int = 4):
 class HFCausalLM(_Base):
     """A LightningModule holding an unmodified Hugging Face causal LM; the loss comes from ``labels=``."""
 
-    def __init__(self, arch: str = "llama", **kwargs):
+    def __init__(self, arch: str = "llama", lr: float = 0.01, **kwargs):
+        # (a smaller step than the other test models: at 0.05, Adam turns float32 round-off in a tiny LLM into
+        # 1e-4 parameter differences within 20 steps, whatever computes the gradients)
         self.arch = arch
-        super().__init__(**kwargs)
+        super().__init__(lr=lr, **kwargs)
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):

@@ -284,15 +284,16 @@ def _build_split_stages(
     module.to(device)
     if not model.is_meta:
         sync_replicas(module, mesh)
-    tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 else None
     install_alias_hooks(module, split.tied)
-    if tied is not None:
-        tied.broadcast_from_first()
     stages = []
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
         stage_module = StageModule(s, held, executor)
         stages.append(StageSpec(s, apply_data_parallel(stage_module, mesh["dp"])))
+    # after tensor and data parallelism have put their parameter objects in place
+    tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 else None
+    if tied is not None:
+        tied.broadcast_from_first()
     return BuiltStages(stages, executor, tied)
 
 
