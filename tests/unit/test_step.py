@@ -168,3 +168,15 @@ def test_merge_outputs_inverts_slicing() -> None:
     out = merge_outputs(parts)
     assert torch.equal(out["x"], batch["x"])
     assert torch.equal(out["y"][0], batch["y"][0]) and torch.equal(out["y"][1], batch["y"][1])
+
+
+def test_merge_outputs_per_sample_strings_are_joined_like_the_whole_batch() -> None:
+    """A step returning one string per sample (e.g. decoded predictions) must merge to what the whole batch's step
+    returns: the strings of every sample in order, not a transposed list of lists.
+
+    Known bug at the time of writing: merge_outputs treats the per-sample list as a structure and merges it position
+    by position, giving [["a", "c"], ["b", "d"]]. slice_batch recognises such lists by their length (the
+    micro-batch's sample count), which merge_outputs does not receive.
+    """
+    parts = [{"text": ["a", "b"]}, {"text": ["c", "d"]}]
+    assert merge_outputs(parts) == {"text": ["a", "b", "c", "d"]}
