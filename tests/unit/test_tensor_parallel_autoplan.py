@@ -13,7 +13,7 @@ from torch import nn
 from lightning_3d.core.tensor_parallel import resolve_plan
 from lightning_3d.core.tensor_parallel.shapes import Refuse, map_getitem, map_view
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tp_models import Attention, Block, Embed, Head, InOut, gpt, mlp_chain, swiglu_model
 
 

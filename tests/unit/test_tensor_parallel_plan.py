@@ -22,7 +22,7 @@ from lightning_3d.core.tensor_parallel import (
 )
 from lightning_3d.core.tensor_parallel.styles import SharedInputColwiseParallel
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tp_models import gpt, mlp_chain
 
 

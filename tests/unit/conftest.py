@@ -1,0 +1,19 @@
+"""Fixtures of the in-process unit tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture
+def gloo_world() -> Iterator[dist.ProcessGroup]:
+    """A single-process gloo default group (rank 0 of 1, in-memory store), destroyed after the test."""
+    assert not dist.is_initialized(), "a previous test left a process group behind"
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,215 @@
+"""Combining ``self.log`` values over micro-batches and data-parallel replicas, recording and replaying them."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torchmetrics import MeanMetric
+
+from lightning_3d.core.log_relay import LogRecorder, StepLogs, merge, relay, replay, silenced
+
+
+def logs_of(calls: list[tuple[str, Any, dict[str, Any], int]]) -> StepLogs:
+    """Logs of one rank: ``(name, value, kwargs, samples)`` per self.log call, in micro-batch order."""
+    logs = StepLogs()
+    for name, value, kwargs, samples in calls:
+        logs.add(name, value, kwargs, samples, None)
+    return logs
+
+
+def value(logs: StepLogs, name: str) -> float:
+    entry = logs.entries[name]
+    return entry.total / entry.weight if entry.reduce_fx == "mean" else entry.total
+
+
+# ------------------------------------------------------------------------------------ one rank, micro-batches
+def test_mean_is_weighted_by_micro_batch_samples() -> None:
+    logs = logs_of([("acc", torch.tensor(1.0), {}, 3), ("acc", torch.tensor(5.0), {}, 1)])
+    assert value(logs, "acc") == pytest.approx((3 * 1.0 + 1 * 5.0) / 4)  # 2.0, not the plain mean 3.0
+    assert logs.entries["acc"].weight == 4
+
+
+def test_batch_size_given_to_log_overrides_the_sample_count() -> None:
+    logs = logs_of([("tok", 2.0, {"batch_size": 10}, 2), ("tok", 4.0, {"batch_size": 30}, 2)])
+    assert value(logs, "tok") == pytest.approx((10 * 2.0 + 30 * 4.0) / 40)
+    assert logs.entries["tok"].weight == 40
+
+
+@pytest.mark.parametrize(
+    ("reduce_fx", "expected"),
+    [("sum", 9.0), ("max", 5.0), ("min", 1.0), (torch.sum, 9.0), (torch.max, 5.0), (torch.min, 1.0)],
+)
+def test_sum_max_min_over_micro_batches(reduce_fx: object, expected: float) -> None:
+    calls = [("x", v, {"reduce_fx": reduce_fx}, n) for v, n in ((3.0, 2), (5.0, 1), (1.0, 4))]
+    assert value(logs_of(calls), "x") == expected
+
+
+def test_torch_mean_is_mean() -> None:
+    logs = logs_of([("x", 1.0, {"reduce_fx": torch.mean}, 1), ("x", 4.0, {"reduce_fx": torch.mean}, 2)])
+    assert logs.entries["x"].reduce_fx == "mean"
+    assert value(logs, "x") == pytest.approx(3.0)
+
+
+def test_unsupported_reduce_fx() -> None:
+    with pytest.raises(ValueError, match=r"reduce_fx=.*is not supported under ThreeDStrategy"):
+        StepLogs().add("x", 1.0, {"reduce_fx": "median"}, 1, None)
+
+
+def test_non_scalar_tensor_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"self.log\('x', ...\) got a tensor of shape \(2,\); log scalars"):
+        StepLogs().add("x", torch.zeros(2), {}, 1, None)
+
+
+def test_dtype_kept_for_tensors_and_none_for_numbers() -> None:
+    logs = logs_of([("t", torch.tensor(1.0, dtype=torch.float64), {}, 1), ("n", 3, {}, 1)])
+    assert logs.entries["t"].dtype == torch.float64
+    assert logs.entries["n"].dtype is None
+
+
+def test_sync_and_batch_size_kwargs_are_dropped_the_rest_kept() -> None:
+    kwargs = {"prog_bar": True, "on_step": True, "sync_dist": True, "sync_dist_group": None, "batch_size": 4}
+    logs = logs_of([("x", 1.0, kwargs, 4)])
+    assert logs.entries["x"].kwargs == {"prog_bar": True, "on_step": True}
+
+
+def test_loss_is_weighted_by_samples() -> None:
+    logs = StepLogs()
+    logs.add_loss(torch.tensor(2.0, dtype=torch.bfloat16), 3)
+    logs.add_loss(torch.tensor(6.0, dtype=torch.bfloat16), 1)
+    assert logs.loss_total / logs.loss_weight == pytest.approx(3.0)
+    assert logs.loss_dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------ replicas
+def test_merge_over_replicas_equals_one_rank_seeing_every_micro_batch() -> None:
+    calls_a = [("m", 1.0, {}, 2), ("s", 1.0, {"reduce_fx": "sum"}, 2), ("hi", 7.0, {"reduce_fx": "max"}, 2)]
+    calls_b = [("m", 4.0, {}, 1), ("s", 2.5, {"reduce_fx": "sum"}, 1), ("hi", 9.0, {"reduce_fx": "max"}, 1)]
+    calls_c = [("m", 0.0, {}, 3), ("s", 0.5, {"reduce_fx": "sum"}, 3), ("hi", 8.0, {"reduce_fx": "max"}, 3)]
+    merged = merge([logs_of(calls_a), logs_of(calls_b), logs_of(calls_c)])
+    assert value(merged, "m") == pytest.approx((2 * 1.0 + 1 * 4.0 + 3 * 0.0) / 6)
+    assert value(merged, "s") == pytest.approx(4.0)
+    assert value(merged, "hi") == 9.0
+    assert merged.entries["m"].weight == 6
+    single = logs_of(calls_a + calls_b + calls_c)
+    for name in ("m", "s", "hi"):
+        assert value(merged, name) == pytest.approx(value(single, name))
+
+
+def test_merge_min_and_loss() -> None:
+    a, b = logs_of([("lo", 3.0, {"reduce_fx": "min"}, 1)]), logs_of([("lo", -2.0, {"reduce_fx": "min"}, 1)])
+    a.add_loss(torch.tensor(1.0), 2)
+    b.add_loss(torch.tensor(4.0), 2)
+    merged = merge([a, b])
+    assert value(merged, "lo") == -2.0
+    assert merged.loss_total / merged.loss_weight == pytest.approx(2.5)
+    assert merged.loss_dtype == torch.float32
+
+
+def test_merge_keeps_keys_logged_on_one_replica_only() -> None:
+    merged = merge([logs_of([("a", 1.0, {}, 1)]), logs_of([("b", 2.0, {}, 1)])])
+    assert list(merged.entries) == ["a", "b"]
+
+
+def test_merge_does_not_modify_its_inputs() -> None:
+    a, b = logs_of([("m", 1.0, {}, 2)]), logs_of([("m", 3.0, {}, 2)])
+    before = copy.deepcopy((a.entries["m"], b.entries["m"]))
+    merge([a, b])
+    assert (a.entries["m"], b.entries["m"]) == before
+
+
+# ------------------------------------------------------------------------------------ recording
+class Module(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.metric = MeanMetric()
+
+    def step(self, x: torch.Tensor) -> None:
+        self.log("mean_x", x.mean())
+        self.log_dict({"first": x[0], "count": float(len(x))}, reduce_fx="sum")
+        self.metric.update(x)
+        self.log("metric", self.metric)
+
+
+def test_recorder_captures_log_and_log_dict_then_restores_log() -> None:
+    module = Module()
+    logs = StepLogs()
+    recorder = LogRecorder(module, logs)
+    with recorder.recording(3):
+        module.step(torch.tensor([1.0, 2.0, 3.0]))
+    with recorder.recording(1):
+        module.step(torch.tensor([7.0]))
+    assert "log" not in module.__dict__  # the real LightningModule.log is back
+    assert list(logs.entries) == ["mean_x", "first", "count", "metric"]
+    assert value(logs, "mean_x") == pytest.approx((3 * 2.0 + 1 * 7.0) / 4)  # the mean over the 4 samples
+    assert value(logs, "first") == 8.0 and value(logs, "count") == 4.0
+    metric = logs.entries["metric"]
+    assert metric.metric == "metric" and metric.weight == 4
+
+
+def test_recorder_refuses_a_metric_that_is_not_an_attribute() -> None:
+    module = Module()
+    recorder = LogRecorder(module, StepLogs())
+    with recorder.recording(1), pytest.raises(ValueError, match="the Metric must be an attribute"):
+        module.log("loose", MeanMetric())
+
+
+def test_silenced_drops_logs() -> None:
+    module = Module()
+    logs = StepLogs()
+    recorder = LogRecorder(module, logs)
+    with silenced(module), warnings.catch_warnings():
+        warnings.simplefilter("error")  # Lightning's log warns when the module has no trainer: it must not run
+        module.log("x", 1.0)
+    assert "log" not in module.__dict__
+    with recorder.recording(1):
+        module.log("y", 1.0)
+    assert list(logs.entries) == ["y"]
+
+
+# ------------------------------------------------------------------------------------ relay and replay
+def test_relay_without_groups_merges_and_finishes() -> None:
+    logs = logs_of([("m", 2.0, {}, 2)])
+    seen: list[list[StepLogs]] = []
+
+    def finish(parts: list[StepLogs]) -> str:
+        seen.append(parts)
+        return "extra"
+
+    out, extra = relay(logs, dp_group=None, pp_group=None, last_stage_rank=0, finish=finish)
+    assert extra == "extra" and seen == [[logs]]
+    assert value(out, "m") == 2.0 and out is not logs
+
+
+def test_relay_through_single_rank_groups(gloo_world: dist.ProcessGroup) -> None:
+    logs = logs_of([("m", 2.0, {"prog_bar": True}, 2), ("s", 1.0, {"reduce_fx": "sum"}, 2)])
+    logs.add_loss(torch.tensor(0.5), 2)
+    out, extra = relay(logs, dp_group=gloo_world, pp_group=gloo_world, last_stage_rank=0, finish=len)
+    assert extra == 1
+    assert out.entries == logs.entries and out.loss_total == logs.loss_total
+
+
+def test_replay_logs_the_combined_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, Any, dict[str, Any]]] = []
+    monkeypatch.setattr(LightningModule, "log", lambda self, name, v, **kw: calls.append((name, v, kw)))
+    module = Module()
+    logs = merge(
+        [
+            logs_of([("m", torch.tensor(1.0, dtype=torch.float64), {"prog_bar": True}, 3), ("n", 2, {}, 3)]),
+            logs_of([("m", torch.tensor(3.0, dtype=torch.float64), {"prog_bar": True}, 1), ("n", 6, {}, 1)]),
+        ]
+    )
+    logs.add("metric", module.metric, {"on_epoch": True}, 4, "metric")
+    replay(module, logs, {"metric": module.metric})
+    assert [c[0] for c in calls] == ["m", "n", "metric"]
+    _, v, kw = calls[0]
+    assert isinstance(v, torch.Tensor) and v.dtype == torch.float64 and float(v) == pytest.approx(1.5)
+    assert kw == {"prog_bar": True, "reduce_fx": "mean", "sync_dist": False, "batch_size": 4}
+    assert calls[1][1] == pytest.approx(3.0) and not isinstance(calls[1][1], torch.Tensor)
+    _, v, kw = calls[2]
+    assert v is module.metric and kw["metric_attribute"] == "metric" and kw["batch_size"] == 4

@@ -1,0 +1,208 @@
+"""Per-name seeds, materialising meta layers, and loading a full state dict into a plain module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_3d.core.materialize import (
+    LoadReport,
+    check_materializable,
+    gather_full_state_dict,
+    has_meta_tensors,
+    load_full_state_dict,
+    materialize,
+    module_seed,
+)
+
+CPU = torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------ seeds
+def test_module_seed_is_a_pinned_function_of_seed_and_name() -> None:
+    # 7 * 1_000_003 + CRC-32("body.0") (= 757523813): the same in every process and Python version
+    assert module_seed(7, "body.0") == 764523834
+    assert module_seed(0, "") == 0
+
+
+def test_module_seed_depends_on_name_and_base_seed() -> None:
+    names = [f"body.{i}.{part}" for i in range(200) for part in ("attn", "mlp", "ln")]
+    seeds = {module_seed(1, n) for n in names}
+    assert len(seeds) == len(names)
+    assert module_seed(1, "body.0") != module_seed(2, "body.0")
+    assert all(0 <= module_seed(2**62, n) < 2**63 - 1 for n in names[:10])
+
+
+# ------------------------------------------------------------------------------------ materialize
+def build() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.LayerNorm(6), nn.Linear(6, 3))
+
+
+def test_materialize_equals_building_each_layer_under_its_seed() -> None:
+    with torch.device("meta"):
+        body = build()
+    assert has_meta_tensors(body)
+    materialize(body, CPU, base_seed=7, prefix="body")
+    assert not has_meta_tensors(body)
+    for index, make in ((0, lambda: nn.Linear(4, 6)), (3, lambda: nn.Linear(6, 3))):
+        torch.manual_seed(module_seed(7, f"body.{index}"))
+        ref = make()  # the constructor draws exactly what reset_parameters draws
+        torch.testing.assert_close(body[index].weight, ref.weight, rtol=0, atol=0)
+        torch.testing.assert_close(body[index].bias, ref.bias, rtol=0, atol=0)
+    assert torch.equal(body[2].weight, torch.ones(6)) and torch.equal(body[2].bias, torch.zeros(6))
+
+
+def test_materialize_is_layout_independent() -> None:
+    with torch.device("meta"):
+        whole, alone = build(), nn.Linear(6, 3)
+    materialize(whole, CPU, base_seed=3, prefix="body")
+    materialize(alone, CPU, base_seed=3, prefix="body.3")  # the same layer, materialised on its own stage
+    assert torch.equal(whole[3].weight, alone.weight) and torch.equal(whole[3].bias, alone.bias)
+    with torch.device("meta"):
+        other = build()
+    materialize(other, CPU, base_seed=4, prefix="body")
+    assert not torch.equal(whole[0].weight, other[0].weight)
+
+
+def test_materialize_leaves_the_global_rng_alone() -> None:
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    with torch.device("meta"):
+        body = build()
+    materialize(body, CPU, base_seed=0, prefix="body")
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+class ScaledResidual(nn.Module):
+    """A parent whose reset_parameters overrides its child's default initialisation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.gain = nn.Parameter(torch.empty(3))
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.proj.weight)
+        nn.init.ones_(self.gain)
+
+
+def test_children_are_initialised_before_their_parents() -> None:
+    with torch.device("meta"):
+        block = ScaledResidual()
+    materialize(block, CPU, base_seed=0, prefix="body.0")
+    assert torch.equal(block.proj.weight, torch.zeros(3, 3))  # the parent's init wins
+    assert torch.equal(block.gain, torch.ones(3))
+    torch.manual_seed(module_seed(0, "body.0.proj"))
+    assert torch.equal(block.proj.bias, nn.Linear(3, 3).bias)  # the child's own init of what the parent left
+
+
+# ------------------------------------------------------------------------------------ check_materializable
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+        self.register_buffer("offset", torch.zeros(3))
+
+
+def test_check_materializable_names_modules_without_reset_parameters() -> None:
+    with torch.device("meta"):
+        body = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(ValueError) as info:
+        check_materializable(body, "body")
+    message = str(info.value)
+    assert "body.1 (Scale: weight, offset)" in message
+    assert "body.0" not in message and "reset_parameters()" in message
+
+
+def test_check_materializable_accepts_resettable_and_real_modules() -> None:
+    with torch.device("meta"):
+        check_materializable(build(), "body")
+    check_materializable(nn.Sequential(Scale()), "body")  # on the CPU: nothing to initialise
+
+
+# ------------------------------------------------------------------------------------ load_full_state_dict
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+def full_state(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    net = Net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_()
+        net.body[1].running_mean.normal_()
+    return net.state_dict()
+
+
+def test_load_copies_every_key_and_reports_it() -> None:
+    net, state = Net(), full_state(0)
+    report = load_full_state_dict(net, state)
+    assert sorted(report.loaded) == sorted(state) and report.missing == [] and report.unexpected == []
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    assert state["body.0.weight"].data_ptr() != net.body[0].weight.data_ptr()  # copied, not aliased
+
+
+def test_missing_and_unexpected_keys_raise_and_load_nothing() -> None:
+    net, state = Net(), full_state(0)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    state.pop("body.0.bias")
+    state["head.weight"] = torch.zeros(1)
+    with pytest.raises(KeyError) as info:
+        load_full_state_dict(net, state)
+    assert "missing keys ['body.0.bias']" in str(info.value)
+    assert "unexpected keys ['head.weight']" in str(info.value)
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_non_strict_loads_what_matches() -> None:
+    net, state = Net(), full_state(1)
+    state.pop("body.0.bias")
+    state["head.weight"] = torch.zeros(1)
+    report = load_full_state_dict(net, state, strict=False)
+    assert report.missing == ["body.0.bias"] and report.unexpected == ["head.weight"]
+    assert "body.0.bias" not in report.loaded and torch.equal(net.body[0].weight, state["body.0.weight"])
+
+
+def test_keys_of_other_stages_are_not_unexpected() -> None:
+    net, state = Net(), full_state(0)
+    state["body.2.weight"] = torch.zeros(5)  # another pipeline stage's layer
+    report = load_full_state_dict(net, state, full_keys=[*state])
+    assert report.unexpected == [] and "body.2.weight" not in report.loaded
+    with pytest.raises(KeyError, match=r"body\.2\.weight"):
+        load_full_state_dict(net, state)  # without full_keys it is unknown
+
+
+def test_shape_mismatch_raises_and_loads_nothing() -> None:
+    net, state = Net(), full_state(0)
+    before = net.body[0].weight.clone()
+    state["body.1.weight"] = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"Shape mismatch for 'body.1.weight': checkpoint \(5,\), model \(4,\)"):
+        load_full_state_dict(net, state)
+    assert torch.equal(net.body[0].weight, before)  # an earlier, valid key was not copied either
+
+
+def test_load_casts_to_the_model_dtype() -> None:
+    net = Net().double()
+    state = full_state(2)
+    load_full_state_dict(net, state)
+    assert net.body[0].weight.dtype == torch.float64
+    torch.testing.assert_close(net.body[0].weight, state["body.0.weight"].double())
+
+
+def test_load_report_defaults() -> None:
+    assert LoadReport() == LoadReport(loaded=[], missing=[], unexpected=[])
+
+
+def test_gather_full_state_dict_without_a_process_group() -> None:
+    net = Net()
+    got = gather_full_state_dict(net, writer=True)
+    assert got is not None and sorted(got) == sorted(net.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in net.state_dict().items())
+    assert gather_full_state_dict(net, writer=False) == {}

@@ -1,0 +1,153 @@
+"""Layout-independent state: the key report, saved shapes from DCP metadata, and the optimizer state keyed by
+parameter name (flattened and back into torch's format)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from lightning_3d.checkpoint.named_state import (
+    KeyReport,
+    compare_keys,
+    optimizer_state_dict,
+    optimizer_template,
+    param_names,
+    saved_model_shapes,
+    torch_optimizer_state,
+)
+
+
+# ------------------------------------------------------------------------------------ compare_keys
+def test_compare_keys_sorts_out_missing_unexpected_and_mismatched() -> None:
+    expected = {"body.0.weight": (4, 3), "body.0.bias": (4,), "body.1.weight": (2, 4)}
+    saved = {"body.0.weight": (3, 4), "body.1.weight": (2, 4), "body.9.weight": (1,), "extra": None}
+    report = compare_keys(expected, saved)
+    assert report.missing == ["body.0.bias"]
+    assert report.unexpected == ["body.9.weight", "extra"]
+    assert report.mismatched == ["body.0.weight: checkpoint (3, 4), model (4, 3)"]
+    assert bool(report)
+
+
+def test_compare_keys_matching_and_non_tensor_entries() -> None:
+    assert not compare_keys({"w": (2,), "b": ()}, {"w": (2,), "b": ()})
+    assert not compare_keys({"w": (2,)}, {"w": None})  # a non-tensor entry has no shape to compare
+    assert not KeyReport()
+
+
+def test_key_report_message() -> None:
+    report = KeyReport(missing=["a"], unexpected=[f"k{i:02d}" for i in range(14)])
+    message = report.message("ckpt/last")
+    assert message.startswith("lightning_3d: checkpoint 'ckpt/last' does not match the model.")
+    assert "Missing keys (in the model, not in the checkpoint): a." in message
+    shown = ", ".join(f"k{i:02d}" for i in range(12))
+    assert f"Unexpected keys (in the checkpoint, not in the model): {shown} ... (14 in all)." in message
+    assert "Shape mismatches: none. Nothing was loaded." in message
+
+
+# ------------------------------------------------------------------------------------ DCP metadata
+def tensor_meta(*size: int, dtype: torch.dtype = torch.float32) -> TensorStorageMetadata:
+    return TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size), [])
+
+
+def test_saved_model_shapes_reads_only_the_model_prefix() -> None:
+    metadata = Metadata(
+        {
+            "state_dict.body.0.weight": tensor_meta(4, 3),
+            "state_dict.body.0.bias": tensor_meta(4),
+            "state_dict.note": BytesStorageMetadata(),
+            "optimizer_0.state.body.0.weight.exp_avg": tensor_meta(4, 3),
+            "state_dict_extra.x": tensor_meta(1),
+        }
+    )
+    assert saved_model_shapes(metadata) == {"body.0.weight": (4, 3), "body.0.bias": (4,), "note": None}
+
+
+# ------------------------------------------------------------------------------------ optimizer state by name
+def model() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+
+
+def adam(module: nn.Module) -> torch.optim.Adam:
+    return torch.optim.Adam(
+        [{"params": list(module[0].parameters()), "lr": 0.1}, {"params": list(module[1].parameters()), "lr": 0.01}]
+    )
+
+
+def stepped() -> tuple[nn.Module, torch.optim.Adam]:
+    torch.manual_seed(0)
+    module = model()
+    opt = adam(module)
+    for _ in range(2):
+        module(torch.randn(5, 3)).pow(2).sum().backward()
+        opt.step()
+    return module, opt
+
+
+def test_optimizer_state_is_keyed_by_parameter_name() -> None:
+    module, opt = stepped()
+    flat = optimizer_state_dict(module, opt)
+    assert flat["param_groups.0.weight.lr"] == 0.1 and flat["param_groups.1.bias.lr"] == 0.01
+    assert torch.equal(flat["state.1.weight.exp_avg"], opt.state[module[1].weight]["exp_avg"])
+    assert float(flat["state.0.bias.step"]) == 2.0
+    names = {k.split(".")[1] + "." + k.split(".")[2] for k in flat}
+    assert names == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
+def test_optimizer_that_never_stepped_saves_hyperparameters_only() -> None:
+    module = model()
+    flat = optimizer_state_dict(module, adam(module))
+    assert flat and all(k.startswith("param_groups.") for k in flat)
+
+
+def test_flattened_state_loads_into_a_fresh_optimizer() -> None:
+    module, opt = stepped()
+    flat = optimizer_state_dict(module, opt)
+    fresh_module = model()
+    fresh_module.load_state_dict(module.state_dict())
+    fresh = torch.optim.Adam(
+        [{"params": list(fresh_module[0].parameters()), "lr": 1.0}, {"params": list(fresh_module[1].parameters())}]
+    )
+    fresh.load_state_dict(torch_optimizer_state(param_names(fresh_module), fresh, flat))
+    assert [g["lr"] for g in fresh.param_groups] == [0.1, 0.01]
+    for p, q in zip(module.parameters(), fresh_module.parameters()):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh.state[q][key]), key
+
+
+def test_a_parameter_outside_the_module_is_refused() -> None:
+    module = model()
+    opt = torch.optim.SGD([*module.parameters(), nn.Parameter(torch.zeros(7, 2))], lr=0.1)
+    with pytest.raises(RuntimeError, match=r"parameter of shape \(7, 2\) that is not a parameter"):
+        optimizer_state_dict(module, opt)
+
+
+def test_optimizer_template_shapes_tensors_like_the_saved_entries() -> None:
+    module = model()
+    opt = adam(module)
+    metadata = Metadata(
+        {
+            "optimizer_0.state.0.weight.exp_avg": tensor_meta(2, 3),
+            "optimizer_0.state.0.weight.step": tensor_meta(),
+            "optimizer_0.param_groups.0.weight.lr": BytesStorageMetadata(),
+            "optimizer_0.state.0.bias.exp_avg": tensor_meta(2, dtype=torch.float64),
+            "optimizer_1.state.1.weight.exp_avg": tensor_meta(1, 2),  # another optimizer
+        }
+    )
+    template = optimizer_template(param_names(module), opt, "optimizer_0", metadata)
+    assert set(template) == {
+        "state.0.weight.exp_avg",
+        "state.0.weight.step",
+        "param_groups.0.weight.lr",
+        "state.0.bias.exp_avg",
+    }
+    assert template["state.0.weight.exp_avg"].shape == (2, 3)
+    assert template["state.0.weight.step"].shape == ()
+    assert template["param_groups.0.weight.lr"] is None
+    assert template["state.0.bias.exp_avg"].dtype == torch.float64

@@ -1,0 +1,133 @@
+"""Pure parts of reliability.py: rank ranges, the settings digest, the ConsistencyError layout (with the two
+collectives of compare_across_ranks replaced by a simulated world), value texts and argument checks."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_3d.core.agreed import is_agreed
+from lightning_3d.core.partition import StagePlan
+from lightning_3d.reliability import (
+    ConsistencyError,
+    Reliability,
+    _digest,
+    _ranks_text,
+    _text,
+    as_timedelta,
+    body_items,
+    compare_across_ranks,
+)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "text"),
+    [
+        ([3], "rank 3"),
+        ([0, 1, 2, 5], "ranks 0-2, 5"),
+        ([0, 2, 4], "ranks 0, 2, 4"),
+        ([1, 2, 4, 5, 6, 9], "ranks 1-2, 4-6, 9"),
+        ([0, 1, 2, 3, 4, 5, 6, 7], "ranks 0-7"),
+    ],
+)
+def test_ranks_text(ranks: list[int], text: str) -> None:
+    assert _ranks_text(ranks) == text
+
+
+def test_digest_is_pinned_and_order_independent() -> None:
+    items = {"strategy.tp": "2", "world_size": "8"}
+    # sha256 of the sorted items as JSON, first 8 bytes: the same in every process (no hash randomisation)
+    assert _digest(items) == -4236350151192511239
+    assert _digest({"world_size": "8", "strategy.tp": "2"}) == _digest(items)
+    assert _digest({**items, "world_size": "4"}) != _digest(items)
+    assert _digest({"strategy.tp": "28", "world_size": ""}) != _digest(items)  # no ambiguity from joining
+    assert -(2**63) <= _digest({}) < 2**63
+
+
+def test_text_drops_memory_addresses() -> None:
+    class Thing:
+        pass
+
+    assert " at 0x" not in _text(Thing())
+    assert _text(Thing()) == _text(Thing())  # two objects, two addresses, the same text
+    assert _text("a") == "'a'" and _text(None) == "None" and _text(2) == "2"
+
+
+def test_as_timedelta() -> None:
+    assert as_timedelta(5) == timedelta(seconds=5)
+    assert as_timedelta(2.5) == timedelta(seconds=2.5)
+    assert as_timedelta(timedelta(minutes=1)) == timedelta(minutes=1)
+    assert as_timedelta(None) is None
+
+
+def test_body_items_names_layers_and_stages() -> None:
+    body = SimpleNamespace(module=nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    items = body_items(body, StagePlan([["0"], ["1"]]))
+    assert items == {"body.0": "Linear", "body.1": "ReLU", "stages": "[['0'], ['1']]"}
+
+
+def test_on_nonfinite_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"on_nonfinite must be one of \('raise', 'skip', 'off'\), got 'ignore'"):
+        Reliability(None, None, None, on_nonfinite="ignore")  # type: ignore[arg-type]
+    assert Reliability(None, None, None, on_nonfinite="skip").on_nonfinite == "skip"  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ compare_across_ranks
+def simulate(monkeypatch: pytest.MonkeyPatch, everyone: list[dict[str, str]], rank: int, limit: int = 12) -> None:
+    """Run compare_across_ranks as ``rank`` of a world whose ranks hold ``everyone``'s items."""
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: len(everyone))
+
+    def all_gather(out: list[torch.Tensor], mine: torch.Tensor, group: object = None) -> None:
+        assert int(mine) == _digest(everyone[rank])
+        for i, items in enumerate(everyone):
+            out[i].copy_(torch.tensor([_digest(items)]))
+
+    def all_gather_object(out: list[object], obj: object, group: object = None) -> None:
+        assert obj == everyone[rank]
+        out[:] = [dict(items) for items in everyone]
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    compare_across_ranks(everyone[rank], torch.device("cpu"), "the settings", limit=limit)
+
+
+BASE = {"model.x": "parameter (3,) torch.float32", "strategy.tp": "2", "world_size": "4"}
+
+
+def test_agreeing_ranks_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    simulate(monkeypatch, [dict(BASE) for _ in range(4)], rank=2)
+
+
+def test_single_rank_world_passes(gloo_world: dist.ProcessGroup) -> None:
+    compare_across_ranks(dict(BASE), torch.device("cpu"), "the settings")
+
+
+def test_differences_are_listed_by_key_with_the_ranks_of_each_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    everyone = [dict(BASE) for _ in range(4)]
+    everyone[2]["strategy.tp"] = "1"
+    del everyone[3]["model.x"]
+    for rank in range(4):  # every rank raises the same agreed error
+        with pytest.raises(ConsistencyError) as info:
+            simulate(monkeypatch, everyone, rank)
+        assert is_agreed(info.value)
+        message = str(info.value)
+        assert message.startswith("ThreeDStrategy: the ranks of this job do not agree on the settings;")
+        differences = message.split("Differences:\n")[1].split("\nCheck that")[0].splitlines()
+        assert differences == [
+            "  model.x: parameter (3,) torch.float32 on ranks 0-2; <missing> on rank 3",
+            "  strategy.tp: 2 on ranks 0-1, 3; 1 on rank 2",
+        ]
+
+
+def test_many_differences_are_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    everyone = [{f"k{i:02d}": str(rank) for i in range(5)} for rank in range(2)]
+    with pytest.raises(ConsistencyError) as info:
+        simulate(monkeypatch, everyone, rank=0, limit=3)
+    lines = str(info.value).split("Differences:\n")[1].split("\nCheck that")[0].splitlines()
+    assert lines == ["  k00: 0 on rank 0; 1 on rank 1", "  k01: 0 on rank 0; 1 on rank 1",
+                     "  k02: 0 on rank 0; 1 on rank 1", "  ... and 2 more"]  # fmt: skip
