@@ -227,7 +227,8 @@ class BatchRunner:
         finally:
             put_grads(params, prior)
         last = runtime.has_last
-        local_outputs = merge_outputs(step_outputs) if last and not train else None
+        sizes = [total // n_micro] * n_micro
+        local_outputs = merge_outputs(step_outputs, sizes) if last and not train else None
         logs, extra = self._relay(replace(step_logs, metric_batch=metric_batch) if last else None, hook, local_outputs)
         exported, values, broadcast_outputs = extra
         if not last:

@@ -270,9 +270,18 @@ class StepAdapter:
         return loss * (length / self._total * self._scale)
 
 
-def merge_outputs(outputs: list[Any]) -> Any:
-    """Join per-micro-batch step outputs into one batch output: tensors (and the tensors inside dicts,
-    lists and tuples) are concatenated on dim 0; anything else becomes a list with one item per micro-batch."""
+def merge_outputs(outputs: list[Any], sizes: Sequence[int] | None = None) -> Any:
+    """Join per-micro-batch step outputs into one batch output, as the whole batch's step would have returned it.
+
+    Tensors (and the tensors inside dicts, lists and tuples) are concatenated on dim 0; a list of plain items
+    with one item per sample (decoded strings, ids: its length is the micro-batch's sample count, the rule
+    ``slice_batch`` uses to split such lists) is joined; anything else becomes a list with one item per
+    micro-batch.
+
+    Args:
+        outputs: the step's output of each micro-batch, in order.
+        sizes: the micro-batches' sample counts (needed to recognise per-sample lists).
+    """
     if not outputs:
         return None
     first = outputs[0]
@@ -283,11 +292,21 @@ def merge_outputs(outputs: list[Any]) -> Any:
             return list(outputs)
         return torch.cat(outputs, dim=0)
     if isinstance(first, Mapping):
-        return type(first)({k: merge_outputs([o[k] for o in outputs]) for k in first})  # type: ignore[call-arg]
+        return type(first)({k: merge_outputs([o[k] for o in outputs], sizes) for k in first})  # type: ignore[call-arg]
+    if isinstance(first, list) and sizes is not None and _per_sample(outputs, sizes):
+        return [item for o in outputs for item in o]
     if isinstance(first, (list, tuple)) and all(isinstance(o, type(first)) and len(o) == len(first) for o in outputs):
-        items = [merge_outputs([o[i] for o in outputs]) for i in range(len(first))]
+        items = [merge_outputs([o[i] for o in outputs], sizes) for i in range(len(first))]
         return type(first)(*items) if hasattr(first, "_fields") else type(first)(items)
     return list(outputs)
+
+
+def _per_sample(outputs: Sequence[Any], sizes: Sequence[int]) -> bool:
+    """Lists of plain items, one per sample of each micro-batch."""
+    return len(outputs) == len(sizes) and all(
+        isinstance(o, list) and len(o) == n and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in o)
+        for o, n in zip(outputs, sizes, strict=True)
+    )
 
 
 def _as_tuple(output: Any) -> tuple[torch.Tensor, ...]:

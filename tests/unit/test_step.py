@@ -171,12 +171,12 @@ def test_merge_outputs_inverts_slicing() -> None:
 
 
 def test_merge_outputs_per_sample_strings_are_joined_like_the_whole_batch() -> None:
-    """A step returning one string per sample (e.g. decoded predictions) must merge to what the whole batch's step
-    returns: the strings of every sample in order, not a transposed list of lists.
-
-    Known bug at the time of writing: merge_outputs treats the per-sample list as a structure and merges it position
-    by position, giving [["a", "c"], ["b", "d"]]. slice_batch recognises such lists by their length (the
-    micro-batch's sample count), which merge_outputs does not receive.
-    """
+    """A step returning one string per sample (e.g. decoded predictions) merges to what the whole batch's step
+    returns: the strings of every sample in order (recognised by the micro-batches' sample counts, the rule
+    slice_batch uses), while a fixed-size structure such as [acc, f1] is still merged position by position."""
     parts = [{"text": ["a", "b"]}, {"text": ["c", "d"]}]
-    assert merge_outputs(parts) == {"text": ["a", "b", "c", "d"]}
+    assert merge_outputs(parts, [2, 2]) == {"text": ["a", "b", "c", "d"]}
+    assert merge_outputs([["a"], ["b"], ["c"]], [1, 1, 1]) == ["a", "b", "c"]
+    scores = [[torch.tensor([1.0, 2.0]), "x"], [torch.tensor([3.0, 4.0]), "y"]]  # (tensor, tag) per micro-batch
+    merged = merge_outputs(scores, [2, 2])
+    assert torch.equal(merged[0], torch.tensor([1.0, 2.0, 3.0, 4.0])) and merged[1] == ["x", "y"]
