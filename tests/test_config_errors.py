@@ -52,13 +52,17 @@ def test_registered_under_short_name():
 
 
 SETUP_ERRORS = {
-    "no_body": "has no nn.Sequential submodule",
-    "outside_parameter": "Parameters outside the body 'body': scale",
+    "no_body": "NoBody has no block container to split into pipeline stages: searched for a Hugging Face",
+    "outside_parameter": "OutsideParameter owns parameters directly (['scale'])",
     "too_few_layers": "4 layers with parameters (7 entries) but 5 pipeline stages",
     "no_reset_parameters": "body.0 (RawParameter: weight)",
     "batch_not_divisible": "has 6 samples per data-parallel replica, which micro_batches=4 does not divide",
     "body_not_called": "training_step returned without calling the body 'body'",
     "heads_not_divisible": "tp values that work: 1, 5",
+    "skip_across_stages": "a skip connection crosses the stage boundary between transformer.h.0 and transformer.h.2",
+    "residual_outside_blocks": "a skip connection crosses the stage boundary between transformer.h.1 and "
+    "transformer.h.2",
+    "no_container": "ThreeDStrategy(blocks='attribute.path'), or use pp=1",
 }
 
 

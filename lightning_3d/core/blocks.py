@@ -6,7 +6,7 @@ It is found, in this order:
 
 1. named by the user (``ThreeDStrategy(blocks="model.model.layers")``);
 2. declared by a Hugging Face model (``config.base_model_pp_plan``: the entry whose module is a container);
-3. the container of same-type children that holds the most parameters.
+3. the container that holds the most parameters (an ``nn.Sequential``, or a list / dict of same-type blocks).
 
 Every other module that owns parameters is assigned by where it sits relative to the container: modules
 registered before it (embeddings) go with the first stage, modules registered after it (final norm, head) with
@@ -124,7 +124,10 @@ def _largest_container(root: nn.Module) -> str | None:
         if not isinstance(module, CONTAINERS) or len(module) < 2:
             continue
         children = list(module.children())
-        if len(children) != len(module) or len({type(c) for c in children}) != 1:
+        # a Sequential is a chain of layers whatever their types; a list or dict of blocks is one block type
+        if len(children) != len(module) or (
+            not isinstance(module, nn.Sequential) and len({type(c) for c in children}) != 1
+        ):
             continue
         size = sum(p.numel() for p in module.parameters())
         if size > best_size:
@@ -146,8 +149,8 @@ def find_blocks(root: nn.Module, name: str | None = None) -> BlockContainer:
         if name is None:
             raise ValueError(
                 f"{type(root).__name__} has no block container to split into pipeline stages: searched for a Hugging "
-                "Face `config.base_model_pp_plan` and for an nn.ModuleList / nn.ModuleDict / nn.Sequential of at "
-                "least two blocks of one type. Name it with ThreeDStrategy(blocks='attribute.path'), or use pp=1. "
+                "Face `config.base_model_pp_plan`, an nn.Sequential of at least two layers and an nn.ModuleList / "
+                "nn.ModuleDict of at least two blocks of one type. Name it with ThreeDStrategy(blocks='attribute.path'), or use pp=1. "
                 f"{BLOCKS_CONTRACT}"
             )
     try:

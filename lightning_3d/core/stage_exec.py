@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,12 +44,21 @@ class _StageDone(BaseException):
 
 
 class Skipped(nn.Module):
-    """A block held by another pipeline stage: passes its first argument through (it is replaced later anyway)."""
+    """A block held by another pipeline stage: passes its first argument through (it is replaced later anyway).
+
+    Args:
+        fqn: the block's name in the model.
+        executor: records what the stand-in returns (see :meth:`StageExecutor.stand_in_output`).
+    """
+
+    def __init__(self, fqn: str, executor: StageExecutor) -> None:
+        super().__init__()
+        self.fqn = fqn
+        self.__dict__["_executor"] = executor
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            return args[0]
-        return next(iter(kwargs.values()))
+        value = args[0] if args else next(iter(kwargs.values()))
+        return self._executor.stand_in_output(value, self.fqn)
 
 
 class Elsewhere(nn.Module):
@@ -70,7 +79,7 @@ class Elsewhere(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         current = self._executor.current
         if self.role == "first" and current is not None and current.received is not None:
-            return torch.zeros_like(current.received)
+            return self._executor.stand_in_output(torch.zeros_like(current.received), self.fqn)
         stage = current.stage if current is not None else "?"
         raise RuntimeError(
             f"lightning_3d: {self.fqn} is held by the {self.role} pipeline stage, but stage {stage} reached it "
@@ -98,6 +107,9 @@ class _Running:
     received: torch.Tensor | None
     first_block: nn.Module | None  # gets ``received`` (later stages)
     last_block: nn.Module | None  # stops the step (all but the last stage)
+    first_block_name: str | None = None
+    checking: bool = False  # this forward checks that nothing but `received` crosses the boundary
+    stand_ins: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class StageModule(nn.Module):
@@ -138,6 +150,7 @@ class StageExecutor:
         self.local_stages = list(local_stages)
         self.current: _Running | None = None
         self.chunk: dict[int, int] = {}
+        self._checked: set[int] = set()  # stages whose first training forward was checked for skip connections
         self.logs = StepLogs()
         self.outputs: list[Any] = []
         self._recorder = LogRecorder(module, self.logs)
@@ -179,7 +192,46 @@ class StageExecutor:
             return Elsewhere(name, "first", self)
         if name in self.split.last:
             return Elsewhere(name, "last", self)
-        return Skipped()
+        return Skipped(name, self)
+
+    def stand_in_output(self, value: Any, fqn: str) -> Any:
+        """What a stand-in returns. While a stage's first forward is being checked, a floating-point value becomes
+        a fresh leaf that requires grad, so :meth:`_check_no_skip` can tell whether the stage's output depends on
+        it: it must not (the real value lives on another stage)."""
+        current = self.current
+        if current is None or not current.checking or not isinstance(value, torch.Tensor):
+            return value
+        if not value.is_floating_point():
+            return value
+        leaf = value.detach().requires_grad_(True)
+        current.stand_ins[id(leaf)] = (fqn, leaf)
+        return leaf
+
+    def _check_no_skip(self, stage: int, output: torch.Tensor) -> None:
+        """Raise if ``output`` depends on a stand-in's value: a tensor crossed the stage boundary outside the
+        block-to-block path (a skip connection across stages, or a residual added outside the blocks)."""
+        current = self.current
+        assert current is not None
+        if not current.stand_ins or output.grad_fn is None:
+            return
+        seen, todo = set(), [output.grad_fn]
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) in current.stand_ins:
+                source = current.stand_ins[id(variable)][0]
+                first = current.first_block_name or "its first block"
+                raise ValueError(
+                    f"lightning_3d: pipeline stage {stage} (from {first}) uses the output of {source}, which another "
+                    f"stage holds: a skip connection crosses the stage boundary between {source} and {first}. Only "
+                    "the tensor flowing from block to block crosses stages (a block's first argument and its output); "
+                    "residuals must be added inside the blocks, and no block may read an earlier block's output "
+                    f"otherwise. Choose stage boundaries that no skip connection crosses. {BLOCKS_CONTRACT}"
+                )
+            todo.extend(next_node for next_node, _ in node.next_functions)
 
     def prune(self) -> None:
         """Replace every module of the split that no local stage holds by its stand-in (frees its parameters)."""
@@ -222,7 +274,7 @@ class StageExecutor:
         raise _StageDone(tensor)
 
     @contextlib.contextmanager
-    def _arranged(self, stage: int, received: torch.Tensor | None) -> Iterator[None]:
+    def _arranged(self, stage: int, received: torch.Tensor | None, checking: bool = False) -> Iterator[None]:
         swaps = self._swaps[stage]
         saved = [(parent, attr, parent._modules[attr]) for parent, attr, _ in swaps]
         for parent, attr, stand_in in swaps:
@@ -230,7 +282,10 @@ class StageExecutor:
         blocks = self._blocks[stage]
         first = blocks[0] if blocks else None
         last = blocks[-1] if blocks and stage < self.num_stages - 1 else None
-        self.current = _Running(stage, received, first, last)
+        first_name = None
+        if self.split.container is not None and self.split.stage_blocks[stage]:
+            first_name = self.split.container.block_fqn(self.split.stage_blocks[stage][0])
+        self.current = _Running(stage, received, first, last, first_name, checking and stage > 0)
         try:
             yield
         finally:
@@ -288,13 +343,22 @@ class StageExecutor:
         last = stage == self.num_stages - 1
         record = last and not inferring
         logging = self._recorder.recording(length) if record else silenced(self.module)
-        with self._arranged(stage, received), logging:
+        checking = stage not in self._checked and torch.is_grad_enabled()
+        with self._arranged(stage, received, checking), logging:
             try:
                 result = self._step_fn(micro_batch, *self._rest)
             except _StageDone as done:
                 if last:
                     raise AssertionError("the last stage was stopped early") from None
+                if checking:
+                    self._check_no_skip(stage, done.output)
+                    self._checked.add(stage)
                 return done.output
+            if checking and last:
+                loss = extract_loss(result, self._hook) if isinstance(result, (torch.Tensor, Mapping)) else None
+                if isinstance(loss, torch.Tensor):
+                    self._check_no_skip(stage, loss)
+                    self._checked.add(stage)
         if not last:
             raise ValueError(
                 f"{type(self.module).__name__}.{self._hook} returned without running the blocks of pipeline stage "

@@ -16,7 +16,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import TinyGPT, TinyMLP, loader
+from models import NanoGPT, TinyGPT, TinyMLP, loader
 
 
 class NoBody(TinyMLP):
@@ -59,6 +59,39 @@ class FiveHeads(TinyGPT):
     heads, dim = 5, 20
 
 
+class SkipAcrossStages(NanoGPT):
+    """A U-Net-like skip: the first block's output is added again after the last block (crosses pp=2's boundary)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x)
+            if i == 0:
+                skip = x
+        return self.lm_head(self.transformer.ln_f(x + skip))
+
+
+class ResidualOutsideBlocks(NanoGPT):
+    """The residual is added in the model's loop, not inside the block: the stage input would be overwritten."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = x + block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class NoContainer(TinyMLP):
+    def configure_model(self) -> None:
+        if not hasattr(self, "first"):
+            self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
 # case: (module, strategy kwargs, devices, per-replica batch)
 CASES = {
     "no_body": (NoBody, {"pp": 2}, 2, 8),
@@ -68,6 +101,9 @@ CASES = {
     "batch_not_divisible": (TinyMLP, {"pp": 2, "micro_batches": 4}, 2, 6),
     "body_not_called": (BodyNotCalled, {"pp": 2}, 2, 8),
     "heads_not_divisible": (FiveHeads, {"tp": 2}, 2, 8),
+    "skip_across_stages": (SkipAcrossStages, {"pp": 2}, 2, 8),
+    "residual_outside_blocks": (ResidualOutsideBlocks, {"pp": 2}, 2, 8),
+    "no_container": (NoContainer, {"pp": 2}, 2, 8),
 }
 
 
@@ -84,7 +120,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model_name = "gpt" if issubclass(module_cls, TinyGPT) else "mlp"
+    model_name = "gpt" if issubclass(module_cls, (TinyGPT, NanoGPT)) else "mlp"
     trainer.fit(module_cls(), loader(model_name, batch, n=48))
 
 
