@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..core.tied import canonical_names
+
 MODEL = "state_dict"  # DCP key prefix of the model; ``optimizer_<i>`` for optimizer i
 
 
@@ -33,7 +35,8 @@ def model_state_dict(module: nn.Module) -> dict[str, Any]:
 
 def param_names(module: nn.Module) -> dict[int, str]:
     """Each parameter's name in ``module`` (the unsplit model's name), by object identity."""
-    return {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    aliases = canonical_names(module)  # a tied weight is keyed by its canonical name (the first registered)
+    return {id(p): aliases.get(name, name) for name, p in module.named_parameters(remove_duplicate=False)}
 
 
 def _name_of(names: Mapping[int, str], param: Tensor) -> str:

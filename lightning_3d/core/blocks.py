@@ -55,6 +55,8 @@ class ModelSplit:
         last: ... held by the last stage.
         stage_to_rank: pipeline rank of each stage.
         tied: groups of parameter names that are one tensor held on different stages (first name canonical).
+        aliases: every group of names under which one parameter is registered (first name canonical), on one
+            stage or several: checkpoints and state dicts name each such parameter once.
     """
 
     container: BlockContainer | None  # None: one stage holding the whole model (pp = 1, no container)
@@ -63,6 +65,7 @@ class ModelSplit:
     last: list[str]
     stage_to_rank: list[int]
     tied: list[tuple[str, ...]] = field(default_factory=list)
+    aliases: list[tuple[str, ...]] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -150,8 +153,8 @@ def find_blocks(root: nn.Module, name: str | None = None) -> BlockContainer:
             raise ValueError(
                 f"{type(root).__name__} has no block container to split into pipeline stages: searched for a Hugging "
                 "Face `config.base_model_pp_plan`, an nn.Sequential of at least two layers and an nn.ModuleList / "
-                "nn.ModuleDict of at least two blocks of one type. Name it with ThreeDStrategy(blocks='attribute.path'), or use pp=1. "
-                f"{BLOCKS_CONTRACT}"
+                "nn.ModuleDict of at least two blocks of one type. Name it with "
+                f"ThreeDStrategy(blocks='attribute.path'), or use pp=1. {BLOCKS_CONTRACT}"
             )
     try:
         module = root.get_submodule(name)
@@ -229,7 +232,8 @@ def split_model(
         for fqn in split.modules_of(stage):
             for pname, _ in root.get_submodule(fqn).named_parameters(prefix=fqn, remove_duplicate=False):
                 owner.setdefault(pname, set()).add(stage)
-    for group in tied_parameters(root):
+    split.aliases = tied_parameters(root)
+    for group in split.aliases:
         stages = set().union(*(owner.get(n, set()) for n in group))
         if len(stages) > 1:
             ends = {0, num_stages - 1}

@@ -130,7 +130,7 @@ def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelP
             raise
         container = None
     if container is None:
-        split = blocks.ModelSplit(None, [[]], [], [], [0], tied=[])
+        split = blocks.ModelSplit(None, [[]], [], [], [0], aliases=blocks.tied_parameters(module))
         body = partition.BodyRef(parent=module, attr="", fqn="", module=nn.Sequential())
     else:
         layers = [(name, container.module._modules[name]) for name in container.names]
@@ -284,7 +284,7 @@ def _build_split_stages(
     module.to(device)
     if not model.is_meta:
         sync_replicas(module, mesh)
-    install_alias_hooks(module, split.tied)
+    install_alias_hooks(module, split.aliases)
     stages = []
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}

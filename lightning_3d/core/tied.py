@@ -32,7 +32,7 @@ def install_alias_hooks(module: nn.Module, groups: Sequence[Sequence[str]]) -> N
 
     Args:
         module: the root module (the LightningModule).
-        groups: names of one tied parameter each; the first is canonical.
+        groups: names of one tied parameter each; the first is canonical (``ModelSplit.aliases``).
     """
     aliases = {alias: group[0] for group in groups for alias in group[1:]}
     if not aliases:
@@ -50,7 +50,11 @@ def install_alias_hooks(module: nn.Module, groups: Sequence[Sequence[str]]) -> N
     def load_hook(mod: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
         raw = {name for name, _ in mod.named_parameters(remove_duplicate=False)}
         for alias, canonical in aliases.items():
-            if prefix + canonical in state and alias in raw and canonical not in raw:
+            if prefix + canonical not in state or alias not in raw or prefix + alias in state:
+                continue
+            if canonical in raw:  # both names held here (one stage): the one tensor under both keys
+                state[prefix + alias] = state[prefix + canonical]
+            else:  # only the alias is held here (the last stage)
                 state[prefix + alias] = state.pop(prefix + canonical)
 
     module.register_state_dict_post_hook(save_hook)
