@@ -219,6 +219,9 @@ class HFCausalLM(_Base):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_config(hf_config(self.arch), attn_implementation="eager")
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.val_acc = MulticlassAccuracy(num_classes=self.model.config.vocab_size, average="micro")
 
     def training_step(self, batch, batch_idx):
         x, _ = batch
@@ -228,9 +231,11 @@ class HFCausalLM(_Base):
 
     def validation_step(self, batch, batch_idx):
         x, _ = batch
-        loss = self.model(input_ids=x, labels=x).loss
-        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+        out = self.model(input_ids=x, labels=x)
+        self.val_acc.update(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), x[:, 1:].reshape(-1))
+        self.log("val_loss", out.loss, prog_bar=True, sync_dist=True)
+        self.log("val_acc", self.val_acc)
+        return out.loss
 
 
 MODELS = {

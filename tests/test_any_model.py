@@ -58,3 +58,47 @@ def test_any_model_matches_single_device(any_reference, tmp_path, tp, pp, dp):
         found = compare(ref, got, precision_of(case)) + check_replicas(got)
         problems += [f"{case}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _max_rel(got: dict, want: dict) -> float:
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    return max(((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-12)).item() for k in want)
+
+
+@pytest.mark.slow
+def test_hf_checkpoints_resume_and_reshard(tmp_path):
+    """Llama and GPT-2 (tied embeddings) in float64: save at tp2 x pp2 x dp2, resume bitwise there, load at
+    tp1 x pp4 x dp2 (parameters and optimizer states exactly), and validation (loss and a torchmetrics accuracy)
+    as single-device training gives it."""
+    models = ["llama", "gpt2"]
+    run_lightning("any_ckpt.py", ["--phase", "single", "--models", ",".join(models), "--out", tmp_path], timeout=240)
+    run_lightning(
+        "any_ckpt.py",
+        ["--phase", "save", "--tp", 2, "--pp", 2, "--dp", 2, "--models", ",".join(models), "--out", tmp_path],
+        timeout=420,
+    )
+    run_lightning(
+        "any_ckpt.py",
+        ["--phase", "reshard", "--tp", 1, "--pp", 4, "--dp", 2, "--models", ",".join(models), "--out", tmp_path],
+        timeout=420,
+    )
+    for name in models:
+        single = load(tmp_path, f"{name}-single")
+        saved = load(tmp_path, f"{name}-save")
+        reshard = load(tmp_path, f"{name}-reshard")
+        # 6 steps at tp2 x pp2 x dp2 follow single-device training (HF's loss is float32: 1e-6)
+        assert all(_rel(g, r) < 1e-6 for g, r in zip(saved["fit"]["losses"], single["fit"]["losses"], strict=True))
+        # same layout: steps 4-6 after resuming from step 3 are the first run's, bit for bit
+        assert saved["resume"]["losses"] == saved["fit"]["losses"][3:], (saved["resume"], saved["fit"]["losses"])
+        # another layout: the restored parameters and optimizer states are the checkpoint's, exactly
+        for part in ("params", "opt"):
+            assert _max_rel(reshard["resume"]["snap_start"][part], saved["resume"]["snap_start"][part]) == 0.0
+        assert _max_rel(reshard["resume"]["snap_end"]["params"], single["fit"]["snap_end"]["params"]) < 1e-10
+        assert all(_rel(g, r) < 1e-6 for g, r in zip(reshard["resume"]["losses"], saved["fit"]["losses"][3:]))
+        for rec in (saved, reshard):
+            assert _rel(rec["validate"]["val_loss"], single["validate"]["val_loss"]) < 1e-6, rec["validate"]
+            assert rec["validate"]["val_acc"] == single["validate"]["val_acc"], rec["validate"]

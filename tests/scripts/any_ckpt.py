@@ -1,0 +1,126 @@
+"""Checkpoints of models that are not one nn.Sequential (tests/test_any_model.py).
+
+``--phase save`` (tp2 x pp2 x dp2): ``fit`` 6 steps saving at steps 3 and 6 (float64), then ``fit(ckpt_path=step 3)``
+to step 6 again at the same layout; then ``validate`` (val_loss and a torchmetrics accuracy) of the trained model.
+``--phase reshard`` (another layout): ``fit(ckpt_path=step 3)`` to step 6, and the same ``validate``.
+``--phase single`` (one process, plain Lightning): the reference: 6 steps, and ``validate`` of a module loaded
+with the checkpoint's exported weights.
+
+Each writes ``OUT/<model>-<phase>.pt`` from rank 0: per-step losses, full parameters (canonical names) and
+optimizer states after the restore and at the end, and the validation results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ckpt_common import Recorder
+
+from lightning_3d import ThreeDStrategy
+from lightning_3d.checkpoint import LoadWeights
+from lightning_3d.core.tied import canonical_names
+
+from models import MODELS, dataset
+
+GLOBAL_BATCH, N = 8, 48
+
+
+def module(name: str) -> L.LightningModule:
+    return MODELS[name](build="init")
+
+
+def trainer(args: argparse.Namespace, steps: int, callbacks: list, single: bool = False) -> L.Trainer:
+    strategy = "auto" if single else ThreeDStrategy(tp=args.tp, pp=args.pp, micro_batches=4, print_layout=False)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1 if single else args.tp * args.pp * args.dp,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=True,
+        callbacks=callbacks,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+    )
+
+
+def loader(dp: int) -> DataLoader:
+    return DataLoader(dataset("llama", N), batch_size=GLOBAL_BATCH // dp, shuffle=False)
+
+
+def val_loader(dp: int) -> DataLoader:
+    return DataLoader(dataset("llama", 16, seed=3), batch_size=16 // dp, shuffle=False)
+
+
+def canonical(rec: dict, pl_module: L.LightningModule) -> dict:
+    aliases = canonical_names(pl_module)
+    for snap in [v for k, v in rec.items() if k.startswith("snap_") and isinstance(v, dict)]:
+        snap["params"] = {aliases.get(n, n): t for n, t in snap["params"].items()}
+        snap["opt"] = {
+            next((aliases[a] + n[len(a) :] for a in aliases if n.startswith(a + ".")), n): t
+            for n, t in snap["opt"].items()
+        }
+    return rec
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="llama,gpt2")
+    parser.add_argument("--phase", choices=["save", "reshard", "single"], required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for name in args.models.split(","):
+        run(args, name)
+
+
+def run(args: argparse.Namespace, name: str) -> None:
+    out = Path(args.out)
+    rec: dict = {}
+    L.seed_everything(1234, verbose=False)
+    model = module(name)
+    init = out / f"{name}.init.pt"
+    if args.phase == "single":
+        torch.save(model.state_dict(), init)
+        recorder = Recorder()
+        t = trainer(args, 6, [recorder], single=True)
+        t.fit(model, loader(1))
+        rec["fit"] = recorder.record()
+        rec["validate"] = t.validate(model, val_loader(1), verbose=False)[0]
+        torch.save(rec, out / f"{name}-single.pt")
+        return
+    ckpts = out / f"{name}-ckpt"
+    if args.phase == "save":
+        recorder = Recorder()
+        saver = ModelCheckpoint(dirpath=ckpts, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+        t = trainer(args, 6, [LoadWeights(str(init)), recorder, saver])
+        t.fit(model, loader(args.dp))
+        rec["fit"] = canonical(recorder.record(), model)
+    recorder = Recorder()
+    L.seed_everything(4321, verbose=False)  # the checkpoint, not the seed, decides
+    resumed = module(name)
+    t = trainer(args, 6, [recorder])
+    t.fit(resumed, loader(args.dp), ckpt_path=ckpts / "step=3.ckpt")
+    rec["resume"] = canonical(recorder.record(), resumed)
+    rec["validate"] = t.validate(resumed, val_loader(args.dp), verbose=False)[0]
+    if t.global_rank == 0:
+        torch.save(rec, out / f"{name}-{args.phase}.pt")
+
+
+if __name__ == "__main__":
+    main()
