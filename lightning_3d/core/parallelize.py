@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import partition
+from . import partition, torch_compat
 from . import tensor_parallel as tpmod
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, materialize
@@ -113,7 +113,7 @@ def build_stages(
     precision.convert_module(module)
     tp = mesh["tp"].size()
     for name in keep:
-        layer = body.module._modules[name]
+        layer = torch_compat.child_modules(body.module)[name]
         assert layer is not None
         if model.is_meta:
             materialize(layer, device, seed, prefix=f"{body.fqn}.{name}")
@@ -147,7 +147,7 @@ def add_body_randomness(
         for name in model.stage_plan.layer_names[spec.index]:
             styles = model.tp_plan.styles_for(name)
             if styles:
-                randomness.install_regions(model.body.module._modules[name], styles, spec.index)
+                randomness.install_regions(torch_compat.child_modules(model.body.module)[name], styles, spec.index)
     return randomness
 
 
