@@ -215,7 +215,7 @@ class ScheduleRecorder:
 
         return wrapper
 
-    def _batch_p2p(self, fn: Callable[..., Any]) -> Any:
+    def _posting(self, fn: Callable[..., Any]) -> Any:
         def wrapper(p2p_ops: list[Any], *args: Any, **kwargs: Any) -> Any:
             if not p2p_ops:
                 return fn(p2p_ops, *args, **kwargs)
@@ -235,7 +235,7 @@ class ScheduleRecorder:
 
         return wrapper
 
-    def _wait_p2p(self, fn: Callable[..., Any]) -> Any:
+    def _waiting(self, fn: Callable[..., Any]) -> Any:
         def wrapper(work: list[Any], *args: Any, **kwargs: Any) -> Any:
             entry = self._works.pop(id(work), None)
             if entry is None or entry[0] is not work:
@@ -282,8 +282,8 @@ class ScheduleRecorder:
                 )
             )
             undo.append(wrap(schedule, "step", partial(self._timed, cat="step", stage=None, prefix="step", arg=None)))
-            undo.append(torch_compat.wrap_batch_p2p(self._batch_p2p))
-            undo.append(torch_compat.wrap_wait_batch_p2p(self._wait_p2p))
+            undo.append(torch_compat.wrap_batch_p2p(self._posting))
+            undo.append(torch_compat.wrap_wait_batch_p2p(self._waiting))
             yield self
         finally:
             for restore in reversed(undo):
