@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,31 +93,34 @@ class SavedTensorTracker:
         """Track saved tensors during ``schedule.step`` inside the block, charged to the running stage."""
         import torch
 
-        stages = [schedule._stage] if hasattr(schedule, "_stage") else list(schedule._stages)
-        patched: list[tuple[Any, str]] = []
+        from lightning_3d.core import torch_compat
 
-        def charge(obj: Any, name: str, stage_of: Any) -> None:
-            real = getattr(obj, name)
+        undo: list[Callable[[], None]] = []
 
-            def wrapper(*args: Any, **kwargs: Any) -> Any:
-                previous, self.current = self.current, stage_of(args)
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    self.current = previous
+        def charging(stage_of: Callable[[tuple[Any, ...]], int]) -> Callable[[Callable[..., Any]], Any]:
+            def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
+                def wrapper(*args: Any, **kwargs: Any) -> Any:
+                    previous, self.current = self.current, stage_of(args)
+                    try:
+                        return real(*args, **kwargs)
+                    finally:
+                        self.current = previous
 
-            obj.__dict__[name] = wrapper
-            patched.append((obj, name))
+                return wrapper
 
-        for stage in stages:
-            charge(stage, "forward_one_chunk", lambda args, s=int(stage.stage_index): s)
-        charge(schedule, "_maybe_compute_loss", lambda args: int(args[0].stage_index))
+            return wrap
+
         try:
+            for stage in torch_compat.schedule_stages(schedule):
+                index = int(stage.stage_index)
+                undo.append(torch_compat.wrap_method(stage, "forward_one_chunk", charging(lambda args, s=index: s)))
+            # the loss is charged to the stage it runs on (its first argument)
+            undo.append(torch_compat.wrap_schedule_loss(schedule, charging(lambda args: int(args[0].stage_index))))
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
         finally:
-            for obj, name in patched:
-                obj.__dict__.pop(name, None)
+            for remove in reversed(undo):
+                remove()
 
 
 def worker(m: int, tiny: bool) -> dict[str, Any]:

@@ -7,7 +7,8 @@ Eight processes (counting only). ``Trainer.fit`` of the benchmark GPT with ``Thr
 and the functional collectives DTensor issues for tensor parallelism, in forward and in backward. Each call is
 attributed to its process group (resolved to the mesh dimension dp, pp or tp), to the body layer running at
 the time (forward hooks and full backward hooks on the body's layers), to forward or backward, and to inside
-or outside the pipeline schedule (the strategy's ``runtime.run``). Elements are counted on the input tensors.
+or outside the pipeline schedule (seen by an observer of the strategy's pipeline runtime). Elements are counted
+on the input tensors.
 
 Formulas (b = sequences per micro-batch, s = sequence, h = hidden, m = micro-batches, per (dp, tp) slice):
 
@@ -37,7 +38,8 @@ def _counter_mode() -> Any:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_3d.core.torch_compat import TorchDispatchMode, in_backward, op_name
 
     class CommCounter(TorchDispatchMode):
         def __init__(self, group_dims: dict[str, str]) -> None:
@@ -63,7 +65,7 @@ def _counter_mode() -> Any:
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented  # let DTensor run; its collectives come back here on plain tensors
             ns = func.namespace
-            name = func._schema.name.split("::")[-1]
+            name = op_name(func)
             if ns in ("c10d", "_c10d_functional", "c10d_functional") and name not in _SKIP:
                 tensors = _input_tensors(name, args)
                 self.records.append(
@@ -74,7 +76,7 @@ def _counter_mode() -> Any:
                         "bytes": sum(t.numel() * t.element_size() for t in tensors),
                         "shape": [list(t.shape) for t in tensors],
                         "layer": self.layer,
-                        "phase": "bwd" if torch._C._current_graph_task_id() != -1 else "fwd",
+                        "phase": "bwd" if in_backward() else "fwd",
                         "in_schedule": self.in_schedule,
                     }
                 )
@@ -105,6 +107,18 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
 
     CommCounter = _counter_mode()
 
+    class InSchedule:
+        """A runtime observer: marks the counter's records made while the pipeline schedule runs."""
+
+        def __init__(self, mode: Any) -> None:
+            self.mode = mode
+
+        def before_batch(self, schedule: Any, train: bool) -> None:
+            self.mode.in_schedule = True
+
+        def after_batch(self, schedule: Any, train: bool) -> None:
+            self.mode.in_schedule = False
+
     class Audit(L.Callback):
         def __init__(self) -> None:
             self.mode: Any = None
@@ -134,18 +148,9 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
                     layer.register_full_backward_pre_hook(enter),
                     layer.register_full_backward_hook(leave),
                 ]
-            runtime = strategy.runner.runtime
-            real = runtime.run
-
-            def run(*args: Any, **kwargs: Any) -> Any:
-                mode.in_schedule = True
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    mode.in_schedule = False
-
-            runtime.__dict__["run"] = run
-            self.runtime = runtime
+            self.runtime = strategy.runner.runtime
+            self.observer = InSchedule(mode)
+            self.runtime.add_observer(self.observer)
             self.mode = mode
             mode.__enter__()
 
@@ -155,7 +160,7 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
             self.mode.__exit__(None, None, None)
             for h in self.handles:
                 h.remove()
-            self.runtime.__dict__.pop("run", None)
+            self.runtime.remove_observer(self.observer)
             strategy = trainer.strategy
             mesh = strategy.device_mesh
             coords, keep, owned = owned_parameters(strategy)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import Tensor
 
+from .core import torch_compat
 from .core.agreed import is_agreed, mark_agreed
 from .tools.dp_check import DPConsistencyCheck, DPDivergenceError
 from .tools.failure_watch import FailureWatch
@@ -190,64 +191,59 @@ def compare_across_ranks(items: dict[str, str], device: torch.device, what: str,
 # ---------------------------------------------------------------------------------------------- timeouts
 def all_process_groups() -> list[dist.ProcessGroup]:
     """Every process group this rank belongs to (the default group and the mesh's sub-groups among them)."""
-    return list(dist.distributed_c10d._pg_map)
+    return torch_compat.process_groups()
 
 
 def set_timeouts(timeout: timedelta, groups: Iterable[dist.ProcessGroup] | None = None) -> None:
-    """Set the timeout of collectives on every process group (``_set_pg_timeout``, as torchtitan does)."""
+    """Set the timeout of collectives on every process group (``torch_compat.set_group_timeout``, as torchtitan
+    does)."""
     for group in all_process_groups() if groups is None else groups:
         try:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            torch_compat.set_group_timeout(timeout, group)
         except (ValueError, AssertionError):  # a group this rank is not part of
             continue
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
     """The current timeout of a process group's backend (for tests and diagnostics)."""
-    group = group or dist.distributed_c10d._get_default_group()
-    for device in group._device_types:
-        options = getattr(group._get_backend(device), "options", None)
-        if options is not None and hasattr(options, "_timeout"):
-            return options._timeout
-    return None
+    return torch_compat.group_timeout(group)
 
 
 class _P2PTimeout:
     """Make the pipeline's receives and sends wait at most ``timeout`` on gloo.
 
-    Gloo's point-to-point operations ignore ``_set_pg_timeout`` (they use the timeout the group was created
-    with); the pipeline schedules wait on them through ``schedules._wait_batch_p2p``, so that function is
-    replaced by one that passes the timeout to ``Work.wait``. NCCL needs none of this (its watchdog applies
-    the group's current timeout to every operation).
+    Gloo's point-to-point operations ignore a changed group timeout (they use the timeout the group was
+    created with); the pipeline schedules wait on them through one helper function, which is replaced (through
+    ``torch_compat.wrap_wait_batch_p2p``) by one that passes the timeout to ``Work.wait``. NCCL needs none of
+    this (its watchdog applies the group's current timeout to every operation).
     """
 
     timeout: timedelta | None = None
-    _original: Callable[..., Any] | None = None
+    _remove: Callable[[], None] | None = None
 
     @classmethod
     def install(cls, timeout: timedelta) -> None:
-        from torch.distributed.pipelining import schedules
-
         cls.timeout = timeout
-        if cls._original is None:
-            cls._original = schedules._wait_batch_p2p
+        if cls._remove is None:
 
-            def _wait_p2p(work: list[dist.Work]) -> None:
-                for w in work:
-                    if cls.timeout is None:
-                        w.wait()
-                    else:
-                        w.wait(cls.timeout)
+            def with_timeout(_torch_wait: Callable[..., Any]) -> Callable[..., Any]:
+                # The name _wait_p2p is what FailureWatch looks for to tell a rank waiting on a peer.
+                def _wait_p2p(work: list[dist.Work]) -> None:
+                    for w in work:
+                        if cls.timeout is None:
+                            w.wait()
+                        else:
+                            w.wait(cls.timeout)
 
-            schedules._wait_batch_p2p = _wait_p2p
+                return _wait_p2p
+
+            cls._remove = torch_compat.wrap_wait_batch_p2p(with_timeout)
 
     @classmethod
     def remove(cls) -> None:
-        from torch.distributed.pipelining import schedules
-
-        if cls._original is not None:
-            schedules._wait_batch_p2p = cls._original
-            cls._original, cls.timeout = None, None
+        if cls._remove is not None:
+            cls._remove()
+            cls._remove, cls.timeout = None, None
 
 
 def diagnose_barrier(timeout: timedelta | float = 60.0, group: dist.ProcessGroup | None = None) -> None:

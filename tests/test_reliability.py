@@ -25,12 +25,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_3d import ThreeDStrategy
+from lightning_3d.core import torch_compat
 from lightning_3d.reliability import _P2PTimeout, _ranks_text
 from lightning_3d.tools.dp_check import bit_checksum
 from lightning_3d.tools.failure_watch import is_communication_error, summarize
@@ -102,13 +104,22 @@ def test_helpers():
     except RuntimeError as outer:
         assert is_communication_error(outer)
         assert summarize(outer) == "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"
-    from torch.distributed.pipelining import schedules
+    original = torch_compat.current_wait_batch_p2p()
+    waited: list[tuple] = []
 
-    original = schedules._wait_batch_p2p
-    _P2PTimeout.install(__import__("datetime").timedelta(seconds=1))
-    assert schedules._wait_batch_p2p is not original
-    _P2PTimeout.remove()
-    assert schedules._wait_batch_p2p is original
+    class Work:
+        def wait(self, *args):
+            waited.append(args)
+
+    _P2PTimeout.install(timedelta(seconds=1))
+    try:
+        assert torch_compat.current_wait_batch_p2p() is not original
+        torch_compat.current_wait_batch_p2p()([Work(), Work()])  # what the schedules call now
+        assert waited == [(timedelta(seconds=1),)] * 2
+    finally:
+        _P2PTimeout.remove()
+    assert torch_compat.current_wait_batch_p2p() is original
+    assert torch_compat.p2p_functions_are_torchs()
 
 
 def test_constructor_arguments():

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from . import torch_compat
+
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 BLOCKS_CONTRACT = (
@@ -165,7 +167,7 @@ def find_blocks(root: nn.Module, name: str | None = None) -> BlockContainer:
             f"ThreeDStrategy(blocks={name!r}): {name!r} is a {type(module).__name__}, not an nn.ModuleList, "
             f"nn.ModuleDict or nn.Sequential. {BLOCKS_CONTRACT}"
         )
-    names = tuple(module._modules)
+    names = tuple(torch_compat.child_modules(module))
     if not names:
         raise ValueError(f"The block container {name!r} is empty. {BLOCKS_CONTRACT}")
     return BlockContainer(name, module, names, source)
@@ -188,7 +190,7 @@ def outside_modules(root: nn.Module, container: BlockContainer) -> tuple[list[st
         )
     for part in parts:
         seen_path = False
-        for child_name, child in module._modules.items():
+        for child_name, child in torch_compat.child_modules(module).items():
             if child is None:
                 continue
             full = f"{prefix}{child_name}"
@@ -197,7 +199,7 @@ def outside_modules(root: nn.Module, container: BlockContainer) -> tuple[list[st
                 continue
             if _has_params(child):
                 (after if seen_path else before).append(full)
-        module = module._modules[part]
+        module = torch_compat.child_modules(module)[part]
         if next(module.parameters(recurse=False), None) is not None and module is not container.module:
             raise ValueError(
                 f"{prefix}{part} owns parameters directly and contains the block container {container.fqn!r}: they "

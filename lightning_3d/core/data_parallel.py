@@ -13,6 +13,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import torch_compat
+
 DP_MODES = ("replicate",)
 
 
@@ -28,6 +30,4 @@ def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, mode: str = "rep
         raise ValueError(f"Unknown data-parallel mode {mode!r}; supported: {DP_MODES}.")
     if dp_mesh.size() == 1:
         return module
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    return replicate(module, mesh=dp_mesh)
+    return torch_compat.replicate(module, mesh=dp_mesh)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from . import torch_compat
+
 
 def _is_tp_sharded(grad: torch.Tensor) -> bool:
     if not isinstance(grad, DTensor):
@@ -52,7 +54,7 @@ def global_grad_norm(
     def partial(tensors: list[torch.Tensor]) -> torch.Tensor:
         if not tensors:
             return torch.zeros((), dtype=torch.float64, device=device)
-        norms = torch._foreach_norm(tensors, norm_type)
+        norms = torch_compat.foreach_norm(tensors, norm_type)
         stacked = torch.stack([n.to(torch.float64) for n in norms])
         return stacked.max() if inf else stacked.pow(norm_type).sum()
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
-from . import blocks, partition
+from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, materialize
@@ -133,7 +133,7 @@ def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelP
         split = blocks.ModelSplit(None, [[]], [], [], [0], aliases=blocks.tied_parameters(module))
         body = partition.BodyRef(parent=module, attr="", fqn="", module=nn.Sequential())
     else:
-        layers = [(name, container.module._modules[name]) for name in container.names]
+        layers = [(name, torch_compat.child_modules(container.module)[name]) for name in container.names]
         if len(layers) < num_stages:
             raise ValueError(
                 f"The block container {container.fqn!r} has {len(layers)} blocks but {num_stages} pipeline stages "
@@ -231,7 +231,7 @@ def build_stages(
     precision.convert_module(module)
     tp = mesh["tp"].size()
     for name in keep:
-        layer = body.module._modules[name]
+        layer = torch_compat.child_modules(body.module)[name]
         assert layer is not None
         if model.is_meta:
             materialize(layer, device, seed, prefix=f"{body.fqn}.{name}")
@@ -280,7 +280,7 @@ def _build_split_stages(
         styles = model.tp_plan.styles_for(block) if tp > 1 else {}
         if styles:
             assert container is not None
-            parallelize_module(container.module._modules[block], mesh["tp"], styles)
+            parallelize_module(torch_compat.child_modules(container.module)[block], mesh["tp"], styles)
     module.to(device)
     if not model.is_meta:
         sync_replicas(module, mesh)
@@ -311,7 +311,7 @@ def add_body_randomness(
         for name in model.stage_plan.layer_names[spec.index]:
             styles = model.tp_plan.styles_for(name)
             if styles:
-                randomness.install_regions(model.body.module._modules[name], styles, spec.index)
+                randomness.install_regions(torch_compat.child_modules(model.body.module)[name], styles, spec.index)
     return randomness
 
 

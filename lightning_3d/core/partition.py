@@ -3,7 +3,7 @@
 The user contract: the LightningModule holds its model body as ONE ``nn.Sequential`` (embedding first, head
 last) and ``forward`` applies it. This module finds that body, checks that no parameter lives outside it,
 assigns its layers to stages with a pluggable partitioner, and prunes a rank's copy of the body down to the
-layers of the stages it owns. Pruning removes entries from the Sequential's ``_modules`` instead of building
+layers of the stages it owns. Pruning removes entries from the Sequential's registry of children instead of building
 a new Sequential, so every kept layer keeps the name it had in the unsplit model (``body.7.attn.q_proj``):
 checkpoint keys never depend on the layout.
 """
@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
+
+from . import torch_compat
 
 CONTRACT = (
     "lightning_3d needs the model body as ONE nn.Sequential attribute of the LightningModule (embedding layer "
@@ -219,16 +221,18 @@ def plan_stages(body: BodyRef, pp: int, partitioner: Partitioner, stages_per_ran
 def prune_body(body: BodyRef, keep: Sequence[str]) -> None:
     """Drop every layer of the body that is not in ``keep``; kept layers keep their names."""
     keep_set = set(keep)
-    for name in list(body.module._modules):
+    children = torch_compat.child_modules(body.module)
+    for name in list(children):
         if name not in keep_set:
-            del body.module._modules[name]
+            del children[name]
 
 
 def stage_container(body: BodyRef, names: Sequence[str]) -> nn.Sequential:
     """A Sequential holding the given layers of the body under their original names (shared modules)."""
     container = nn.Sequential()
+    children = torch_compat.child_modules(body.module)
     for name in names:
-        container._modules[name] = body.module._modules[name]
+        torch_compat.child_modules(container)[name] = children[name]
     return container
 
 

@@ -18,7 +18,7 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from . import torch_compat
 from .rng import BodyRandomness
 
 SINGLE_STAGE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
@@ -50,7 +51,7 @@ def min_micro_batches(name: str, pp: int) -> int:
     return 1 if schedule_class(name) is ScheduleGPipe else pp
 
 
-class _Stage(PipelineStage):
+class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
     """A ``PipelineStage`` that can defer its data-parallel gradient all-reduce.
 
     Under gradient accumulation the gradients of every batch but the last of an accumulation window stay
@@ -70,13 +71,14 @@ class _Stage(PipelineStage):
             self.on_chunk(self.stage_index, fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+    def shape_inference_context(self) -> contextlib.AbstractContextManager[Any]:
         # torch's shape inference runs a real forward (under a forked default generator); the body's own
         # random streams must not advance either, or a rebuilt schedule (after a resume) would shift them.
         if self.on_chunk is not None:
             self.on_chunk(self.stage_index, None)  # no chunk: a shape-inference forward
-        with self.randomness.frozen() if self.randomness is not None else contextlib.nullcontext():
-            return super()._prepare_forward_infra(*args, **kwargs)
+        if self.randomness is None:
+            return contextlib.nullcontext()
+        return self.randomness.frozen()
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         module = self.submod
@@ -90,6 +92,20 @@ class _Stage(PipelineStage):
             super().perform_reduce_grad(grad_scale_factor)
         finally:
             module.__dict__.pop("set_requires_gradient_sync", None)
+
+
+class RuntimeObserver(Protocol):
+    """Sees every batch a :class:`PipelineRuntime` runs (opt-in tools such as the pipeline timeline).
+
+    ``before_batch`` runs right before the schedule's ``step`` (or ``eval``), ``after_batch`` right after it,
+    also when it raised; ``after_batch`` runs only for observers whose ``before_batch`` returned.
+    """
+
+    def before_batch(self, schedule: Any, train: bool) -> None:
+        """Called with the torch schedule about to run the batch (the same object for every batch of a shape)."""
+
+    def after_batch(self, schedule: Any, train: bool) -> None:
+        """Called when that schedule's ``step``/``eval`` has returned or raised."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +155,20 @@ class PipelineRuntime:
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self.current: Any = None
         self._sync_pending = False
+        self._observers: list[RuntimeObserver] = []
+
+    def add_observer(self, observer: RuntimeObserver) -> None:
+        """Call ``observer`` around every batch from now on (see :class:`RuntimeObserver`)."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: RuntimeObserver) -> None:
+        """Stop calling ``observer`` (nothing happens when it is not registered)."""
+        self._observers = [o for o in self._observers if o is not observer]
+
+    @property
+    def observers(self) -> tuple[RuntimeObserver, ...]:
+        """The registered observers, in the order they are called before a batch."""
+        return tuple(self._observers)
 
     @property
     def has_first(self) -> bool:
@@ -208,22 +238,28 @@ class PipelineRuntime:
         kwargs: dict[str, Any] = {"target": target} if self.has_last else {}
         self.current = sched
         try:
-            if train:
-                sched.step(*args, **kwargs)
-            else:
-                sched.eval(*args, **kwargs)
+            with contextlib.ExitStack() as observing:
+                for observer in list(self._observers):
+                    observer.before_batch(sched, train)
+                    observing.callback(observer.after_batch, sched, train)
+                if train:
+                    sched.step(*args, **kwargs)
+                else:
+                    sched.eval(*args, **kwargs)
         finally:
             self.current = None
         if train:
             self._sync_pending = defer
 
     def current_initialised(self) -> bool:
-        """Whether the running schedule has finished torch's shape inference (its dummy loss call)."""
-        sched = self.current
-        flag = getattr(sched, "_stage_backward_initialized", None)
-        if flag is None:
-            flag = getattr(sched, "_stages_backward_initialized", True)
-        return bool(flag)
+        """Whether the running schedule has finished torch's shape inference (its dummy loss call).
+
+        ``True`` when no schedule is running. Raises ``torch_compat.TorchCompatError`` when the installed
+        torch no longer exposes the flag (never guesses: see ``torch_compat.shape_inference_done``).
+        """
+        if self.current is None:
+            return True
+        return torch_compat.shape_inference_done(self.current)
 
     def flush_deferred_grads(self) -> None:
         """All-reduce the gradients held back by ``defer_grad_sync`` (one all-reduce per stage module)."""
@@ -237,6 +273,4 @@ class PipelineRuntime:
 
 
 def _stages_of(sched: Any) -> list[_Stage]:
-    if hasattr(sched, "_stage"):
-        return [sched._stage]
-    return list(getattr(sched, "_stages", []))
+    return torch_compat.schedule_stages(sched)  # type: ignore[return-value]  # built by PipelineRuntime._build

@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from . import torch_compat
 from .blocks import BLOCKS_CONTRACT, ModelSplit
 from .log_relay import LogRecorder, StepLogs, silenced
 from .step import extract_loss, slice_batch
@@ -167,7 +168,9 @@ class StageExecutor:
         self._swaps: dict[int, list[tuple[nn.Module, str, nn.Module]]] = {s: [] for s in local_stages}
         if whole or container is None:
             return
-        self._blocks = {s: [container.module._modules[b] for b in split.stage_blocks[s]] for s in local_stages}
+        self._blocks = {
+            s: [torch_compat.child_modules(container.module)[b] for b in split.stage_blocks[s]] for s in local_stages
+        }
         held = {name for s in local_stages for name in split.modules_of(s)}
         # Modules this rank holds that a given local stage does not: stood in for while that stage runs.
         for stage in local_stages:
@@ -244,7 +247,7 @@ class StageExecutor:
         for name in every - held:
             parent_name, _, attr = name.rpartition(".")
             parent = self.module.get_submodule(parent_name) if parent_name else self.module
-            parent._modules[attr] = self._stand_in(name)
+            torch_compat.child_modules(parent)[attr] = self._stand_in(name)
 
     def _receive(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         current = self.current
@@ -276,9 +279,9 @@ class StageExecutor:
     @contextlib.contextmanager
     def _arranged(self, stage: int, received: torch.Tensor | None, checking: bool = False) -> Iterator[None]:
         swaps = self._swaps[stage]
-        saved = [(parent, attr, parent._modules[attr]) for parent, attr, _ in swaps]
+        saved = [(parent, attr, torch_compat.child_modules(parent)[attr]) for parent, attr, _ in swaps]
         for parent, attr, stand_in in swaps:
-            parent._modules[attr] = stand_in
+            torch_compat.child_modules(parent)[attr] = stand_in
         blocks = self._blocks[stage]
         first = blocks[0] if blocks else None
         last = blocks[-1] if blocks and stage < self.num_stages - 1 else None
@@ -291,7 +294,7 @@ class StageExecutor:
         finally:
             self.current = None
             for parent, attr, real in saved:
-                parent._modules[attr] = real
+                torch_compat.child_modules(parent)[attr] = real
 
     # ------------------------------------------------------------------ one batch, one micro-batch
     def begin(

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 
+from . import torch_compat
 from .log_relay import LogRecorder, StepLogs, silenced
 from .partition import CONTRACT, BodyRef
 
@@ -243,7 +244,7 @@ class StepAdapter:
                     warnings.warn(RANDOM_BEFORE_BODY.format(hook=self._hook, sources=", ".join(sources)), stacklevel=1)
             # A copy if the output is a view: the user's loss code may modify it in place (logits /= t), which on
             # a view would bypass the data-parallel wrapper's backward hook.
-            return output.clone() if isinstance(output, torch.Tensor) and output._base is not None else output
+            return output.clone() if isinstance(output, torch.Tensor) and torch_compat.is_view(output) else output
 
         with body_replaced(self.body, stub), self._recorder.recording(length):
             result = self._step_fn(micro_batch, *self._step_args)

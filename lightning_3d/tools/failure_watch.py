@@ -42,6 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..core import torch_compat
 from ..core.agreed import is_agreed
 
 ABORT_EXIT_CODE = 1
@@ -204,7 +205,7 @@ class FailureWatch:
     def start(self) -> None:
         """Register this process in the store and start the thread (every rank calls this the same number of times)."""
         self.stop()
-        base = dist.distributed_c10d._get_default_store()
+        base = torch_compat.default_store()
         # Which trainer call on this store this is: counted per rank in the store itself, so a process that
         # took part in an earlier job (another store) does not disagree with freshly started ranks.
         generation = base.add(f"lightning_3d/starts/{self.rank}", 1)

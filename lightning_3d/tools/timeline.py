@@ -1,8 +1,8 @@
 """A picture of the pipeline: what every rank did during one schedule step.
 
 For a profiled step the schedule's stages and torch's point-to-point helpers are wrapped (instance attributes
-and two module functions of ``torch.distributed.pipelining.schedules``, restored right after the step), and
-each rank records the start and end of:
+of the stages and the schedule, and the schedules' two point-to-point helpers, all through
+``lightning_3d.core.torch_compat`` and removed right after the step), and each rank records the start and end of:
 
 ===============  ================================================================================
 ``F<i>``         ``stage.forward_one_chunk`` of micro-batch *i* (category ``forward``)
@@ -10,9 +10,9 @@ each rank records the start and end of:
                  schedules (``weight``)
 ``loss<i>``      the schedule's loss function on the last stage (``loss``; under ``ThreeDStrategy`` this
                  is the user's ``training_step`` on micro-batch *i*)
-``post ...``     posting sends / receives (``_batch_p2p``; category ``post``)
-``wait ...``     waiting for them (``_wait_batch_p2p``; ``recv`` when the batch holds a receive, else
-                 ``send``): a stage that waits for its neighbour shows it here
+``post ...``     posting sends / receives (``torch_compat.wrap_batch_p2p``; category ``post``)
+``wait ...``     waiting for them (``torch_compat.wrap_wait_batch_p2p``; ``recv`` when the batch holds a
+                 receive, else ``send``): a stage that waits for its neighbour shows it here
 ``reduce grad``  ``perform_reduce_grad`` after the last backward: the data-parallel all-reduce (and torch's
                  gradient scaling by 1 / m when the schedule has ``scale_grads=True``)
 ``step``         the whole ``schedule.step`` call
@@ -50,17 +50,19 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import inspect
 import json
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+
+from ..core import torch_compat
 
 COMPUTE_CATEGORIES: tuple[str, ...] = ("forward", "backward", "weight", "loss")
 """Event categories that count as compute in the bubble measurement."""
@@ -142,12 +144,6 @@ class RankTimeline:
         return RankTimeline(**{**data, "events": events})
 
 
-def _stages_of(schedule: Any) -> list[Any]:
-    if hasattr(schedule, "_stage"):
-        return [schedule._stage]
-    return list(getattr(schedule, "_stages", []))
-
-
 def _first_arg(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> int | None:
     value = args[0] if args else kwargs.get(name)
     return int(value) if isinstance(value, int) else None
@@ -207,9 +203,9 @@ class ScheduleRecorder:
 
         return wrapper
 
-    def _loss(self, fn: Callable[..., Any]) -> Any:
+    def _loss(self, fn: Callable[..., Any], has_loss: bool) -> Any:
         def wrapper(stage: Any, output: Any, target_mbs: Any, mb_index: int, *args: Any, **kwargs: Any) -> Any:
-            if not (getattr(stage, "is_last", False) and getattr(fn.__self__, "_loss_fn", None) is not None):
+            if not (getattr(stage, "is_last", False) and has_loss):
                 return fn(stage, output, target_mbs, mb_index, *args, **kwargs)
             start = self._now()
             try:
@@ -219,7 +215,7 @@ class ScheduleRecorder:
 
         return wrapper
 
-    def _batch_p2p(self, fn: Callable[..., Any]) -> Any:
+    def _posting(self, fn: Callable[..., Any]) -> Any:
         def wrapper(p2p_ops: list[Any], *args: Any, **kwargs: Any) -> Any:
             if not p2p_ops:
                 return fn(p2p_ops, *args, **kwargs)
@@ -239,7 +235,7 @@ class ScheduleRecorder:
 
         return wrapper
 
-    def _wait_p2p(self, fn: Callable[..., Any]) -> Any:
+    def _waiting(self, fn: Callable[..., Any]) -> Any:
         def wrapper(work: list[Any], *args: Any, **kwargs: Any) -> Any:
             entry = self._works.pop(id(work), None)
             if entry is None or entry[0] is not work:
@@ -258,57 +254,36 @@ class ScheduleRecorder:
     @contextlib.contextmanager
     def patch(self, schedule: Any) -> Iterator[ScheduleRecorder]:
         """Record every step of ``schedule`` run inside the block; everything is restored on exit."""
-        from torch.distributed.pipelining import schedules as sched_mod
-
         undo: list[Callable[[], None]] = []
-
-        def set_attr(obj: Any, name: str, value: Any) -> None:
-            had = name in obj.__dict__
-            old = obj.__dict__.get(name)
-            obj.__dict__[name] = value
-
-            def restore() -> None:
-                if had:
-                    obj.__dict__[name] = old
-                else:
-                    obj.__dict__.pop(name, None)
-
-            undo.append(restore)
-
-        def set_module(name: str, value: Any) -> None:
-            old = getattr(sched_mod, name)
-            setattr(sched_mod, name, value)
-            undo.append(lambda: setattr(sched_mod, name, old))
-
+        wrap = torch_compat.wrap_method
         try:
-            for stage in _stages_of(schedule):
+            for stage in torch_compat.schedule_stages(schedule):
                 index = int(stage.stage_index)
-                set_attr(
-                    stage,
-                    "forward_one_chunk",
-                    self._timed(stage.forward_one_chunk, "forward", index, "F", "fwd_chunk_id"),
-                )
-                set_attr(
-                    stage,
-                    "backward_one_chunk",
-                    self._timed(stage.backward_one_chunk, "backward", index, "B", "bwd_chunk_id"),
-                )
-                if hasattr(stage, "backward_weight_one_chunk"):
-                    fn = stage.backward_weight_one_chunk
-                    set_attr(stage, "backward_weight_one_chunk", self._timed(fn, "weight", index, "W", "bwd_chunk_id"))
-                fn = stage.perform_reduce_grad
-                set_attr(stage, "perform_reduce_grad", self._timed(fn, "reduce_grad", index, "reduce grad", None))
+                for method, cat, prefix, arg in (
+                    ("forward_one_chunk", "forward", "F", "fwd_chunk_id"),
+                    ("backward_one_chunk", "backward", "B", "bwd_chunk_id"),
+                    ("backward_weight_one_chunk", "weight", "W", "bwd_chunk_id"),
+                    ("perform_reduce_grad", "reduce_grad", "reduce grad", None),
+                ):
+                    if hasattr(stage, method):
+                        timed = partial(self._timed, cat=cat, stage=index, prefix=prefix, arg=arg)
+                        undo.append(wrap(stage, method, timed))
                 for getter, kind, direction in (
                     ("get_fwd_recv_ops", "recv", "F"),
                     ("get_fwd_send_ops", "send", "F"),
                     ("get_bwd_recv_ops", "recv", "B"),
                     ("get_bwd_send_ops", "send", "B"),
                 ):
-                    set_attr(stage, getter, self._tagging(getattr(stage, getter), kind, direction, index))
-            set_attr(schedule, "_maybe_compute_loss", self._loss(schedule._maybe_compute_loss))
-            set_attr(schedule, "step", self._timed(schedule.step, "step", None, "step", None))
-            set_module("_batch_p2p", self._batch_p2p(sched_mod._batch_p2p))
-            set_module("_wait_batch_p2p", self._wait_p2p(sched_mod._wait_batch_p2p))
+                    tagging = partial(self._tagging, kind=kind, direction=direction, stage=index)
+                    undo.append(wrap(stage, getter, tagging))
+            undo.append(
+                torch_compat.wrap_schedule_loss(
+                    schedule, partial(self._loss, has_loss=torch_compat.schedule_has_loss(schedule))
+                )
+            )
+            undo.append(wrap(schedule, "step", partial(self._timed, cat="step", stage=None, prefix="step", arg=None)))
+            undo.append(torch_compat.wrap_batch_p2p(self._posting))
+            undo.append(torch_compat.wrap_wait_batch_p2p(self._waiting))
             yield self
         finally:
             for restore in reversed(undo):
@@ -318,7 +293,7 @@ class ScheduleRecorder:
 
     def timeline(self, schedule: Any, coords: dict[str, int] | None = None) -> RankTimeline:
         """This rank's events as a :class:`RankTimeline` (and a fresh, empty event list for the next step)."""
-        stages = _stages_of(schedule)
+        stages = torch_compat.schedule_stages(schedule)
         num_stages = int(stages[0].num_stages) if stages else 1
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         events, self.events = self.events, []
@@ -327,7 +302,7 @@ class ScheduleRecorder:
             stages=[int(s.stage_index) for s in stages],
             num_stages=num_stages,
             pp=max(1, num_stages // max(1, len(stages))),
-            n_micro=int(schedule._n_microbatches),
+            n_micro=torch_compat.schedule_micro_batches(schedule),
             schedule=type(schedule).__name__,
             coords=dict(coords or {}),
             host=socket.gethostname(),
@@ -600,6 +575,30 @@ def plot_gantt(
 
 
 # ---------------------------------------------------------------------- Lightning callback
+class RecordingObserver:
+    """A pipeline-runtime observer (``PipelineRuntime.add_observer``) that records every batch it sees.
+
+    Each batch runs inside ``recorder.patch(schedule)``; :attr:`schedule` is the last schedule seen.
+
+    Args:
+        recorder: where the events go.
+    """
+
+    def __init__(self, recorder: ScheduleRecorder) -> None:
+        self.recorder = recorder
+        self.schedule: Any = None
+        self._patched = contextlib.ExitStack()
+
+    def before_batch(self, schedule: Any, train: bool) -> None:
+        """Start recording ``schedule``'s step."""
+        self.schedule = schedule
+        self._patched.enter_context(self.recorder.patch(schedule))
+
+    def after_batch(self, schedule: Any, train: bool) -> None:
+        """Stop recording: every wrapper is removed again."""
+        self._patched.close()
+
+
 class PipelineTimeline(Callback):
     """Record the pipeline schedule of chosen training steps on every rank; rank 0 writes the pictures.
 
@@ -643,8 +642,8 @@ class PipelineTimeline(Callback):
         self.summaries: list[dict[str, Any]] = []
         self.files: list[Path] = []
         self._recorder = ScheduleRecorder()
-        self._active: tuple[Any, Any] | None = None  # (runtime, schedule run)
-        self._schedule: Any = None
+        self._observer = RecordingObserver(self._recorder)
+        self._active: tuple[Any, int] | None = None  # (runtime observed, global step)
         self._profiled_steps: set[int] = set()
 
     def _wanted(self, step: int) -> bool:
@@ -657,45 +656,32 @@ class PipelineTimeline(Callback):
         return (step - self.first_step) % self.every_n_steps == 0
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Wrap the pipeline runtime for this step if it is one to profile."""
+        """Observe the pipeline runtime during this step if it is one to profile."""
         step = trainer.global_step
         if not self._wanted(step):
             return
         runner = getattr(trainer.strategy, "runner", None)
         if runner is None:
             raise RuntimeError("PipelineTimeline works with ThreeDStrategy (trainer.strategy.runner is missing).")
-        runtime = runner.runtime
-        real_run = runtime.run
-        signature = inspect.signature(real_run)
-        recorder = self._recorder
-        recorder.clear()
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            a = bound.arguments
-            sched = runtime.schedule(a["n_micro"], a["shape_key"], a["train"], a.get("schedule"))
-            self._schedule = sched
-            with recorder.patch(sched):
-                return real_run(*args, **kwargs)
-
-        runtime.__dict__["run"] = run
-        self._active = (runtime, step)
+        self._recorder.clear()
+        self._observer.schedule = None
+        runner.runtime.add_observer(self._observer)
+        self._active = (runner.runtime, step)
         self._profiled_steps.add(step)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Restore the runtime, gather every rank's events and (rank 0) write the files."""
+        """Stop observing, gather every rank's events and (rank 0) write the files."""
         if self._active is None:
             return
         runtime, step = self._active
-        runtime.__dict__.pop("run", None)
+        runtime.remove_observer(self._observer)
         self._active = None
-        if self._schedule is None:
+        schedule, self._observer.schedule = self._observer.schedule, None
+        if schedule is None:
             return
         mesh = trainer.strategy.device_mesh
         coords = {name: mesh[name].get_local_rank() for name in ("dp", "pp", "tp")}
-        timelines = gather_timelines(self._recorder.timeline(self._schedule, coords))
-        self._schedule = None
+        timelines = gather_timelines(self._recorder.timeline(schedule, coords))
         summary = bubble_stats(timelines)
         summary["global_step"] = step
         self.summaries.append(summary)
@@ -708,7 +694,7 @@ class PipelineTimeline(Callback):
             self.files.append(plot_gantt(timelines, stem.with_suffix(".png"), summary=summary))
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Never leave the runtime wrapped (e.g. after an exception inside a profiled step)."""
+        """Never leave the runtime observed (e.g. after an exception inside a profiled step)."""
         if self._active is not None:
-            self._active[0].__dict__.pop("run", None)
+            self._active[0].remove_observer(self._observer)
             self._active = None

@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ..torch_compat import ColwiseParallelWithInputHook, tensor_version
+
 STYLE_NAMES: tuple[str, ...] = ("colwise", "rowwise", "colwise_gather", "vocab", "sequence", "replicate")
 """Names a plan may use: column-wise Linear (output sharded on the last dim), row-wise Linear
 (input sharded on the last dim, output all-reduced), column-wise with the output all-gathered (a
@@ -61,29 +63,30 @@ class _SharedInput:
         self._key: tuple[Any, ...] = ()
 
     def get(self, x: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor | None:
-        if self._source is None or self._source() is not x or self._key != (x._version, *key):
+        if self._source is None or self._source() is not x or self._key != (tensor_version(x), *key):
             return None
         return self._result() if self._result is not None else None
 
     def put(self, x: torch.Tensor, key: tuple[Any, ...], result: torch.Tensor) -> None:
-        self._source, self._result, self._key = weakref.ref(x), weakref.ref(result), (x._version, *key)
+        self._source, self._result, self._key = weakref.ref(x), weakref.ref(result), (tensor_version(x), *key)
 
 
 _SHARED_INPUT = _SharedInput()
 
 
-class SharedInputColwiseParallel(ColwiseParallel):
+class SharedInputColwiseParallel(ColwiseParallelWithInputHook):
     """``ColwiseParallel`` whose input conversion is shared by the Linears that read the same tensor."""
 
     @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):  # type: ignore[override]
+    def convert_input(input_layouts: Any, desired_input_layouts: Any, mod: Any, inputs: Any, device_mesh: Any) -> Any:
+        convert = ColwiseParallelWithInputHook.convert_input
         x = inputs[0]
         if isinstance(x, DTensor):
-            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+            return convert(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
         key = (id(device_mesh), tuple(input_layouts), tuple(desired_input_layouts))
         shared = _SHARED_INPUT.get(x, key)
         if shared is None:
-            shared = ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+            shared = convert(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
             _SHARED_INPUT.put(x, key, shared)
         return shared
 

@@ -1,0 +1,381 @@
+"""Every private torch symbol lightning_3d touches, behind small named functions and classes.
+
+torch keeps much of what a 3D-parallel strategy needs behind leading underscores: the registry of process
+groups and their timeouts, the pipeline schedules' stages and point-to-point helpers, the stage's shape
+inference, the column-parallel input conversion. Those names change between torch releases without notice.
+Here, and only here, are they spelled out, so a torch upgrade that renames one fails in one named place
+(``tests/unit/test_torch_compat.py`` checks each symbol and its signature against the installed torch), and
+the rest of the package (tools, benchmarks and tests included) reads like it uses a public API.
+
+A symbol that has gone missing raises :class:`TorchCompatError` naming this module, never a bare
+``AttributeError`` deep inside a training step, and never a silent fallback: :func:`shape_inference_done`
+in particular fails closed, because guessing "done" would run the user's ``training_step`` during torch's
+shape inference.
+
+Wrapping torch functions (the pipeline's point-to-point helpers, a schedule's loss call) is owned here too:
+each ``wrap_*`` function installs one wrapper and returns the function that removes it again; several
+wrappers of one function stack (first installed innermost) and can be removed in any order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "ColwiseParallelWithInputHook",
+    "PipelineStageWithShapeInferenceHook",
+    "TorchCompatError",
+    "TorchDispatchMode",
+    "child_modules",
+    "current_batch_p2p",
+    "current_wait_batch_p2p",
+    "default_group",
+    "default_store",
+    "foreach_norm",
+    "group_timeout",
+    "in_backward",
+    "is_view",
+    "op_name",
+    "p2p_functions_are_torchs",
+    "process_groups",
+    "replicate",
+    "schedule_has_loss",
+    "schedule_micro_batches",
+    "schedule_stages",
+    "set_group_timeout",
+    "shape_inference_done",
+    "tensor_version",
+    "wrap_batch_p2p",
+    "wrap_method",
+    "wrap_schedule_loss",
+    "wrap_wait_batch_p2p",
+]
+
+Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+"""Takes the function being wrapped, returns its replacement."""
+
+
+class TorchCompatError(RuntimeError):
+    """The installed torch lacks a private symbol lightning_3d relies on (see ``lightning_3d/core/torch_compat.py``)."""
+
+
+def _missing(what: str, purpose: str) -> TorchCompatError:
+    return TorchCompatError(
+        f"lightning_3d: torch {torch.__version__} has no {what}, which lightning_3d/core/torch_compat.py uses "
+        f"({purpose}). This torch version is not supported yet: torch_compat.py is the one place to adapt "
+        "(tests/unit/test_torch_compat.py lists every private symbol it needs)."
+    )
+
+
+def _private(owner: Any, name: str, purpose: str) -> Any:
+    """``getattr(owner, name)``, or a :class:`TorchCompatError` that says what it was for."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        where = getattr(owner, "__name__", type(owner).__name__)
+        raise _missing(f"{where}.{name}", purpose) from None
+
+
+def _schedules_module() -> Any:
+    from torch.distributed.pipelining import schedules
+
+    return schedules
+
+
+# ---------------------------------------------------------------------------------------------- process groups
+def process_groups() -> list[dist.ProcessGroup]:
+    """Every process group this rank belongs to (the default group and the mesh's sub-groups among them)."""
+    return list(_private(dist.distributed_c10d, "_pg_map", "listing the process groups"))
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default (world) process group; ``dist.init_process_group`` must have run."""
+    return _private(dist.distributed_c10d, "_get_default_group", "finding the default process group")()
+
+
+def default_store() -> dist.Store:
+    """The store the default process group was created with (rendezvous key-value store)."""
+    return _private(dist.distributed_c10d, "_get_default_store", "reaching the rendezvous store")()
+
+
+def set_group_timeout(timeout: timedelta, group: dist.ProcessGroup) -> None:
+    """Change the timeout of ``group``'s collectives (what torchtitan does after its first step).
+
+    Raises:
+        ValueError, AssertionError: as torch does for a group this rank is not part of.
+    """
+    _private(dist.distributed_c10d, "_set_pg_timeout", "changing process-group timeouts")(timeout, group)
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The current timeout of a process group's backend (``None`` when no backend reports one).
+
+    Args:
+        group: the group (default: the default group).
+    """
+    group = group or default_group()
+    purpose = "reading a process group's timeout"
+    for device in _private(group, "_device_types", purpose):
+        options = getattr(_private(group, "_get_backend", purpose)(device), "options", None)
+        if options is not None and hasattr(options, "_timeout"):
+            return options._timeout
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- modules, tensors
+def replicate(module: nn.Module, mesh: Any) -> nn.Module:
+    """torch's FSDP2-based ``replicate`` (DDP semantics over ``mesh``), which lives in a private module."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+    except ImportError as err:
+        raise _missing("torch.distributed._composable.replicate_with_fsdp.replicate", "data parallelism") from err
+    return torch_replicate(module, mesh=mesh)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """The ``ord``-norm of each tensor, in one fused call (``torch._foreach_norm``)."""
+    return list(_private(torch, "_foreach_norm", "the gradient norm")(tensors, ord))
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (changes whenever the tensor is written in place)."""
+    return int(tensor._version)
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether the tensor is a view of another tensor's storage (``tensor._base is not None``)."""
+    return tensor._base is not None
+
+
+def child_modules(module: nn.Module) -> dict[str, nn.Module | None]:
+    """The module's own registry of direct children (``module._modules``), live: changing it changes the module.
+
+    Unlike ``named_children`` it keeps every name (a module registered under two names appears twice) and
+    preserves insertion order, so pruning and re-assembling a Sequential keep its layer names.
+    """
+    return module._modules
+
+
+# ---------------------------------------------------------------------------------------------- dispatch
+def in_backward() -> bool:
+    """Whether the calling code runs inside an autograd backward pass."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def op_name(func: Any) -> str:
+    """The bare name of an operator overload (``"all_reduce_"`` for ``torch.ops.c10d.all_reduce_.default``)."""
+    return str(func._schema.name).split("::")[-1]
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallel
+class ColwiseParallelWithInputHook(ColwiseParallel):
+    """``ColwiseParallel`` whose input conversion is the static method :meth:`convert_input`.
+
+    torch applies the conversion as ``self._prepare_input_fn``; subclasses override ``convert_input`` and call
+    ``ColwiseParallelWithInputHook.convert_input`` for torch's own conversion.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _private(ColwiseParallel, "_prepare_input_fn", "sharing the input conversion of column-parallel Linears")
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def convert_input(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module, inputs: Any, mesh: Any) -> Any:
+        """torch's conversion of a column-parallel module's input to a DTensor of the desired layout."""
+        return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, mesh)
+
+    @property
+    def _prepare_input_fn(self) -> Callable[..., Any]:  # type: ignore[override]
+        # torch's _apply reads self._prepare_input_fn (a static method there): hand it the subclass's hook.
+        return self.convert_input
+
+
+# ---------------------------------------------------------------------------------------------- pipeline stages
+class PipelineStageWithShapeInferenceHook(PipelineStage):
+    """A ``PipelineStage`` whose shape inference runs inside :meth:`shape_inference_context`.
+
+    torch infers the shapes a stage sends by running a real forward on the first micro-batch
+    (``_prepare_forward_infra``); a subclass returns a context manager here to control what that forward may
+    change (the default does nothing).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _private(PipelineStage, "_prepare_forward_infra", "running code around the stage's shape inference")
+        super().__init__(*args, **kwargs)
+
+    def shape_inference_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The context torch's shape inference of this stage runs in."""
+        return contextlib.nullcontext()
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with self.shape_inference_context():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- pipeline schedules
+def schedule_stages(schedule: Any) -> list[PipelineStage]:
+    """The stages a torch pipeline schedule runs on this rank (one for single-stage schedules).
+
+    Raises:
+        TorchCompatError: the schedule keeps its stages under a name this module does not know.
+    """
+    if hasattr(schedule, "_stage"):
+        return [schedule._stage]
+    if hasattr(schedule, "_stages"):
+        return list(schedule._stages)
+    raise _missing(f"{type(schedule).__name__}._stage or ._stages", "finding a schedule's stages")
+
+
+def schedule_micro_batches(schedule: Any) -> int:
+    """The number of micro-batches a schedule splits each batch into."""
+    return int(_private(schedule, "_n_microbatches", "reading a schedule's micro-batch count"))
+
+
+def schedule_has_loss(schedule: Any) -> bool:
+    """Whether the schedule was given a loss function (its last stage then computes one per micro-batch)."""
+    return _private(schedule, "_loss_fn", "reading a schedule's loss function") is not None
+
+
+def shape_inference_done(schedule: Any) -> bool:
+    """Whether a training schedule has finished torch's shape inference (its dummy forward and loss).
+
+    Fails closed: when torch keeps the flag under a name this module does not know, it raises rather than
+    guess, since a wrong "done" would run the user's ``training_step`` during shape inference.
+
+    Raises:
+        TorchCompatError: the schedule has neither known flag.
+    """
+    for name in ("_stage_backward_initialized", "_stages_backward_initialized"):
+        if hasattr(schedule, name):
+            return bool(getattr(schedule, name))
+    raise _missing(
+        f"{type(schedule).__name__}._stage_backward_initialized or ._stages_backward_initialized",
+        "telling torch's shape inference apart from real training steps",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- wrapping
+def wrap_method(obj: Any, name: str, wrapper: Wrapper) -> Callable[[], None]:
+    """Replace ``obj.name`` on this instance only by ``wrapper(current obj.name)``.
+
+    Args:
+        obj: the instance (a stage, a schedule).
+        name: the method's name.
+        wrapper: builds the replacement from the current bound method.
+
+    Returns:
+        The function that puts the previous state back (call it once; later calls do nothing).
+    """
+    had = name in obj.__dict__
+    old = obj.__dict__.get(name)
+    obj.__dict__[name] = wrapper(getattr(obj, name))
+    done = [False]
+
+    def restore() -> None:
+        if done[0]:
+            return
+        done[0] = True
+        if had:
+            obj.__dict__[name] = old
+        else:
+            obj.__dict__.pop(name, None)
+
+    return restore
+
+
+def wrap_schedule_loss(schedule: Any, wrapper: Wrapper) -> Callable[[], None]:
+    """Wrap the schedule's per-micro-batch loss call, ``(stage, output, target_mbs, mb_index, ...)``.
+
+    The schedule calls it for every micro-batch on every stage; it computes the loss on the last stage only.
+
+    Returns:
+        The function that removes the wrapper.
+    """
+    _private(schedule, "_maybe_compute_loss", "observing a schedule's loss calls")
+    return wrap_method(schedule, "_maybe_compute_loss", wrapper)
+
+
+class _ModuleFunction:
+    """A function of a torch module that several wrappers may wrap at once (installed as one composition)."""
+
+    def __init__(self, attr: str, purpose: str) -> None:
+        self.attr = attr
+        self.purpose = purpose
+        self.original: Callable[..., Any] | None = None
+        self.wrappers: list[tuple[object, Wrapper]] = []
+
+    def current(self) -> Callable[..., Any]:
+        return _private(_schedules_module(), self.attr, self.purpose)
+
+    def is_torchs(self) -> bool:
+        return not self.wrappers and getattr(self.current(), "__module__", None) == _schedules_module().__name__
+
+    def add(self, wrapper: Wrapper) -> Callable[[], None]:
+        if not self.wrappers:
+            self.original = self.current()
+        token = object()
+        self.wrappers.append((token, wrapper))
+        self._install()
+
+        def remove() -> None:
+            self.wrappers = [(t, w) for t, w in self.wrappers if t is not token]
+            self._install()
+
+        return remove
+
+    def _install(self) -> None:
+        if self.original is None:
+            return
+        fn = self.original
+        for _, wrapper in self.wrappers:
+            fn = wrapper(fn)
+        setattr(_schedules_module(), self.attr, fn)
+        if not self.wrappers:
+            self.original = None
+
+
+_BATCH_P2P = _ModuleFunction("_batch_p2p", "posting the pipeline's sends and receives")
+_WAIT_BATCH_P2P = _ModuleFunction("_wait_batch_p2p", "waiting for the pipeline's sends and receives")
+
+
+def wrap_batch_p2p(wrapper: Wrapper) -> Callable[[], None]:
+    """Wrap the schedules' ``batch_p2p(p2p_ops, desc=None) -> list[Work]`` (posts a batch of sends/receives).
+
+    Returns:
+        The function that removes this wrapper (others stay).
+    """
+    return _BATCH_P2P.add(wrapper)
+
+
+def wrap_wait_batch_p2p(wrapper: Wrapper) -> Callable[[], None]:
+    """Wrap the schedules' ``wait_batch_p2p(work)`` (waits for a posted batch; ``work`` a list of ``Work``).
+
+    Returns:
+        The function that removes this wrapper (others stay).
+    """
+    return _WAIT_BATCH_P2P.add(wrapper)
+
+
+def current_batch_p2p() -> Callable[..., Any]:
+    """The function the schedules call now to post sends and receives (wrapped or not)."""
+    return _BATCH_P2P.current()
+
+
+def current_wait_batch_p2p() -> Callable[..., Any]:
+    """The function the schedules call now to wait for sends and receives (wrapped or not)."""
+    return _WAIT_BATCH_P2P.current()
+
+
+def p2p_functions_are_torchs() -> bool:
+    """Whether both point-to-point helpers are torch's own again (no wrapper installed by anyone)."""
+    return _BATCH_P2P.is_torchs() and _WAIT_BATCH_P2P.is_torchs()

@@ -1,0 +1,315 @@
+"""Every private torch symbol lightning_3d uses (``lightning_3d/core/torch_compat.py``) against the installed torch.
+
+A torch upgrade that renames or reshapes one of them fails here, by name, instead of somewhere inside a
+training step. Functions lightning_3d replaces or overrides must keep their exact parameter names; functions
+it only calls must still accept the parameters it passes. Builtins (no Python signature) are checked by what
+they do. The pipeline checks run real one-rank schedules on an in-process gloo group of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS, schedules
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+from lightning_3d.core import torch_compat
+from lightning_3d.core.torch_compat import TorchCompatError
+
+
+def _names(fn: object) -> list[str]:
+    return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo default group of one rank, in this process (torn down after this module's tests)."""
+    if dist.is_initialized():  # some other in-process test made one: use it as it is
+        yield dist.group.WORLD
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- signatures
+# (owner, private name, exact parameter names): lightning_3d replaces or overrides these, so every parameter
+# matters (a replacement with the old parameters would break torch's callers).
+LOSS_PARAMS = ["self", "stage", "output", "target_mbs", "mb_index", "loss_kwargs"]
+REPLACED = [
+    (schedules, "_batch_p2p", ["p2p_ops", "desc"]),
+    (schedules, "_wait_batch_p2p", ["work"]),
+    (schedules.PipelineScheduleSingle, "_maybe_compute_loss", LOSS_PARAMS),
+    (schedules.PipelineScheduleMulti, "_maybe_compute_loss", LOSS_PARAMS),
+    (PipelineStage, "_prepare_forward_infra", ["self", "num_microbatches", "args", "kwargs", "has_backward"]),
+    (ColwiseParallel, "_prepare_input_fn", ["input_layouts", "desired_input_layouts", "mod", "inputs", "device_mesh"]),
+]
+
+# (owner, private name, leading parameter names lightning_3d passes): called only.
+CALLED = [
+    (dist.distributed_c10d, "_set_pg_timeout", ["timeout", "group"]),
+    (dist.distributed_c10d, "_get_default_group", []),
+    (dist.distributed_c10d, "_get_default_store", []),
+]
+
+
+@pytest.mark.parametrize(("owner", "name", "params"), REPLACED, ids=[f"{o.__name__}.{n}" for o, n, _ in REPLACED])
+def test_replaced_private_functions_keep_their_signature(owner, name, params):
+    assert hasattr(owner, name), f"torch {torch.__version__} has no {owner.__name__}.{name}: adapt torch_compat.py"
+    assert _names(getattr(owner, name)) == params
+
+
+@pytest.mark.parametrize(("owner", "name", "params"), CALLED, ids=[f"{o.__name__}.{n}" for o, n, _ in CALLED])
+def test_called_private_functions_accept_our_arguments(owner, name, params):
+    assert hasattr(owner, name), f"torch {torch.__version__} has no {owner.__name__}.{name}: adapt torch_compat.py"
+    assert _names(getattr(owner, name))[: len(params)] == params
+
+
+def test_replicate_lives_in_its_private_module_and_takes_a_mesh():
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    params = inspect.signature(replicate).parameters
+    assert next(iter(params)) == "module"
+    assert params["mesh"].kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def test_public_stage_methods_the_timeline_wraps_keep_their_first_argument():
+    # ScheduleRecorder reads the micro-batch index from the first argument, by position or by these names.
+    expected = {
+        "forward_one_chunk": "fwd_chunk_id",
+        "backward_one_chunk": "bwd_chunk_id",
+        "backward_weight_one_chunk": "bwd_chunk_id",
+        "get_fwd_recv_ops": "fwd_chunk_id",
+        "get_fwd_send_ops": "fwd_chunk_id",
+        "get_bwd_recv_ops": "bwd_chunk_id",
+        "get_bwd_send_ops": "bwd_chunk_id",
+        "perform_reduce_grad": "grad_scale_factor",
+    }
+    for method, first in expected.items():
+        assert _names(getattr(PipelineStage, method))[:2] == ["self", first], method
+
+
+# ---------------------------------------------------------------------------------------------- tensors, modules
+def test_foreach_norm_matches_vector_norm():
+    tensors = [torch.tensor([3.0, 4.0]), torch.tensor([[1.0, -2.0], [2.0, 0.0]])]
+    for order in (2.0, 1.0, float("inf")):
+        got = torch_compat.foreach_norm(tensors, order)
+        assert [float(g) for g in got] == [float(torch.linalg.vector_norm(t, order)) for t in tensors]
+
+
+def test_tensor_version_counts_in_place_writes():
+    t = torch.zeros(3)
+    before = torch_compat.tensor_version(t)
+    t.add_(1)
+    assert torch_compat.tensor_version(t) == before + 1
+    assert torch_compat.tensor_version(t + 1) == 0
+
+
+def test_is_view():
+    t = torch.arange(6.0)
+    assert torch_compat.is_view(t.view(2, 3)) and torch_compat.is_view(t[1:])
+    assert not torch_compat.is_view(t) and not torch_compat.is_view(t.clone())
+
+
+def test_child_modules_is_the_live_registry():
+    a, b = nn.Linear(1, 1), nn.ReLU()
+    seq = nn.Sequential(a, b)
+    children = torch_compat.child_modules(seq)
+    assert list(children.items()) == [("0", a), ("1", b)]
+    del children["0"]
+    assert list(seq) == [b] and not hasattr(seq, "0")
+    children["7"] = a  # keeps the name, as partition.stage_container needs
+    assert [n for n, _ in seq.named_children()] == ["1", "7"] and seq.get_submodule("7") is a
+
+
+def test_in_backward_and_dispatch_mode_op_names():
+    seen: list[tuple[str, bool]] = []
+
+    class Names(torch_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append((torch_compat.op_name(func), torch_compat.in_backward()))
+            return func(*args, **(kwargs or {}))
+
+    assert torch_compat.op_name(torch.ops.aten.add.Tensor) == "add"
+    assert torch_compat.op_name(torch.ops.c10d.allreduce_.default) == "allreduce_"
+    assert not torch_compat.in_backward()
+    x = torch.ones(2, requires_grad=True)
+    with Names():
+        (x * 3).sum().backward()
+    assert ("mul", False) in seen and any(in_bwd for _, in_bwd in seen)
+
+
+# ---------------------------------------------------------------------------------------------- process groups
+def test_process_groups_timeouts_and_store(world_of_one):
+    group = torch_compat.default_group()
+    assert group is world_of_one
+    assert group in torch_compat.process_groups()
+    before = torch_compat.group_timeout(group)
+    assert isinstance(before, timedelta)
+    try:
+        torch_compat.set_group_timeout(timedelta(seconds=17), group)
+        assert torch_compat.group_timeout(group) == timedelta(seconds=17)
+        assert torch_compat.group_timeout() == timedelta(seconds=17)  # default: the default group
+    finally:
+        torch_compat.set_group_timeout(before, group)
+    store = torch_compat.default_store()
+    assert isinstance(store, dist.Store)
+    store.set("torch_compat/probe", "1")
+    assert store.get("torch_compat/probe") == b"1"
+
+
+def test_replicate_makes_an_fsdp_module(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    module = torch_compat.replicate(nn.Linear(2, 2), mesh=mesh)
+    assert isinstance(module, FSDPModule)
+
+
+def test_colwise_input_hook_is_what_torch_calls(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    calls: list[int] = []
+
+    class Counting(torch_compat.ColwiseParallelWithInputHook):
+        @staticmethod
+        def convert_input(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+            calls.append(1)
+            return torch_compat.ColwiseParallelWithInputHook.convert_input(
+                input_layouts, desired_input_layouts, mod, inputs, device_mesh
+            )
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 4)
+    reference = linear(torch.ones(2, 3)).detach()
+    parallelize_module(linear, mesh, Counting())
+    out = linear(torch.ones(2, 3))
+    assert calls == [1]
+    assert torch.equal(out, reference)
+
+
+# ---------------------------------------------------------------------------------------------- pipeline schedules
+class _CountingStage(torch_compat.PipelineStageWithShapeInferenceHook):
+    entered = 0
+
+    @contextlib.contextmanager
+    def _count(self):
+        type(self).entered += 1
+        yield
+
+    def shape_inference_context(self):
+        return self._count()
+
+
+def _schedule(multi: bool, world: object) -> tuple[object, list[nn.Module]]:
+    torch.manual_seed(0)
+    if multi:
+        mods = [nn.Linear(4, 4), nn.Linear(4, 4)]
+        stages = [_CountingStage(m, i, 2, torch.device("cpu"), group=world) for i, m in enumerate(mods)]
+        return ScheduleLoopedBFS(stages, 2, loss_fn=lambda out, tgt: ((out - tgt) ** 2).mean()), mods
+    mod = nn.Linear(4, 4)
+    stage = _CountingStage(mod, 0, 1, torch.device("cpu"), group=world)
+    return ScheduleGPipe(stage, 2, loss_fn=lambda out, tgt: ((out - tgt) ** 2).mean()), [mod]
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["single_stage", "multi_stage"])
+def test_schedule_internals_on_a_real_schedule(world_of_one, multi):
+    sched, mods = _schedule(multi, world_of_one)
+    stages = torch_compat.schedule_stages(sched)
+    assert [s.stage_index for s in stages] == list(range(len(mods)))
+    assert [s.submod for s in stages] == mods
+    assert torch_compat.schedule_micro_batches(sched) == 2
+    assert torch_compat.schedule_has_loss(sched)
+    assert torch_compat.shape_inference_done(sched) is False
+
+    losses: list[int] = []
+
+    def count_losses(fn):
+        def wrapper(stage, output, target_mbs, mb_index, *args, **kwargs):
+            if stage.is_last:
+                losses.append(int(mb_index))
+            return fn(stage, output, target_mbs, mb_index, *args, **kwargs)
+
+        return wrapper
+
+    _CountingStage.entered = 0
+    remove = torch_compat.wrap_schedule_loss(sched, count_losses)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    sched.step(x, target=y)
+    # torch's shape inference ran inside the hook, once per stage; the real loss once per micro-batch
+    assert _CountingStage.entered == len(mods)
+    assert torch_compat.shape_inference_done(sched) is True
+    assert losses == [0, 1]
+    remove()
+    remove()  # idempotent
+    losses.clear()
+    sched.step(x, target=y)
+    assert losses == [] and _CountingStage.entered == len(mods)  # no second shape inference
+    assert all(p.grad is not None for m in mods for p in m.parameters())
+
+
+def test_schedule_internals_fail_closed():
+    class NotASchedule:
+        pass
+
+    with pytest.raises(TorchCompatError, match="torch_compat"):
+        torch_compat.shape_inference_done(NotASchedule())
+    with pytest.raises(TorchCompatError, match="torch_compat"):
+        torch_compat.schedule_stages(NotASchedule())
+    with pytest.raises(TorchCompatError, match="torch_compat"):
+        torch_compat.schedule_micro_batches(NotASchedule())
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+def test_wrap_method_on_one_instance_only():
+    a, b = nn.Linear(1, 1), nn.Linear(1, 1)
+    remove = torch_compat.wrap_method(a, "extra_repr", lambda fn: lambda: "wrapped " + fn())
+    assert a.extra_repr().startswith("wrapped ") and not b.extra_repr().startswith("wrapped ")
+    remove()
+    assert "extra_repr" not in vars(a) and not a.extra_repr().startswith("wrapped ")
+
+
+def test_p2p_wrappers_stack_and_come_off_in_any_order():
+    assert torch_compat.p2p_functions_are_torchs()
+    original = torch_compat.current_wait_batch_p2p()
+    calls: list[str] = []
+
+    def tracing(label):
+        def wrapper(fn):
+            def wait(work):
+                calls.append(label)
+                return fn(work)
+
+            return wait
+
+        return wrapper
+
+    remove_inner = torch_compat.wrap_wait_batch_p2p(tracing("inner"))
+    remove_outer = torch_compat.wrap_wait_batch_p2p(tracing("outer"))
+    remove_post = torch_compat.wrap_batch_p2p(tracing("post"))
+    try:
+        assert not torch_compat.p2p_functions_are_torchs()
+        assert schedules._wait_batch_p2p is torch_compat.current_wait_batch_p2p()  # what the schedules call
+        torch_compat.current_wait_batch_p2p()([])
+        assert calls == ["outer", "inner"]
+        remove_inner()
+        calls.clear()
+        torch_compat.current_wait_batch_p2p()([])
+        assert calls == ["outer"]
+        assert torch_compat.current_batch_p2p()([]) == [] and calls == ["outer", "post"]
+    finally:
+        remove_outer()
+        remove_post()
+        remove_inner()
+    assert torch_compat.current_wait_batch_p2p() is original
+    assert torch_compat.p2p_functions_are_torchs()
