@@ -19,7 +19,6 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,7 +28,7 @@ from lightning_3d import ThreeDStrategy
 from lightning_3d.checkpoint import LoadWeights
 from lightning_3d.core.tied import canonical_names
 
-from models import MODELS, dataset
+from models import MODELS, OrderedData
 
 GLOBAL_BATCH, N = 8, 48
 
@@ -50,18 +49,15 @@ def trainer(args: argparse.Namespace, steps: int, callbacks: list, single: bool 
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        use_distributed_sampler=True,
+        use_distributed_sampler=False,
         callbacks=callbacks,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
     )
 
 
-def loader(dp: int) -> DataLoader:
-    return DataLoader(dataset("llama", N), batch_size=GLOBAL_BATCH // dp, shuffle=False)
-
-
-def val_loader(dp: int) -> DataLoader:
-    return DataLoader(dataset("llama", 16, seed=3), batch_size=16 // dp, shuffle=False)
+def data(dp: int) -> OrderedData:
+    """The same global batches in every layout (replica r reads samples r, r + dp, ...)."""
+    return OrderedData("llama", GLOBAL_BATCH // dp, n=N, val_n=16)
 
 
 def canonical(rec: dict, pl_module: L.LightningModule) -> dict:
@@ -99,9 +95,9 @@ def run(args: argparse.Namespace, name: str) -> None:
         torch.save(model.state_dict(), init)
         recorder = Recorder()
         t = trainer(args, 6, [recorder], single=True)
-        t.fit(model, loader(1))
+        t.fit(model, datamodule=data(1))
         rec["fit"] = recorder.record()
-        rec["validate"] = t.validate(model, val_loader(1), verbose=False)[0]
+        rec["validate"] = t.validate(model, datamodule=data(1), verbose=False)[0]
         torch.save(rec, out / f"{name}-single.pt")
         return
     ckpts = out / f"{name}-ckpt"
@@ -109,15 +105,15 @@ def run(args: argparse.Namespace, name: str) -> None:
         recorder = Recorder()
         saver = ModelCheckpoint(dirpath=ckpts, every_n_train_steps=3, save_top_k=-1, filename="{step}")
         t = trainer(args, 6, [LoadWeights(str(init)), recorder, saver])
-        t.fit(model, loader(args.dp))
+        t.fit(model, datamodule=data(args.dp))
         rec["fit"] = canonical(recorder.record(), model)
     recorder = Recorder()
     L.seed_everything(4321, verbose=False)  # the checkpoint, not the seed, decides
     resumed = module(name)
     t = trainer(args, 6, [recorder])
-    t.fit(resumed, loader(args.dp), ckpt_path=ckpts / "step=3.ckpt")
+    t.fit(resumed, datamodule=data(args.dp), ckpt_path=ckpts / "step=3.ckpt")
     rec["resume"] = canonical(recorder.record(), resumed)
-    rec["validate"] = t.validate(resumed, val_loader(args.dp), verbose=False)[0]
+    rec["validate"] = t.validate(resumed, datamodule=data(args.dp), verbose=False)[0]
     if t.global_rank == 0:
         torch.save(rec, out / f"{name}-{args.phase}.pt")
 
