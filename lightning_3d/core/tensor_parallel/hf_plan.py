@@ -242,8 +242,8 @@ def declared_tp_plan(model: nn.Module) -> dict[str, str]:
     """The tensor-parallel plan a Hugging Face model declares, names relative to the model, with ``*`` globs.
 
     The instance's merged ``tp_plan`` (made by ``post_init``; a user may replace it with ``model.tp_plan = {...}``
-    or empty it with ``model.tp_plan = None``); for a model that did not run ``post_init``, the same merge done here: the class ``_tp_plan`` plus the config's ``base_model_tp_plan`` under
-    ``base_model_prefix``.
+    or empty it with ``model.tp_plan = None``); for a model that did not run ``post_init``, the same merge done
+    here: the class ``_tp_plan`` plus the config's ``base_model_tp_plan`` under ``base_model_prefix``.
     """
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict):  # set by post_init, possibly emptied by the user (model.tp_plan = None)
