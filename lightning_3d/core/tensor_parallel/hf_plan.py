@@ -60,6 +60,7 @@ is refused. Under pipeline parallelism the two uses must be on the same stage to
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -210,12 +211,13 @@ def _supported() -> str:
 
 
 def pretrained_model_class() -> type[nn.Module] | None:
-    """``transformers.PreTrainedModel``, or None when transformers is not installed."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is an optional dependency
-        return None
-    return PreTrainedModel
+    """``transformers.PreTrainedModel``, or None when ``transformers.modeling_utils`` has not been imported.
+
+    A module holding a Hugging Face model has imported it; looking in ``sys.modules`` instead of importing
+    spares every other model the seconds transformers takes to import (and works without transformers).
+    """
+    module = sys.modules.get("transformers.modeling_utils")
+    return getattr(module, "PreTrainedModel", None)
 
 
 def find_hf_models(root: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -19,6 +19,7 @@ Three things torch's own ``ColwiseParallel`` / ``RowwiseParallel`` do not cover:
 
 from __future__ import annotations
 
+import sys
 import weakref
 from functools import partial
 from typing import Any
@@ -34,12 +35,13 @@ from lightning_3d.core.tensor_parallel.styles import SharedInputColwiseParallel
 
 
 def conv1d_class() -> type[nn.Module] | None:
-    """``transformers.pytorch_utils.Conv1D``, or None when transformers is not installed."""
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers is an optional dependency
-        return None
-    return Conv1D
+    """``transformers.pytorch_utils.Conv1D``, or None when it has not been imported.
+
+    A model holding a Conv1D has imported it; looking in ``sys.modules`` instead of importing spares every
+    other model the seconds transformers takes to import (and works without transformers installed).
+    """
+    module = sys.modules.get("transformers.pytorch_utils")
+    return getattr(module, "Conv1D", None)
 
 
 def module_kind(module: nn.Module) -> str | None:
