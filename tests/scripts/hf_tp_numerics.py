@@ -7,7 +7,9 @@ LightningModule-like root as ``self.model``, shard a deep copy with
 (``model(input_ids=..., labels=...).loss``; gradients accumulate as over micro-batches) and one SGD step on both,
 and compare the losses, every parameter's gradient (``full_tensor()`` of DTensors) and every updated parameter
 with the unsharded model, within 1e-10. Also checks that tied parameters are still one parameter and that each
-rank holds half of every sharded parameter. Raises (exit code != 0) on any mismatch.
+rank holds half of every sharded parameter. The ``-meta`` variants build the sharded model on the meta device,
+shard it there and materialise it with ``to_empty`` (ties must survive both). Raises (exit code != 0) on any
+mismatch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
@@ -73,27 +75,53 @@ class Root(nn.Module):
         self.model = model
 
 
-def build(kind: str, kwargs: dict) -> Root:
+def build(kind: str, kwargs: dict, device: str = "cpu") -> Root:
     torch.manual_seed(0)
     config = AutoConfig.for_model(kind, vocab_size=VOCAB, use_cache=False, **kwargs)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-    with torch.no_grad():  # non-trivial norm weights, so their gradients are not all alike
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_" in name:
-                param.add_(0.1 * torch.randn_like(param))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    if device != "meta":
+        with torch.no_grad():  # non-trivial norm weights, so their gradients are not all alike
+            for name, param in model.named_parameters():
+                if "norm" in name or "ln_" in name:
+                    param.add_(0.1 * torch.randn_like(param))
     return Root(model)
+
+
+def sharded_from_meta(kind: str, kwargs: dict, ref: Root, mesh) -> tuple[Root, object]:  # type: ignore[no-untyped-def]
+    """The way a strategy builds a big model: on the meta device, sharded there, then materialised (``to_empty``)
+    and filled with each rank's slices of the reference's values."""
+    model = build(kind, kwargs, device="meta")
+    plan = hf_tp_plan(model, 2)
+    assert plan is not None
+    parallelize_module(model, mesh, plan.styles)
+    assert len(plan.ties) == 0, "the tied-parameter registry kept entries after sharding"
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied parameter is listed once
+            full_value = ref.get_parameter(name)
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full_value, mesh, p.placements, src_data_rank=None).to_local())
+            else:
+                p.copy_(full_value)
+        for name, b in model.named_buffers():  # RoPE's inv_freq: not persistent, recomputed by HF's init
+            b.copy_(ref.get_buffer(name))
+    return model, plan
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def check(name: str, kind: str, kwargs: dict, mesh, rank: int) -> None:  # type: ignore[no-untyped-def]
+def check(name: str, kind: str, kwargs: dict, mesh, rank: int, meta: bool) -> None:  # type: ignore[no-untyped-def]
     ref = build(kind, kwargs)
-    sharded = copy.deepcopy(ref)
-    plan = hf_tp_plan(sharded, 2)
-    assert plan is not None, f"{name}: no plan"
-    parallelize_module(sharded, mesh, plan.styles)
+    if meta:
+        sharded, plan = sharded_from_meta(kind, kwargs, ref, mesh)
+    else:
+        sharded = copy.deepcopy(ref)
+        plan = hf_tp_plan(sharded, 2)
+        assert plan is not None, f"{name}: no plan"
+        parallelize_module(sharded, mesh, plan.styles)
 
     for group in plan.tied:
         objs = {id(sharded.get_parameter(n)) for n in group}
@@ -153,14 +181,18 @@ def main() -> None:
     rank = dist.get_rank()
     assert dist.get_world_size() == 2, "run with 2 ranks"
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    only = sys.argv[1:] or list(CONFIGS)
+    only = sys.argv[1:] or [*CONFIGS, "qwen3-tied-meta", "gpt2-meta"]
     for name in only:
-        kind, kwargs = CONFIGS[name]
-        check(name, kind, kwargs, mesh, rank)
+        kind, kwargs = CONFIGS[name.removesuffix("-meta")]
+        check(name, kind, kwargs, mesh, rank, meta=name.endswith("-meta"))
     dist.barrier()
     if rank == 0:
         print("all hf tensor-parallel numerics ok", flush=True)
     dist.destroy_process_group()
+    # Skip interpreter finalization, as tp_numerics.py does: gloo worker threads that still hold finished async
+    # work objects can abort the process there (SIGABRT, "terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

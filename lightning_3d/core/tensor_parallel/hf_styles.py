@@ -76,11 +76,14 @@ PLACEMENTS: dict[str, dict[str, dict[str, Placement]]] = {
 class TiedParams:
     """Distributes each parameter once: a tied parameter reached again gets the same DTensor ``Parameter``.
 
-    Keys are the original parameter objects (by identity, held weakly so nothing is kept alive).
+    Entries are keyed by the original parameter object, held weakly: once every module that held it has been
+    given the DTensor parameter, the original is freed and its entry removes itself. The DTensor parameter is
+    held strongly until then and never weakly referenced: ``torch.utils.swap_tensors`` (which ``to_empty`` and
+    ``_apply`` use for DTensor parameters) refuses tensors that have weak references.
     """
 
     def __init__(self) -> None:
-        self._made: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
+        self._made: dict[int, tuple[weakref.ref[torch.Tensor], nn.Parameter]] = {}
 
     def distribute(
         self, param: nn.Parameter, mesh: DeviceMesh, placements: list[Placement], src_data_rank: int | None
@@ -91,21 +94,29 @@ class TiedParams:
             ValueError: a tied parameter asked for with two different placements (plans are resolved so
                 this does not happen; sharding the pair differently would silently untie it).
         """
-        hit = self._made.get(id(param))
+        key = id(param)
+        hit = self._made.get(key)
         if hit is not None and hit[0]() is param:
-            made = hit[1]()
-            if made is not None:
-                if made.device_mesh != mesh or tuple(made.placements) != tuple(placements):
-                    raise ValueError(
-                        f"tied parameter sharded twice with different layouts ({made.placements} and "
-                        f"{tuple(placements)}): both uses must shard it the same way"
-                    )
-                return made  # type: ignore[return-value]
+            made = hit[1]
+            if made.device_mesh != mesh or tuple(made.placements) != tuple(placements):  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"tied parameter sharded twice with different layouts ({made.placements} and "  # type: ignore[attr-defined]
+                    f"{tuple(placements)}): both uses must shard it the same way"
+                )
+            return made
         made = nn.Parameter(
             distribute_tensor(param, mesh, placements, src_data_rank=src_data_rank), requires_grad=param.requires_grad
         )
-        self._made[id(param)] = (weakref.ref(param), weakref.ref(made))
+        made_ref = self._made
+
+        def forget(_: weakref.ref[torch.Tensor], key: int = key) -> None:
+            made_ref.pop(key, None)
+
+        self._made[key] = (weakref.ref(param, forget), made)
         return made
+
+    def __len__(self) -> int:
+        return len(self._made)
 
 
 def _partition(
