@@ -12,25 +12,24 @@ Where transformers keeps the plan (5.x): the base model's config class declares 
 stands for a layer number between dots (``transformers.distributed.parallel_utils``
 ``replace_layer_number_by_wildcard``), which is how names are matched here.
 
-The style names and what they mean (``transformers/distributed/tensor_parallel.py``) -> torch style used here:
+The style names, what they mean in ``transformers/distributed/tensor_parallel.py``, and the torch style used here
+(:mod:`~lightning_3d.core.tensor_parallel.hf_styles`; Linear and HF ``Conv1D`` alike):
 
-=================================  =============================================  ===============================
-HF style                           meaning                                        torch style
-=================================  =============================================  ===============================
-``colwise``                        Linear, weight/bias Shard(0), output Shard(-1)  ``HFColwiseParallel()``
-``colwise_gather_output``,         the same, output all-gathered (replicated)     ``HFColwiseParallel(output_
-``colwise_rep``                                                                   layouts=Replicate())``
-``rowwise``                        Linear, weight Shard(1), bias whole, input     ``HFRowwiseParallel()``
-                                   Shard(-1), output all-reduced
-``rowwise_split_input``,           the same, input replicated and split locally   ``HFRowwiseParallel(input_
-``rowwise_rep``                                                                   layouts=Replicate())``
-``embedding_rowwise``              vocabulary-parallel Embedding (Shard(0)),      ``HFRowwiseParallel()`` on the
-                                   partial lookups all-reduced                    Embedding
-``embedding_colwise``              Embedding dim sharded (Shard(1)), gathered     ``HFColwiseParallel(output_
-                                                                                  layouts=Replicate())``
-``replicated_with_grad_allreduce`` parameters replicated, gradient summed over tp  ``ReplicatedGradAllReduce()``
-``replicate``                      nothing sharded                                (left out; noted)
-=================================  =============================================  ===============================
+* ``colwise``: weight and bias Shard(0) (output features), input replicated, output Shard(-1) ->
+  ``HFColwiseParallel()``.
+* ``colwise_gather_output`` (and its alias ``colwise_rep``): the same with the output all-gathered ->
+  ``HFColwiseParallel(output_layouts=Replicate())``.
+* ``rowwise``: weight Shard(1) (input features), bias whole, input Shard(-1), output all-reduced ->
+  ``HFRowwiseParallel()``.
+* ``rowwise_split_input`` (and ``rowwise_rep``): the same with a replicated input, split locally ->
+  ``HFRowwiseParallel(input_layouts=Replicate())``.
+* ``embedding_rowwise``: vocabulary-parallel Embedding, weight Shard(0), partial lookups all-reduced ->
+  ``HFRowwiseParallel()`` on the Embedding.
+* ``embedding_colwise``: Embedding dim sharded, Shard(1), output gathered ->
+  ``HFColwiseParallel(output_layouts=Replicate())`` on the Embedding.
+* ``replicated_with_grad_allreduce``: parameters replicated, their gradient summed over tp ->
+  ``ReplicatedGradAllReduce()``.
+* ``replicate``: nothing sharded (left out of the styles, listed in the notes).
 
 Every other style (``packed_colwise``, ``sequence_parallel``, ``all_reduce``, ``local_params``, the MoE and MLA
 styles, ...) is refused with a ``ValueError`` naming the style and the module.
@@ -47,14 +46,15 @@ GPT-2 (and other models built from HF ``Conv1D`` blocks) declares no plan; :func
 ``c_fc`` column- and ``c_proj`` row-parallel with Conv1D's transposed layout, the embedding and LM head
 vocabulary-parallel when the vocabulary divides by tp, and the attention replicated (see ``GPT2_ATTENTION_NOTE``).
 
-Tied weights: a parameter shared by several modules (``lm_head.weight`` is ``embed_tokens.weight`` in GPT-2,
-Gemma, Qwen3-0.6B, ...) stays ONE parameter. HF's own plans shard both uses the same way (the embedding on the
-vocabulary, ``embedding_rowwise`` -> weight Shard(0); the head ``colwise_gather_output`` -> weight Shard(0)),
-so the pair is sharded on the vocabulary and the styles hand both modules the same DTensor parameter
-(:class:`~lightning_3d.core.tensor_parallel.hf_styles.TiedParams`); the gradients of both uses add up in it,
-as in single-device training. If the uses would shard it differently (one sharded, one not), both modules are
-left replicated with a note, when that is safe (styles with replicated input and output); otherwise the plan
-is refused. Under pipeline parallelism the two uses must be on the same stage to stay tied.
+Tied weights: a parameter shared by several modules (``lm_head.weight`` is the input embedding's weight in GPT-2
+and Gemma, and in any model with ``tie_word_embeddings=True``) stays ONE parameter. HF's own plans shard both
+uses the same way (the embedding on the vocabulary, ``embedding_rowwise`` -> weight Shard(0); the head
+``colwise_gather_output`` -> weight Shard(0)), so the pair is sharded on the vocabulary and the styles hand both
+modules the same DTensor parameter (:class:`~lightning_3d.core.tensor_parallel.hf_styles.TiedParams`); the
+gradients of both uses add up in it, as in single-device training. If the uses would shard it differently (one
+sharded, one not), both modules are left replicated with a note, when that is safe (styles with replicated input
+and output); otherwise the plan is refused. Under pipeline parallelism the two uses must be on the same stage to
+stay tied.
 """
 
 from __future__ import annotations
@@ -94,10 +94,16 @@ SUPPORTED_STYLES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # Styles whose module takes a replicated input and returns a replicated output: leaving such a module
 # unsharded changes nothing around it (used to resolve tied parameters the plan would shard inconsistently).
-_SELF_CONTAINED = {"colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep"} | {
-    "embedding_rowwise",
-    "embedding_colwise",
-}
+_SELF_CONTAINED = frozenset(
+    [
+        "colwise_gather_output",
+        "colwise_rep",
+        "rowwise_split_input",
+        "rowwise_rep",
+        "embedding_rowwise",
+        "embedding_colwise",
+    ]
+)
 
 GPT2_ATTENTION_NOTE = (
     "fused attention left replicated: c_attn packs q|k|v into one Conv1D [hidden, 3*hidden] and GPT2Attention "
@@ -113,7 +119,8 @@ class HFEntry:
 
     Attributes:
         style: the Hugging Face style name (``"colwise"``, ``"embedding_rowwise"``, ...).
-        source: where it comes from, e.g. ``"LlamaForCausalLM.tp_plan 'model.layers.*.self_attn.q_proj'"``.
+        source: where it comes from, e.g. ``"LlamaForCausalLM tp_plan 'model.layers.*.self_attn.q_proj'"`` or
+            ``"lightning_3d plan for GPT2LMHeadModel (Conv1D, transposed weights)"``.
     """
 
     style: str
