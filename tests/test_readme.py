@@ -46,7 +46,8 @@ def test_quickstart_commands_are_what_ci_runs() -> None:
     main_job, tests = [ln for ln in _bash_lines() if ln.startswith("pip install torch==2.13.0")][:2]
     assert main_job.endswith("OMP_NUM_THREADS=1 python -m lightning_3d.train")
     assert tests.endswith("OMP_NUM_THREADS=1 python -m pytest -q")
-    assert "pip install torch==2.13.0\n" in ci and 'pip install -e ".[test]"' in ci and "export OMP_NUM_THREADS=1" in ci
+    assert "pip install torch==2.13.0\n" in ci and 'pip install -e ".[test,hf]"' in ci
+    assert "export OMP_NUM_THREADS=1" in ci
     assert '"$PYTHON" -m pytest -q' in ci and '"$PYTHON" -m lightning_3d.train 2>&1' in ci, "CI must run both as is"
 
 

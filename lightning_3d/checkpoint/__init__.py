@@ -355,7 +355,9 @@ def export(checkpoint_dir: str | os.PathLike, out: str | os.PathLike) -> dict[st
 
 
 class LoadWeights(pl.Callback):
-    """Start training (or evaluation) from a single-device state dict file, e.g. one written by :func:`export`.
+    """Start training (or evaluation) from a single-device state dict file, e.g. one written by :func:`export`,
+    or from a Hugging Face model folder (``config.json`` + safetensors, e.g. written by ``export-hf``) for a
+    LightningModule that holds that Hugging Face model (see :func:`lightning_3d.checkpoint.hf.read_hf_folder`).
 
     Loads once per callback instance, at the start of the first ``fit`` / ``validate`` / ``test`` /
     ``predict``: after ``ThreeDStrategy`` has split and sharded the model and before a ``ckpt_path`` is
@@ -363,7 +365,7 @@ class LoadWeights(pl.Callback):
     (others get ``load_state_dict``). A Lightning checkpoint file (``{"state_dict": ...}``) works too.
 
     Args:
-        path: the ``torch.save`` file.
+        path: the ``torch.save`` file, or a Hugging Face model folder.
         strict: refuse missing or unexpected keys.
 
     Example:
@@ -378,7 +380,12 @@ class LoadWeights(pl.Callback):
         if self._loaded:
             return
         self._loaded = True
-        state_dict = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        from .hf import is_hf_folder, read_hf_folder  # transformers is imported only for a Hugging Face folder
+
+        if is_hf_folder(self.path):
+            state_dict = read_hf_folder(self.path, pl_module)
+        else:
+            state_dict = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
         if isinstance(state_dict.get("state_dict"), Mapping):
             state_dict = state_dict["state_dict"]
         load_full = getattr(trainer.strategy, "load_full_state_dict", None)

@@ -1,4 +1,5 @@
-"""``python -m lightning_3d.checkpoint {export,info} ...``: checkpoint folders from the command line, one process."""
+"""``python -m lightning_3d.checkpoint {export,export-hf,info} ...``: checkpoint folders from the command line, one
+process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from . import META_FILE, SECTION, check_complete, export, saved_model_shapes
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_3d.checkpoint {export,info} ...``"""
+    """``python -m lightning_3d.checkpoint {export,export-hf,info} ...``"""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_3d.checkpoint", description="Export or inspect a lightning_3d checkpoint folder."
     )
@@ -22,6 +23,17 @@ def main(argv: list[str] | None = None) -> int:
     p_export = sub.add_parser("export", help="write the single-device state dict of a checkpoint folder")
     p_export.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints/last.ckpt)")
     p_export.add_argument("out", help="output file (torch.save)")
+    p_hf = sub.add_parser(
+        "export-hf", help="write the Hugging Face model of a checkpoint folder as a from_pretrained folder"
+    )
+    p_hf.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints/last.ckpt)")
+    p_hf.add_argument("out", help="output folder (config.json + model.safetensors)")
+    p_hf.add_argument(
+        "--module-attr", default=None, help="attribute of the LightningModule holding the model (default: inferred)"
+    )
+    p_hf.add_argument(
+        "--config", default=None, help="config.json or a folder with one (default: the config stored in the checkpoint)"
+    )
     p_info = sub.add_parser("info", help="print the layout, progress and keys of a checkpoint folder")
     p_info.add_argument("checkpoint")
     args = parser.parse_args(argv)
@@ -30,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
             state_dict = export(args.checkpoint, args.out)
             numel = sum(t.numel() for t in state_dict.values() if isinstance(t, Tensor))
             print(f"wrote {args.out}: {len(state_dict)} tensors, {numel:,} elements")
+        elif args.command == "export-hf":
+            from .hf import export_hf_checkpoint
+
+            out = export_hf_checkpoint(args.checkpoint, args.out, module_attr=args.module_attr, config=args.config)
+            print(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
         else:
             path = Path(args.checkpoint)
             check_complete(path)
@@ -39,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: epoch {meta.get('epoch')}, global step {meta.get('global_step')}, layout {layout}")
             for key, shape in shapes.items():
                 print(f"  {key}: {shape}")
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, ImportError) as exc:
         print(exc, file=sys.stderr)
         return 2
     return 0

@@ -85,6 +85,7 @@ def _callbacks(cfg: DictConfig, model: Any) -> list[Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_3d_examples.gpt import GPT
+    from lightning_3d_examples.hf_llama import HFCausalLM
 
     from .callbacks import SampleText, Throughput, ValidationPrinter
 
@@ -102,7 +103,7 @@ def _callbacks(cfg: DictConfig, model: Any) -> list[Any]:
                 every_n_train_steps=ck.every_n_train_steps,
             )
         )
-    if cfg.sample.enabled and isinstance(model, GPT):
+    if cfg.sample.enabled and isinstance(model, (GPT, HFCausalLM)):
         s = cfg.sample
         callbacks.append(SampleText(s.prompt, s.max_new_tokens, s.temperature, s.top_k, seed=cfg.seed))
     return callbacks

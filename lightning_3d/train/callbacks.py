@@ -129,7 +129,7 @@ def _is_scalar(value: Any) -> bool:
 
 
 class SampleText(Callback):
-    """At the end of training, rank 0 samples text from a single-device copy of the trained GPT.
+    """At the end of training, rank 0 samples text from a single-device copy of the trained GPT (or HFCausalLM).
 
     Every rank takes part in gathering the weights (``strategy.full_state_dict()`` is a collective under
     ``ThreeDStrategy``); rank 0 then builds the same GPT on one device, loads them and calls
@@ -160,6 +160,8 @@ class SampleText(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_3d_examples.gpt import GPT, generate
+        from lightning_3d_examples.hf_llama import HFCausalLM
+        from lightning_3d_examples.hf_llama import generate as hf_generate
         from lightning_3d_examples.text_data import decode, encode
 
         gather = getattr(trainer.strategy, "full_state_dict", None)
@@ -167,12 +169,14 @@ class SampleText(Callback):
         if not trainer.is_global_zero or state is None:
             return
         # Same hyperparameters (preset and shape overrides) as the trained module, built on one CPU device.
-        model = GPT(**dict(pl_module.hparams))
+        hf = isinstance(pl_module, HFCausalLM)
+        model = (HFCausalLM if hf else GPT)(**dict(pl_module.hparams))
         model.configure_model()
         model.load_state_dict({k: v.float() for k, v in state.items()})
         generator = torch.Generator().manual_seed(self.seed)
         prompt = encode(self.prompt)
-        tokens = generate(model, prompt, self.max_new_tokens, self.temperature, self.top_k, generator=generator)
+        sample = hf_generate if hf else generate
+        tokens = sample(model, prompt, self.max_new_tokens, self.temperature, self.top_k, generator=generator)
         self.text = decode(tokens)
         log.info(
             "sample (temperature %s, top_k %s) after %d steps:\n%s\n%s\n%s",

@@ -77,6 +77,32 @@ class MLPModelConfig:
 
 
 @dataclass
+class HFLlamaModelConfig:
+    """Arguments of :class:`lightning_3d_examples.HFCausalLM`: a Hugging Face ``LlamaForCausalLM`` built from a config.
+
+    The shape fields are Hugging Face ``LlamaConfig`` fields (the preset's values spelled out, so the printed
+    config shows the model and any of them can be overridden, e.g. ``model.num_hidden_layers=8``).
+    """
+
+    _target_: str = "lightning_3d_examples.HFCausalLM"
+    preset: str = "small"
+    model_type: str = "llama"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    warmup_steps: int = 0
+    max_steps: int | None = None  # None: constant learning rate; else warm-up + cosine to this step
+    min_lr_ratio: float = 0.1
+    block_size: int = 64  # context length of the data; the model's max_position_embeddings
+    vocab_size: int = 256
+    hidden_size: int = 128
+    intermediate_size: int = 344
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    tie_word_embeddings: bool = False
+
+
+@dataclass
 class TextDataConfig:
     """Arguments of :class:`lightning_3d_examples.ByteTextDataModule`. ``batch_size`` is per data-parallel replica."""
 
@@ -191,6 +217,7 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
     ("strategy", "schema_3d"): StrategyConfig,
     ("model", "schema_gpt"): GPTModelConfig,
     ("model", "schema_mlp"): MLPModelConfig,
+    ("model", "schema_hf_llama"): HFLlamaModelConfig,
     ("data", "schema_text"): TextDataConfig,
     ("data", "schema_blobs"): BlobsDataConfig,
     ("trainer", "schema_trainer"): TrainerConfig,
