@@ -63,6 +63,7 @@ SETUP_ERRORS = {
     "residual_outside_blocks": "a skip connection crosses the stage boundary between transformer.h.1 and "
     "transformer.h.2",
     "no_container": "ThreeDStrategy(blocks='attribute.path'), or use pp=1",
+    "kv_heads_not_divisible": "num_key_value_heads = 2 is not divisible by tp=4. tp values that work: 1, 2",
 }
 
 

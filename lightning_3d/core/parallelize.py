@@ -30,6 +30,7 @@ from .materialize import check_materializable, has_meta_tensors, materialize
 from .pipeline import StageSpec
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
+from .tensor_parallel.hf_plan import HFPlan, hf_tp_plan
 from .tied import TiedWeights, install_alias_hooks
 from .topology import Topology, mesh_ranks_table
 
@@ -66,6 +67,7 @@ class ModelPlan:
     example_input: Any
     is_meta: bool
     split: blocks.ModelSplit | None = None
+    hf_plan: HFPlan | None = None  # a Hugging Face model's own tensor-parallel plan (root-relative names)
 
 
 def plan_model(module: LightningModule, config: ParallelConfig) -> ModelPlan:
@@ -152,9 +154,15 @@ def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelP
         parent = module.get_submodule(parent_name) if parent_name else module
         body = partition.BodyRef(parent=parent, attr=attr, fqn=container.fqn, module=container.module)  # type: ignore[arg-type]
     stage_plan = partition.StagePlan([list(b) for b in split.stage_blocks], body.fqn, list(split.stage_to_rank))
+    for sub in module.modules():  # Hugging Face models: no KV cache while training (it would only hold memory)
+        hf_config = getattr(sub, "config", None)
+        if getattr(hf_config, "use_cache", None):
+            hf_config.use_cache = False
     explicit = config.tp_plan if config.tp_plan is not None else getattr(module, "tp_plan", None)
     tp_plan = tpmod.TPPlan()
-    if container is not None and (config.tp > 1 or explicit):
+    # A Hugging Face model's own plan when the user gives none (it checks heads / kv heads against tp)
+    hf_plan = hf_tp_plan(module, config.tp) if config.tp > 1 and explicit is None else None
+    if hf_plan is None and container is not None and (config.tp > 1 or explicit):
         view = nn.Sequential(OrderedDict(container.module.named_children()))
         tp_plan = tpmod.resolve_plan(
             view,
@@ -168,7 +176,7 @@ def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelP
     if is_meta:
         for name in [*split.first, *split.last, *(f"{body.fqn}.{b}" for b in stage_plan.layer_names[0])]:
             check_materializable(module.get_submodule(name), name)
-    return ModelPlan(body, stage_plan, tp_plan, full_spec, None, is_meta, split)
+    return ModelPlan(body, stage_plan, tp_plan, full_spec, None, is_meta, split, hf_plan)
 
 
 def _block_example(view: nn.Module) -> torch.Tensor | None:
@@ -276,6 +284,11 @@ def _build_split_stages(
     if model.is_meta:
         for name in held_names or [""]:
             materialize(module.get_submodule(name), device, seed, prefix=name)
+    if tp > 1 and model.hf_plan is not None:
+        for name in held_names or [""]:
+            styles = model.hf_plan.styles_for(name)
+            if styles:
+                parallelize_module(module.get_submodule(name), mesh["tp"], styles)
     for block in [b for s in my_stages for b in split.stage_blocks[s]]:
         styles = model.tp_plan.styles_for(block) if tp > 1 else {}
         if styles:
@@ -340,6 +353,8 @@ def describe_layout(topology: Topology, mesh: DeviceMesh, model: ModelPlan, sche
         model.stage_plan.describe() if model.split is None else model.split.describe(),
     ]
     tp = mesh["tp"].size()
-    if tp > 1:
+    if tp > 1 and model.hf_plan is not None:
+        lines.append(f"tensor-parallel plan (the model's own, tp={tp}):\n{model.hf_plan.describe()}")
+    elif tp > 1:
         lines.append(tpmod.describe_plan(model.body.module, model.tp_plan, tp, body_prefix=model.body.fqn))
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import NanoGPT, TinyGPT, TinyMLP, loader
+from models import HFCausalLM, NanoGPT, TinyGPT, TinyMLP, loader
 
 
 class NoBody(TinyMLP):
@@ -104,6 +104,7 @@ CASES = {
     "skip_across_stages": (SkipAcrossStages, {"pp": 2}, 2, 8),
     "residual_outside_blocks": (ResidualOutsideBlocks, {"pp": 2}, 2, 8),
     "no_container": (NoContainer, {"pp": 2}, 2, 8),
+    "kv_heads_not_divisible": (lambda: HFCausalLM("llama"), {"tp": 4}, 4, 8),
 }
 
 
@@ -120,8 +121,9 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model_name = "gpt" if issubclass(module_cls, (TinyGPT, NanoGPT)) else "mlp"
-    trainer.fit(module_cls(), loader(model_name, batch, n=48))
+    model = module_cls()
+    model_name = "gpt" if isinstance(model, (TinyGPT, NanoGPT, HFCausalLM)) else "mlp"
+    trainer.fit(model, loader(model_name, batch, n=48))
 
 
 if __name__ == "__main__":
