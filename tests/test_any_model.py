@@ -34,6 +34,43 @@ LAYOUTS = {
 }
 ALL_CASES = sorted({c for cases in LAYOUTS.values() for c in cases})
 
+# Which parameters tensor parallelism shards (written out here, independently of the planners): the Megatron pairs
+# of the automatic plan (nanoGPT blocks: q/k/v/fc column-parallel, out_proj/proj weights row-parallel) and the
+# Hugging Face models' own plans (GPT-2's: MLP only, attention replicated; embeddings and head on the vocabulary).
+SHARDED = {
+    "nano": ("q_proj.", "k_proj.", "v_proj.", "fc.", "out_proj.weight", ".proj.weight"),
+    "llama": (
+        "q_proj.",
+        "k_proj.",
+        "v_proj.",
+        "o_proj.weight",
+        "gate_proj.",
+        "up_proj.",
+        "down_proj.weight",
+        "embed_tokens.weight",
+        "lm_head.weight",
+    ),
+    "gpt2": ("mlp.c_fc.", "mlp.c_proj.weight", "wte.weight", "lm_head.weight"),
+}
+SHARDED["nanotied"] = SHARDED["nano"]
+SHARDED["qwen3"] = SHARDED["llama"]
+
+
+def check_shares(got: dict, ref: dict, model: str, tp: int) -> list[str]:
+    """Each rank's parameters are its share: tensor-parallel ones split tp ways, the rest whole."""
+    problems = []
+    full = {name: t.numel() for name, t in ref["params"].items()}
+    for rank in got["ranks"]:
+        for name, numel in rank["numels"].items():
+            if name not in full:
+                problems.append(f"rank {rank['coords']} holds unknown parameter {name}")
+                continue
+            sharded = tp > 1 and any(key in name for key in SHARDED[model])
+            want = full[name] // (tp if sharded else 1)
+            if numel != want:
+                problems.append(f"rank {rank['coords']}: {name} has {numel} elements, expected {want}")
+    return problems
+
 
 @pytest.fixture(scope="module")
 def any_reference(tmp_path_factory: pytest.TempPathFactory):
@@ -55,7 +92,7 @@ def test_any_model_matches_single_device(any_reference, tmp_path, tp, pp, dp):
     problems = []
     for case in cases:
         ref, got = load(any_reference, case), load(tmp_path, case)
-        found = compare(ref, got, precision_of(case)) + check_replicas(got)
+        found = compare(ref, got, precision_of(case)) + check_replicas(got) + check_shares(got, ref, case[:-2], tp)
         problems += [f"{case}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
 

@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import os
 import sys
+from typing import Any
 from pathlib import Path
 
 import lightning as L
@@ -56,7 +57,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
-def _canonical(module: torch.nn.Module, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _canonical(module: torch.nn.Module, named: dict[str, Any]) -> dict[str, Any]:
     """A weight tied across stages is held under its other name on the last stage: report it canonically."""
     aliases = canonical_names(module)
     return {aliases.get(n, n): t for n, t in named.items()}
@@ -124,9 +125,10 @@ class Recorder(L.Callback):
                 for _, p in sorted(pl_module.named_parameters())
             )
             coords = (mesh["dp"].get_local_rank(), mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank())
-            numels = {
-                n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()
-            }
+            numels = _canonical(
+                pl_module,
+                {n: (p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in pl_module.named_parameters()},
+            )
             mine = {
                 "coords": coords,
                 "params_sha": hashlib.sha1(local).hexdigest(),
