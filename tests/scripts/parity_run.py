@@ -16,8 +16,8 @@ import argparse
 import hashlib
 import os
 import sys
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
