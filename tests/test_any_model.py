@@ -27,7 +27,19 @@ def precision_of(case: str) -> str:
 
 # (tp, pp, dp): cases. tp2 x pp2 x dp2 runs every model in both precisions; the other layouts a selection.
 LAYOUTS = {
-    (2, 2, 2): ["nano64", "nano32", "nanotied64", "nanotied32", "llama64", "llama32", "qwen364", "gpt264", "gpt232"],
+    (2, 2, 2): [
+        "nano64",
+        "nano32",
+        "nanotied64",
+        "nanotied32",
+        "llama64",
+        "llama32",
+        "qwen364",
+        "gpt264",
+        "gpt232",
+        "llamameta64",
+        "gpt2meta64",
+    ],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264"],
     (1, 1, 4): ["nanotied32", "llama64", "gpt264"],
@@ -92,7 +104,8 @@ def test_any_model_matches_single_device(any_reference, tmp_path, tp, pp, dp):
     problems = []
     for case in cases:
         ref, got = load(any_reference, case), load(tmp_path, case)
-        found = compare(ref, got, precision_of(case)) + check_replicas(got) + check_shares(got, ref, case[:-2], tp)
+        model = case[:-2].replace("meta", "")
+        found = compare(ref, got, precision_of(case)) + check_replicas(got) + check_shares(got, ref, model, tp)
         problems += [f"{case}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
 

@@ -11,8 +11,9 @@ on every rank of a tensor-parallel group, with no communication.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,16 +31,33 @@ def _tensors(module: nn.Module, recurse: bool) -> Iterable[torch.Tensor]:
     yield from module.buffers(recurse=recurse)
 
 
-def check_materializable(module: nn.Module, prefix: str) -> None:
-    """Refuse meta tensors that nothing would initialise (modules without ``reset_parameters``).
+Initializer = Callable[[nn.Module], None]
+
+
+def library_initializers(root: nn.Module) -> dict[int, Initializer]:
+    """Modules that a library initialises itself, by ``id``: every module inside a Hugging Face model is initialised
+    by that model's own ``_init_weights`` (RMSNorm, rotary tables and all), as ``from_config`` would."""
+    out: dict[int, Initializer] = {}
+    for _, model in root.named_modules():  # pre-order: the outermost Hugging Face model wins
+        init = getattr(model, "_init_weights", None)
+        if callable(init) and hasattr(model, "config") and hasattr(model, "base_model_prefix"):
+            for sub in model.modules():
+                out.setdefault(id(sub), init)
+    return out
+
+
+def check_materializable(module: nn.Module, prefix: str, initializers: Mapping[int, Initializer] | None = None) -> None:
+    """Refuse meta tensors that nothing would initialise (modules without ``reset_parameters`` that no library
+    initialiser covers, see :func:`library_initializers`).
 
     Raises:
         ValueError: naming every such module and what it holds.
     """
+    initializers = initializers or {}
     missing = []
     for name, sub in module.named_modules(prefix=prefix):
         own = [n for n, t in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)] if t.is_meta]
-        if own and not callable(getattr(sub, "reset_parameters", None)):
+        if own and not callable(getattr(sub, "reset_parameters", None)) and id(sub) not in initializers:
             missing.append(f"{name or type(sub).__name__} ({type(sub).__name__}: {', '.join(own)})")
     if missing:
         raise ValueError(
@@ -55,22 +73,51 @@ def module_seed(base_seed: int, name: str) -> int:
     return (base_seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
 
 
-def materialize(module: nn.Module, device: torch.device, base_seed: int, prefix: str) -> None:
-    """Allocate ``module`` (meta) on ``device`` and initialise it, children first, seeded by name.
+def materialize(
+    module: nn.Module,
+    device: torch.device,
+    base_seed: int,
+    prefix: str,
+    initializers: Mapping[int, Initializer] | None = None,
+) -> None:
+    """Allocate the meta tensors of ``module`` on ``device`` and initialise them, children first, seeded by name.
 
     Children are reset before their parents so that a parent's ``reset_parameters`` may override its
-    children's default initialisation (e.g. GPT-2's scaled residual projections).
+    children's default initialisation (e.g. GPT-2's scaled residual projections). A module in ``initializers``
+    is initialised by its library's initialiser instead. Tensors that are already real are left alone, so a
+    weight tied to a module materialised earlier keeps its values (it is initialised once, by its first module).
     """
-    module.to_empty(device=device)
-    named = list(module.named_modules(prefix=prefix))
+    initializers = initializers or {}
+    named = list(module.named_modules(prefix=prefix, remove_duplicate=False))
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter registered in several modules (tied)
+    for _, sub in named:
+        for pname, param in sub.named_parameters(recurse=False):
+            shared.setdefault(id(param), []).append((sub, pname))
+    fresh: list[tuple[str, nn.Module]] = []
+    for name, sub in named:
+        if any(t.is_meta for t in _tensors(sub, recurse=False)):
+            sub.to_empty(device=device, recurse=False)
+            fresh.append((name, sub))
+    for owners in shared.values():  # to_empty allocated each owner's copy anew: tie them again to the first
+        first_owner, first_name = owners[0]
+        for owner, pname in owners[1:]:
+            owner.register_parameter(pname, getattr(first_owner, first_name))
+    fresh_ids = {id(sub) for _, sub in fresh}
     for name, sub in reversed(named):  # reverse pre-order: children before parents
-        reset = getattr(sub, "reset_parameters", None)
-        if not callable(reset):
-            continue
+        library_init = initializers.get(id(sub))
+        if library_init is not None:
+            if id(sub) not in fresh_ids:
+                continue
+            init: Callable[[], Any] = lambda sub=sub, library_init=library_init: library_init(sub)  # noqa: E731
+        else:
+            reset = getattr(sub, "reset_parameters", None)
+            if not callable(reset) or not any(id(s) in fresh_ids for s in sub.modules()):
+                continue
+            init = reset
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, device_type=device.type):
             torch.manual_seed(module_seed(base_seed, name))
-            reset()
+            init()
 
 
 @dataclass

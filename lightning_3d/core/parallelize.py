@@ -26,12 +26,12 @@ from torch.distributed.tensor.parallel import parallelize_module
 from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
 from .data_parallel import apply_data_parallel
-from .materialize import check_materializable, has_meta_tensors, materialize
+from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
 from .tensor_parallel.hf_plan import HFPlan, hf_tp_plan
-from .tied import TiedWeights, install_alias_hooks
+from .tied import TiedWeights, install_alias_hooks, retie
 from .topology import Topology, mesh_ranks_table
 
 
@@ -174,8 +174,7 @@ def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelP
         )
     is_meta = has_meta_tensors(module)
     if is_meta:
-        for name in [*split.first, *split.last, *(f"{body.fqn}.{b}" for b in stage_plan.layer_names[0])]:
-            check_materializable(module.get_submodule(name), name)
+        check_materializable(module, "", library_initializers(module))
     return ModelPlan(body, stage_plan, tp_plan, full_spec, None, is_meta, split, hf_plan)
 
 
@@ -281,19 +280,24 @@ def _build_split_stages(
     precision.convert_module(module)
     tp = mesh["tp"].size()
     container = split.container
-    if model.is_meta:
-        for name in held_names or [""]:
-            materialize(module.get_submodule(name), device, seed, prefix=name)
-    if tp > 1 and model.hf_plan is not None:
-        for name in held_names or [""]:
+    blocks_of = {container.block_fqn(b): b for b in container.names} if container is not None else {}
+    initializers = library_initializers(module) if model.is_meta else {}
+    for name in held_names or [""]:  # one module at a time: whole only while it is being sharded
+        sub = module.get_submodule(name)
+        if model.is_meta:
+            retie(module, split.aliases, name)  # a head tied to an embedding materialised before it
+            materialize(sub, device, seed, prefix=name, initializers=initializers)
+        else:
+            sub.to(device)
+        styles: dict[str, Any] = {}
+        if tp > 1 and model.hf_plan is not None:
             styles = model.hf_plan.styles_for(name)
-            if styles:
-                parallelize_module(module.get_submodule(name), mesh["tp"], styles)
-    for block in [b for s in my_stages for b in split.stage_blocks[s]]:
-        styles = model.tp_plan.styles_for(block) if tp > 1 else {}
+        elif tp > 1 and name in blocks_of:
+            styles = model.tp_plan.styles_for(blocks_of[name])
         if styles:
-            assert container is not None
-            parallelize_module(torch_compat.child_modules(container.module)[block], mesh["tp"], styles)
+            parallelize_module(sub, mesh["tp"], styles)
+    if model.is_meta and has_meta_tensors(module):  # modules on every stage: rotary tables, parameter-free
+        materialize(module, device, seed, prefix="", initializers=initializers)
     module.to(device)
     if not model.is_meta:
         sync_replicas(module, mesh)

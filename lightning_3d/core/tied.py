@@ -61,6 +61,27 @@ def install_alias_hooks(module: nn.Module, groups: Sequence[Sequence[str]]) -> N
     module.register_load_state_dict_pre_hook(load_hook)
 
 
+def retie(root: nn.Module, groups: Sequence[Sequence[str]], prefix: str) -> None:
+    """Point the parameters under ``prefix`` that are tied to an already materialised canonical parameter back at it.
+
+    Materialising modules one at a time allocates each module's meta parameters anew, which unties a weight shared
+    by two modules; calling this before materialising each module keeps the tie (the canonical module comes first).
+    """
+    named = dict(root.named_parameters(remove_duplicate=False))
+    for group in groups:
+        canonical = named.get(group[0])
+        if canonical is None or canonical.is_meta:
+            continue
+        for alias in group[1:]:
+            if alias not in named or named[alias] is canonical:
+                continue
+            if prefix and not (alias == prefix or alias.startswith(prefix + ".")):
+                continue
+            owner_name, _, leaf = alias.rpartition(".")
+            owner = root.get_submodule(owner_name) if owner_name else root
+            owner.register_parameter(leaf, canonical)
+
+
 def canonical_names(module: nn.Module) -> Mapping[str, str]:
     """``{alias: canonical}`` for the tied weights of ``module`` (empty when there are none)."""
     return getattr(module, ALIASES_ATTR, {})

@@ -48,6 +48,10 @@ CASES = {
     "qwen364": ("qwen3", "64-true", 2, None, 1, "init"),
     "gpt264": ("gpt2", "64-true", 2, None, 1, "init"),
     "gpt232": ("gpt2", "32-true", 20, 0.5, 1, "init"),
+    # built in configure_model: on the meta device under ThreeDStrategy, materialised per stage with the
+    # model's own initialiser (then given the reference's weights)
+    "llamameta64": ("llama", "64-true", 2, None, 1, "configure"),
+    "gpt2meta64": ("gpt2", "64-true", 2, None, 1, "configure"),
 }
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]
 GLOBAL_BATCH = 16
