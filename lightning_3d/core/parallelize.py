@@ -30,19 +30,6 @@ from .rng import BodyRandomness
 from .topology import Topology, mesh_ranks_table
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """The parallelisation settings of a ``ThreeDStrategy`` (see its docstring)."""
-
-    tp: int
-    pp: int
-    stages_per_rank: int
-    partitioner: partition.Partitioner
-    body_name: str | None
-    tp_plan: Mapping[str, Any] | None
-    tp_autoplan: bool
-
-
 @dataclass
 class ModelPlan:
     """What ``plan_model`` decided for a module."""
@@ -55,38 +42,56 @@ class ModelPlan:
     is_meta: bool
 
 
-def plan_model(module: LightningModule, config: ParallelConfig) -> ModelPlan:
+def plan_model(
+    module: LightningModule,
+    *,
+    tp: int,
+    pp: int,
+    stages_per_rank: int = 1,
+    partitioner: str | partition.Partitioner = "uniform",
+    body: str | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
+    tp_autoplan: bool = True,
+) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
+
+    Args:
+        module: the LightningModule (its layers may still be on the meta device).
+        tp, pp, stages_per_rank, partitioner, body, tp_plan, tp_autoplan: the settings of the same names
+            (see ``lightning_3d.settings.ThreeDSettings``).
+
+    Returns:
+        The body, the stage split, the tensor-parallel plan, the whole model's tensor specs and the example input.
 
     Raises:
         ValueError: the module breaks the contract or the layout does not fit it (each message says why and
             what would work).
     """
-    body = partition.find_body(module, config.body_name)
-    partition.check_no_outside_parameters(module, body)
+    found = partition.find_body(module, body)
+    partition.check_no_outside_parameters(module, found)
     full_spec = partition.full_model_spec(module)
-    stage_plan = partition.plan_stages(body, config.pp, config.partitioner, config.stages_per_rank)
+    stage_plan = partition.plan_stages(found, pp, partition.get_partitioner(partitioner), stages_per_rank)
     example_input = module.example_input_array
     if example_input is not None:
         # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
         module._example_input_array = None
-    explicit = config.tp_plan if config.tp_plan is not None else getattr(module, "tp_plan", None)
-    if config.tp == 1:
-        tp_plan = tpmod.resolve_plan(body.module, 1, explicit=explicit, body_prefix=body.fqn)
+    explicit = tp_plan if tp_plan is not None else getattr(module, "tp_plan", None)
+    if tp == 1:
+        resolved = tpmod.resolve_plan(found.module, 1, explicit=explicit, body_prefix=found.fqn)
     else:
-        example = example_input if example_input is not None else tpmod.example_input_for(body.module)
-        tp_plan = tpmod.resolve_plan(
-            body.module,
-            config.tp,
+        example = example_input if example_input is not None else tpmod.example_input_for(found.module)
+        resolved = tpmod.resolve_plan(
+            found.module,
+            tp,
             explicit=explicit,
-            body_prefix=body.fqn,
+            body_prefix=found.fqn,
             example_input=example,
-            auto=config.tp_autoplan,
+            auto=tp_autoplan,
         )
-    is_meta = has_meta_tensors(body.module)
+    is_meta = has_meta_tensors(found.module)
     if is_meta:
-        check_materializable(body.module, body.fqn)
-    return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta)
+        check_materializable(found.module, found.fqn)
+    return ModelPlan(found, stage_plan, resolved, full_spec, example_input, is_meta)
 
 
 def broadcast_seed(seed: int | None) -> int:
