@@ -233,6 +233,24 @@ def test_cli_takes_every_setting(tmp_path):
 
 
 @pytest.mark.slow
+def test_error_every_rank_raises_is_printed_once(tmp_path):
+    """A checkpoint that does not exist: every rank raises the same error in ``load_checkpoint``. Rank 0 prints
+    its traceback; the other rank prints one line (the fail-fast watch's) and no traceback."""
+    missing = tmp_path / "missing.ckpt"
+    args = [*SMALL_JOB, f"ckpt_path={missing}", "print_config=false", f"hydra.run.dir={tmp_path}"]
+    job = run_lightning(CLI, args, timeout=120, check=False)
+    out = job.output
+    assert job.returncode != 0, job.tail()
+    message = f"FileNotFoundError: lightning_3d: checkpoint '{missing}' does not exist."
+    assert out.count("Traceback") == 1 and out.count(message) == 3, job.tail(40)  # rank 0: watch + traceback
+    rank1 = [line for line in out.splitlines() if line.startswith("[rank 1]") or line.startswith("[rank1]")]
+    assert rank1 == [
+        "[rank 1] lightning_3d: rank 1 (dp 0, stage 1 of 2, tp 0) failed at global step 0 with the error every "
+        f"rank raised (in full on rank 0): {message}"
+    ], rank1
+
+
+@pytest.mark.slow
 def test_multirun_runs_each_layout_in_its_own_processes(tmp_path):
     """Two jobs in one Python process: the second must not reuse the first's process group or port."""
     args = [
