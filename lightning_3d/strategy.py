@@ -119,8 +119,8 @@ class ThreeDStrategy(ParallelStrategy):
                 f"ThreeDStrategy: pass either settings=ThreeDSettings(...) or the settings as keyword arguments, "
                 f"not both (got settings= and {sorted(kwargs)})."
             )
-        self.settings: ThreeDSettings = settings if settings is not None else _settings_from(kwargs)
-        self._process_group_backend = self.settings.process_group_backend  # resolved by device at setup
+        self._settings = settings if settings is not None else _settings_from(kwargs)
+        self._process_group_backend = self._settings.process_group_backend  # resolved by device at setup
         self.num_nodes = 1
         self.topology: Topology | None = None
         self._mesh: DeviceMesh | None = None
@@ -138,6 +138,11 @@ class ThreeDStrategy(ParallelStrategy):
         self._reliability = Reliability(self.settings)
 
     # ------------------------------------------------------------------ settings (read-only views)
+    @property
+    def settings(self) -> ThreeDSettings:
+        """Every setting of this strategy (frozen; the one place they are kept)."""
+        return self._settings
+
     @property
     def tp(self) -> int:
         """Tensor-parallel degree."""

@@ -17,7 +17,8 @@ from lightning_3d.settings import ThreeDSettings
 from lightning_3d.strategy import ThreeDStrategy
 from lightning_3d.train.config import StrategyConfig, strategy_schema
 
-STRATEGY_YAML = Path(__file__).resolve().parents[2] / "conf" / "strategy" / "3d.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+STRATEGY_YAML = ROOT / "conf" / "strategy" / "3d.yaml"
 # The default job's layout (tp 2 x pp 2 x dp 2 on 8 processes): the only values the YAML file sets differently
 # from ThreeDSettings' defaults.
 JOB_CHOICES = {"tp": 2, "pp": 2, "micro_batches": 4}
@@ -151,6 +152,8 @@ def test_strategy_keeps_one_settings_object():
     assert isinstance(strategy.partitioner, UniformPartitioner) and strategy.tp_autoplan
     with pytest.raises(AttributeError):
         strategy.tp = 1  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        strategy.settings = ThreeDSettings()  # type: ignore[misc]
     assert ThreeDStrategy(settings=s).settings is s
 
 
@@ -231,3 +234,10 @@ def test_a_setting_without_a_command_line_form_is_refused():
 
     with pytest.raises(TypeError, match=re.escape("ThreeDSettings.ranks: type <class 'frozenset'> has no command")):
         strategy_schema(Odd)
+
+
+def test_readme_documents_every_setting():
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("`ThreeDStrategy(...)` arguments:", 1)[1].split("\n\n", 2)[1]
+    documented = re.findall(r"^\| `(\w+)` \|", table, re.M)
+    assert documented == NAMES, "README's ThreeDStrategy argument table and ThreeDSettings differ"
