@@ -11,6 +11,7 @@ from .core.materialize import LoadReport, load_full_state_dict
 from .core.partition import ParameterPartitioner, Partitioner, UniformPartitioner
 from .core.topology import Topology
 from .reliability import ConsistencyError, DPConsistencyCheck, DPDivergenceError, NonFiniteError, diagnose_barrier
+from .settings import ThreeDSettings
 from .strategy import ThreeDStrategy
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "NonFiniteError",
     "ParameterPartitioner",
     "Partitioner",
+    "ThreeDSettings",
     "ThreeDStrategy",
     "Topology",
     "UniformPartitioner",

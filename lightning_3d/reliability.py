@@ -1,13 +1,16 @@
 """Reliability of a 3D job: same configuration everywhere, bounded waits, no training on non-finite numbers.
 
-``Reliability`` is owned by ``ThreeDStrategy`` and called from a few marked places in it (``# ---- reliability``):
+``Reliability`` is owned by ``ThreeDStrategy`` and called from a few marked places in it (``# ---- reliability``),
+each call handing over what that hook needs (it never sees the strategy itself):
 
 ==========================  ======================================================================================
 ``on_process_group_ready``  setup timeout on every process group; a layout check (tp, pp, dp, world) BEFORE the
                             mesh is built (a mismatched mesh hangs in ``new_group``); starts the ``FailureWatch``
-``check_consistency``       the first collective of ``_parallelize``: a hash of strategy + Trainer settings and
-                            the model structure, compared across ranks; on mismatch, every rank raises
-                            ``ConsistencyError`` naming the keys that differ and their values on which ranks
+``check_consistency``       the first collective of ``_parallelize``: a hash of every ``ThreeDSettings`` field,
+                            the Trainer settings and the model structure, compared across ranks; on mismatch,
+                            every rank raises ``ConsistencyError`` naming the keys that differ and their values
+                            on which ranks
+``on_model_ready``          the module and this rank's stages, for ``after_backward``
 ``after_train_step``        after the first training step: a barrier, then the shorter ``train_timeout`` on every
                             process group (the mesh's sub-groups included) and on pipeline receives (gloo)
 ``after_backward``          non-finite loss or gradients, agreed by all ranks with one tiny all-reduce per batch;
@@ -20,30 +23,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
 from .core import torch_compat
 from .core.agreed import is_agreed, mark_agreed
+from .core.parallelize import ModelPlan
+from .core.pipeline import StageSpec
+from .core.topology import Topology
+from .settings import ThreeDSettings, as_timedelta
 from .tools.dp_check import DPConsistencyCheck, DPDivergenceError
 from .tools.failure_watch import FailureWatch
 
-if TYPE_CHECKING:
-    from .strategy import ThreeDStrategy
-
 log = logging.getLogger(__name__)
-
-NONFINITE_MODES = ("raise", "skip", "off")
 
 
 class ConsistencyError(ValueError):
@@ -54,11 +58,6 @@ class NonFiniteError(FloatingPointError):
     """A non-finite loss or gradient under ``on_nonfinite="raise"`` (raised by every rank at the same step)."""
 
 
-def as_timedelta(value: timedelta | float | None) -> timedelta | None:
-    """Seconds or a ``timedelta`` as a ``timedelta`` (``None`` stays ``None``)."""
-    return timedelta(seconds=value) if isinstance(value, (int, float)) else value
-
-
 # ---------------------------------------------------------------------------------------------- consistency
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
@@ -67,16 +66,37 @@ def _text(value: Any) -> str:
     return _ADDRESS.sub("", repr(value))
 
 
-def layout_items(strategy: ThreeDStrategy) -> dict[str, str]:
-    """The settings that decide the mesh: checked before the mesh is built."""
+# The settings that decide the mesh: compared before the mesh is built (a mismatched mesh hangs in new_group).
+LAYOUT_SETTINGS = ("tp", "pp", "dp", "stages_per_rank", "process_group_backend")
+
+
+def _setting_text(value: Any) -> str:
+    """A setting's value as text that is the same on every rank: a callable (a custom partitioner) by its
+    qualified name, anything else by its ``repr`` without memory addresses."""
+    if callable(value) and not isinstance(value, (str, type)):
+        value = value if hasattr(value, "__qualname__") else type(value)
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return _text(value)
+
+
+def settings_items(settings: ThreeDSettings, names: Iterable[str] | None = None) -> dict[str, str]:
+    """``{"strategy.<name>": value text}`` for every field of ``settings`` (or the fields ``names``): a new
+    setting is compared across ranks without being listed anywhere."""
+    wanted = None if names is None else set(names)
     return {
-        "strategy.tp": _text(strategy.tp),
-        "strategy.pp": _text(strategy.pp),
-        "strategy.dp": _text(strategy._dp_arg),
-        "strategy.stages_per_rank": _text(strategy.stages_per_rank),
-        "world_size": _text(strategy.world_size),
-        "strategy.process_group_backend": _text(strategy.process_group_backend),
+        f"strategy.{f.name}": _setting_text(getattr(settings, f.name))
+        for f in dataclasses.fields(settings)
+        if wanted is None or f.name in wanted
     }
+
+
+def layout_items(settings: ThreeDSettings, world_size: int) -> dict[str, str]:
+    """The settings that decide the mesh, the world size and the process-group backend in use."""
+    items = settings_items(settings, LAYOUT_SETTINGS)
+    items["world_size"] = _text(world_size)
+    items["process_group.backend"] = _text(dist.get_backend() if dist.is_initialized() else None)
+    return items
 
 
 _TRAINER_SETTINGS = (
@@ -94,26 +114,25 @@ _TRAINER_SETTINGS = (
 )
 
 
-def config_items(strategy: ThreeDStrategy) -> dict[str, str]:
-    """Strategy and Trainer settings and the model's structure, as ``{key: value text}`` (same on every rank)."""
-    items = layout_items(strategy)
-    rel = strategy._reliability
-    items.update(
-        {
-            "strategy.micro_batches": _text(strategy.micro_batches),
-            "strategy.schedule": _text(strategy.schedule),
-            "strategy.tp_plan": _text(strategy.tp_plan),
-            "strategy.tp_autoplan": _text(strategy.tp_autoplan),
-            "strategy.partitioner": type(strategy.partitioner).__qualname__,
-            "strategy.body": _text(strategy.body_name),
-            "strategy.timeout": _text(rel.setup_timeout),
-            "strategy.train_timeout": _text(rel.train_timeout),
-            "strategy.on_nonfinite": _text(rel.on_nonfinite),
-            "strategy.precision": f"{type(strategy.precision_plugin).__name__} "
-            f"{getattr(strategy.precision_plugin, 'precision', '')}",
-        }
-    )
-    module = strategy.lightning_module
+def config_items(
+    settings: ThreeDSettings,
+    world_size: int,
+    precision: Precision,
+    module: LightningModule | None,
+    model: ModelPlan | None,
+) -> dict[str, str]:
+    """Strategy and Trainer settings and the model's structure, as ``{key: value text}`` (same on every rank).
+
+    Args:
+        settings: the strategy's settings (every field is compared).
+        world_size: processes in the job.
+        precision: Lightning's precision plugin.
+        module: the LightningModule (its class and its Trainer's settings).
+        model: what ``plan_model`` decided (tensor shapes, tensor-parallel plan); ``None`` if planning failed.
+    """
+    items = settings_items(settings)
+    items.update(layout_items(settings, world_size))
+    items["strategy.precision"] = f"{type(precision).__name__} {getattr(precision, 'precision', '')}"
     trainer = getattr(module, "_trainer", None) if module is not None else None
     if trainer is not None:
         for name in _TRAINER_SETTINGS:
@@ -121,13 +140,13 @@ def config_items(strategy: ThreeDStrategy) -> dict[str, str]:
         items["trainer.fn"] = _text(trainer.state.fn)
     if module is not None:
         items["model.class"] = f"{type(module).__module__}.{type(module).__qualname__}"
-    for name, spec in strategy.full_spec.items():
-        kind = "parameter" if spec.is_parameter else "buffer"
-        items[f"model.{name}"] = f"{kind} {tuple(spec.shape)} {spec.dtype}"
-    plan = getattr(strategy.plan, "entries", None) or {}
-    for name, entry in plan.items():
-        style = entry.style if isinstance(entry.style, str) else type(entry.style).__name__
-        items[f"tp_plan.{name}"] = style
+    if model is not None:
+        for name, spec in model.full_spec.items():
+            kind = "parameter" if spec.is_parameter else "buffer"
+            items[f"model.{name}"] = f"{kind} {tuple(spec.shape)} {spec.dtype}"
+        for name, entry in model.tp_plan.entries.items():
+            style = entry.style if isinstance(entry.style, str) else type(entry.style).__name__
+            items[f"tp_plan.{name}"] = style
     return items
 
 
@@ -268,33 +287,18 @@ def diagnose_barrier(timeout: timedelta | float = 60.0, group: dist.ProcessGroup
 class Reliability:
     """The strategy's reliability features (see the module docstring).
 
+    It is given what each hook needs, when the strategy has it: the settings at construction; the topology,
+    device, rank, a barrier and the launcher's child processes once the process group exists; the model's plan
+    in the consistency check; the module and this rank's stages once they are built.
+
     Args:
-        strategy: the owning ``ThreeDStrategy``.
-        setup_timeout: process-group timeout until the first training step has finished.
-        train_timeout: process-group timeout from then on (``None``: keep ``setup_timeout``).
-        on_nonfinite: ``"raise"``, ``"skip"`` or ``"off"``.
-        check_consistency: compare settings and model structure across ranks at setup.
-        fail_fast: run the ``FailureWatch``.
+        settings: the strategy's settings (``timeout``, ``train_timeout``, ``on_nonfinite``,
+            ``check_consistency``, ``fail_fast`` and, for the consistency check, all of them).
         watch_interval: seconds between the watcher's polls.
     """
 
-    def __init__(
-        self,
-        strategy: ThreeDStrategy,
-        setup_timeout: timedelta | None,
-        train_timeout: timedelta | None,
-        on_nonfinite: str = "raise",
-        check_consistency: bool = True,
-        fail_fast: bool = True,
-        watch_interval: float = 0.5,
-    ) -> None:
-        if on_nonfinite not in NONFINITE_MODES:
-            raise ValueError(f"ThreeDStrategy: on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}.")
-        self.strategy = strategy
-        self.setup_timeout, self.train_timeout = setup_timeout, train_timeout
-        self.on_nonfinite = on_nonfinite
-        self.consistency = check_consistency
-        self.fail_fast = fail_fast
+    def __init__(self, settings: ThreeDSettings, watch_interval: float = 0.5) -> None:
+        self.settings = settings
         self.watch_interval = watch_interval
         self.watch: FailureWatch | None = None
         self.switched = False
@@ -303,52 +307,108 @@ class Reliability:
         self.step_skipped = False  # the current optimizer step's gradients were dropped
         self._poisoned = False  # a non-finite batch in the current accumulation window ("skip")
         self._nonfinite_note = ""
+        # given by the hooks below
+        self._topology: Topology | None = None
+        self._root_device = torch.device("cpu")
+        self._global_rank = 0
+        self._barrier: Callable[[str], None] = lambda name: None
+        self._module: LightningModule | None = None
+        self._stages: list[StageSpec] | None = None
+        self._num_stages = 0
+
+    @property
+    def setup_timeout(self) -> timedelta | None:
+        """Process-group timeout until the first training step has finished."""
+        return self.settings.timeout  # type: ignore[return-value]  # a timedelta after validation
+
+    @property
+    def train_timeout(self) -> timedelta | None:
+        """Process-group timeout from then on (``None``: keep ``setup_timeout``)."""
+        return self.settings.train_timeout  # type: ignore[return-value]
+
+    @property
+    def on_nonfinite(self) -> str:
+        return self.settings.on_nonfinite
 
     # ------------------------------------------------------------------ setup
     def _device(self) -> torch.device:
-        return self.strategy.root_device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return self._root_device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def on_process_group_ready(self) -> None:
-        """In ``setup_environment`` after the process group exists, before the mesh is built."""
+    def on_process_group_ready(
+        self,
+        topology: Topology,
+        device: torch.device,
+        global_rank: int,
+        barrier: Callable[[str], None],
+        children: Callable[[], list[Any]],
+    ) -> None:
+        """In ``setup_environment`` after the process group exists, before the mesh is built.
+
+        Args:
+            topology: the job's (dp, pp, tp) degrees.
+            device: this rank's device.
+            global_rank: this rank.
+            barrier: a barrier over all ranks (called with a name) for ``after_train_step`` and ``teardown``.
+            children: the processes this rank's launcher started (the fail-fast watch reaps them).
+        """
+        self._topology, self._root_device, self._global_rank, self._barrier = topology, device, global_rank, barrier
         self.failed, self.switched = False, False
         if self.setup_timeout is not None:
             set_timeouts(self.setup_timeout)
-        if self.consistency:
-            compare_across_ranks(layout_items(self.strategy), self._device(), "the parallel layout")
-        if self.fail_fast:
-            strategy = self.strategy
-            assert strategy.topology is not None
-            topology = strategy.topology
+        if self.settings.check_consistency:
+            compare_across_ranks(
+                layout_items(self.settings, topology.world_size), self._device(), "the parallel layout"
+            )
+        if self.settings.fail_fast:
 
             def describe(rank: int) -> str:
                 c = topology.coordinates(rank)
                 return f"dp {c['dp']}, stage {c['pp']} of {topology.pp}, tp {c['tp']}"
 
-            def children() -> list[Any]:
-                launcher = strategy.launcher
-                return list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
-
             self.watch = FailureWatch(
-                strategy.global_rank, strategy.world_size, describe, children, interval=self.watch_interval
+                global_rank, topology.world_size, describe, children, interval=self.watch_interval
             )
             self.watch.start()
 
-    def check_consistency(self, body: Any, stage_plan: Any, error: BaseException | None = None) -> None:
+    def check_consistency(
+        self,
+        module: LightningModule,
+        precision: Precision,
+        model: ModelPlan | None,
+        error: BaseException | None = None,
+    ) -> None:
         """The first collective of ``_parallelize``: settings and model structure are the same on every rank.
 
-        ``error`` is this rank's planning error, if any (a configuration the model does not fit): it joins the
-        compared items, so a rank that fails planning while another does not is named in a ``ConsistencyError``
-        on every rank instead of leaving the others waiting; when every rank failed alike the caller raises it.
+        Args:
+            module: the LightningModule being set up.
+            precision: Lightning's precision plugin.
+            model: what ``plan_model`` decided; ``None`` when it raised ``error``.
+            error: this rank's planning error, if any (a configuration the model does not fit): it joins the
+                compared items, so a rank that fails planning while another does not is named in a
+                ``ConsistencyError`` on every rank instead of leaving the others waiting; when every rank
+                failed alike the caller raises it.
         """
+        self._module = module
         if self.setup_timeout is not None:
             set_timeouts(self.setup_timeout)  # the mesh's sub-groups were created with the backend's default
-        if self.consistency:
-            items = config_items(self.strategy)
-            if error is None:
-                items.update(body_items(body, stage_plan))
+        if self.settings.check_consistency:
+            assert self._topology is not None, "on_process_group_ready comes first"
+            items = config_items(self.settings, self._topology.world_size, precision, module, model)
+            if model is not None and error is None:
+                items.update(body_items(model.body, model.stage_plan))
             else:
                 items["setup_error"] = f"{type(error).__name__}: {error}"
             compare_across_ranks(items, self._device(), "the strategy / Trainer settings or the model")
+
+    def on_model_ready(self, module: LightningModule, stages: Sequence[StageSpec], num_stages: int) -> None:
+        """After ``_parallelize`` built this rank's stages: what ``after_backward`` inspects.
+
+        Args:
+            module: the split, sharded, wrapped LightningModule.
+            stages: this rank's stages.
+            num_stages: stages in the whole pipeline.
+        """
+        self._module, self._stages, self._num_stages = module, list(stages), num_stages
 
     # ------------------------------------------------------------------ steps
     def after_train_step(self) -> None:
@@ -356,7 +416,7 @@ class Reliability:
         if self.switched or self.train_timeout is None:
             return
         self.switched = True
-        self.strategy.barrier("lightning_3d.train_timeout")  # nobody switches while another rank still sets up
+        self._barrier("lightning_3d.train_timeout")  # nobody switches while another rank still sets up
         set_timeouts(self.train_timeout)
         if dist.get_backend() == "gloo":
             _P2PTimeout.install(self.train_timeout)
@@ -370,13 +430,12 @@ class Reliability:
         self.step_skipped = False
         if self.on_nonfinite == "off":
             return
-        strategy = self.strategy
-        module, runner = strategy.lightning_module, strategy.runner
-        assert module is not None and runner is not None
+        module, stages = self._module, self._stages
+        assert module is not None and stages is not None, "on_model_ready comes first"
         trainer = module.trainer
-        num_stages = runner.runtime.num_stages
+        num_stages = self._num_stages
         stage_of: dict[int, int] = {}
-        for spec in runner.runtime.stages:
+        for spec in stages:
             for p in spec.module.parameters():
                 stage_of[id(p)] = spec.index
         named = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
@@ -406,7 +465,7 @@ class Reliability:
             bad_names = [n for (n, _), b in zip(named, bad.tolist()) if b] if bad is not None else []
             if bad_names:
                 shown = ", ".join(bad_names[:8]) + (f" and {len(bad_names) - 8} more" if len(bad_names) > 8 else "")
-                log.warning(f"[rank {strategy.global_rank}] non-finite gradients in: {shown}")
+                log.warning(f"[rank {self._global_rank}] non-finite gradients in: {shown}")
             if self.on_nonfinite == "raise":
                 raise mark_agreed(
                     NonFiniteError(
@@ -423,7 +482,7 @@ class Reliability:
             self._poisoned = False
             self.step_skipped = True
             self.skipped_steps.append(trainer.global_step)
-            if strategy.global_rank == 0:
+            if self._global_rank == 0:
                 log.warning(
                     f"{self._nonfinite_note} on_nonfinite='skip': the optimizer step is skipped on every rank (all "
                     "gradients dropped; the global step and LR schedulers still advance). "
@@ -437,10 +496,9 @@ class Reliability:
         _P2PTimeout.remove()
         if self.watch is None:
             return
-        module = self.strategy.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        runner_ready = self.strategy.runner is not None
-        where = f"at global step {trainer.global_step}" if trainer is not None and runner_ready else "during setup"
+        trainer = getattr(self._module, "_trainer", None)
+        ready = self._stages is not None
+        where = f"at global step {trainer.global_step}" if trainer is not None and ready else "during setup"
         self.watch.report(exception, where)
 
     def teardown(self) -> None:
@@ -454,7 +512,7 @@ class Reliability:
         if self.setup_timeout is not None and dist.is_initialized():
             set_timeouts(self.setup_timeout)
         if watching:
-            self.strategy.barrier("lightning_3d.teardown")  # no rank exits while another's watch still runs
+            self._barrier("lightning_3d.teardown")  # no rank exits while another's watch still runs
 
 
 def _local(t: Tensor) -> Tensor:

@@ -3,6 +3,7 @@
 This file is the orchestrator only: Lightning's hooks, each delegating to one module per concept:
 
 ==========================  ====================================================================
+settings.py                 ``ThreeDSettings``: every setting, validated (``strategy.settings``)
 core/topology.py            (dp, pp, tp) degrees, their validation, the named device mesh
 core/partition.py           finding the ``nn.Sequential`` body, splitting it into stages, pruning
 core/tensor_parallel/       the automatic / explicit tensor-parallel plan (DTensor styles)
@@ -23,7 +24,7 @@ tools/                      opt-in: pipeline timeline, fail-fast watch, data-par
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
 import warnings
 from collections.abc import Generator, Mapping
 from datetime import timedelta
@@ -52,31 +53,23 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from . import checkpoint as ckpt
 from .core import partition
 from .core.agreed import mark_agreed
 from .core.grad_norm import clip_grads_, global_grad_norm
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
-from .core.parallelize import (
-    ParallelConfig,
-    add_body_randomness,
-    broadcast_seed,
-    build_stages,
-    describe_layout,
-    plan_model,
-)
-from .core.pipeline import is_multi_stage, min_micro_batches, schedule_class
+from .core.parallelize import add_body_randomness, broadcast_seed, build_stages, describe_layout, plan_model
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
 from .core.step import HeldGrads
 from .core.tied import TiedWeights, canonical_names
 from .core.topology import Topology
-from .reliability import Reliability, as_timedelta, diagnose_barrier  # ---- reliability
+from .reliability import Reliability, diagnose_barrier  # ---- reliability
+from .settings import ThreeDSettings
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
-
-log = logging.getLogger(__name__)
 
 
 class ThreeDStrategy(ParallelStrategy):
@@ -85,67 +78,36 @@ class ThreeDStrategy(ParallelStrategy):
     The LightningModule keeps its single-device code: its model body is one ``nn.Sequential`` that
     ``forward`` applies, ``training_step`` calls ``self(x)`` and returns the loss (see the README's contract).
 
+    The settings are keyword arguments (``tp``, ``pp``, ``dp``, ``micro_batches``, ``schedule``, ``timeout``,
+    ``on_nonfinite``, ...), documented and validated by :class:`lightning_3d.settings.ThreeDSettings`; or pass
+    a ready ``settings=ThreeDSettings(...)``. They are kept, read-only, as ``strategy.settings``.
+
     Args:
-        tp: tensor-parallel degree: each layer's matrices are split over ``tp`` ranks (Megatron layout).
-        pp: pipeline-parallel degree: the body's layers are split into ``pp`` stages.
-        dp: data-parallel degree; ``None`` infers ``world_size // (tp * pp)``.
-        micro_batches: micro-batches per batch (per data-parallel replica); ``None`` means ``pp`` (the fewest
-            1F1B accepts). More micro-batches shrink the pipeline bubble ``(pp - 1) / (m + pp - 1)``.
-        schedule: ``"1f1b"`` (default) or ``"gpipe"``; with ``stages_per_rank > 1`` a multi-stage schedule such
-            as ``"interleaved1f1b"``.
-        stages_per_rank: pipeline stages per rank (virtual stages for interleaved schedules).
-        tp_plan: explicit tensor-parallel plan ``{"glob pattern of module name": "colwise" | "rowwise" |
-            "colwise_gather" | "vocab" | "sequence" | "replicate" | ParallelStyle}``; it overrides the automatic
-            plan for the modules it matches. A ``tp_plan`` attribute on the LightningModule works the same.
-        tp_autoplan: find the plan for standard blocks automatically from the data flow.
-        partitioner: ``"uniform"`` (layers per stage), ``"parameters"`` or a callable.
-        body: dotted name of the ``nn.Sequential`` body when the module has several (the Sequential contract).
-        blocks: dotted name of the block container (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``) to
-            split into pipeline stages; default: a Hugging Face model's declared one, else the container of
-            same-type blocks holding most parameters.
-        seed: seed for initialising layers built in ``configure_model``; ``None`` takes rank 0's
-            ``torch.initial_seed()`` (set by ``seed_everything``).
-        timeout: timeout of the process groups during setup (the first collectives wait for every rank to import,
-            build and materialise its part of the model) and the first training step.
-        train_timeout: timeout of every process group (and of pipeline sends and receives) once the first training
-            step has finished: a rank that stops answering fails the others this soon. ``None`` keeps ``timeout``.
-        on_nonfinite: a NaN or inf in the loss or in any gradient: ``"raise"`` (every rank raises
-            ``NonFiniteError`` at the same step, before the optimizer steps), ``"skip"`` (every rank drops that
-            optimizer step's gradients; the global step and LR schedulers still advance) or ``"off"``.
-        check_consistency: compare a hash of the settings and the model structure across ranks at setup.
-        fail_fast: when one rank fails, stop every rank within about a second (see ``failure_watch.py``).
-        process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
-        print_layout: rank 0 prints the mesh, the stages and the tensor-parallel plan once.
+        settings: all settings at once (then no setting keyword arguments).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: as for every
+            Lightning strategy (the Trainer fills them in).
+        **kwargs: the settings, as ``ThreeDSettings``'s fields.
+
+    Raises:
+        ValueError: a setting has a value that cannot work (the message says which and what would).
+        TypeError: an unknown setting.
+
+    Example:
+        >>> Trainer(accelerator="cpu", devices=8, strategy=ThreeDStrategy(tp=2, pp=2))  # doctest: +SKIP
     """
 
     strategy_name = "3d"
 
     def __init__(
         self,
-        tp: int = 1,
-        pp: int = 1,
-        dp: int | None = None,
-        micro_batches: int | None = None,
-        schedule: str = "1f1b",
-        stages_per_rank: int = 1,
-        tp_plan: Mapping[str, Any] | None = None,
-        tp_autoplan: bool = True,
-        partitioner: str | partition.Partitioner = "uniform",
-        body: str | None = None,
-        blocks: str | None = None,
-        seed: int | None = None,
-        timeout: timedelta | float | None = timedelta(minutes=30),
-        train_timeout: timedelta | float | None = timedelta(minutes=10),  # ---- reliability
-        on_nonfinite: str = "raise",  # ---- reliability
-        check_consistency: bool = True,  # ---- reliability
-        fail_fast: bool = True,  # ---- reliability
-        process_group_backend: str | None = None,
-        print_layout: bool = True,
+        *,
+        settings: ThreeDSettings | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -154,38 +116,13 @@ class ThreeDStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        schedule_class(schedule)  # unknown names fail here, with torch's list of names
-        if stages_per_rank < 1:
-            raise ValueError(f"ThreeDStrategy: stages_per_rank must be >= 1, got {stages_per_rank}.")
-        if stages_per_rank > 1 and not is_multi_stage(schedule):
-            raise ValueError(
-                f"ThreeDStrategy(schedule={schedule!r}) runs one stage per rank; with "
-                f"stages_per_rank={stages_per_rank} use a multi-stage schedule such as 'interleaved1f1b'."
+        if settings is not None and kwargs:
+            raise TypeError(
+                f"ThreeDStrategy: pass either settings=ThreeDSettings(...) or the settings as keyword arguments, "
+                f"not both (got settings= and {sorted(kwargs)})."
             )
-        if stages_per_rank == 1 and is_multi_stage(schedule):
-            raise ValueError(f"ThreeDStrategy(schedule={schedule!r}) needs stages_per_rank >= 2.")
-        minimum = min_micro_batches(schedule, pp)
-        if micro_batches is not None and micro_batches < minimum:
-            raise ValueError(
-                f"ThreeDStrategy: micro_batches={micro_batches} < pp={pp} under schedule={schedule!r}: 1F1B keeps "
-                f"one micro-batch in flight per stage, so it needs micro_batches >= {minimum}. Use micro_batches >= "
-                f"{minimum} (more shrinks the bubble), or schedule='gpipe'."
-            )
-        if micro_batches is not None and micro_batches < 1:
-            raise ValueError(f"ThreeDStrategy: micro_batches must be >= 1, got {micro_batches}.")
-        self.tp, self.pp, self._dp_arg = tp, pp, dp
-        self.micro_batches = micro_batches if micro_batches is not None else max(1, minimum)
-        self.schedule = schedule
-        self.stages_per_rank = stages_per_rank
-        self.tp_plan = dict(tp_plan) if tp_plan is not None else None
-        self.tp_autoplan = tp_autoplan
-        self.partitioner = partition.get_partitioner(partitioner)
-        self.body_name = body
-        self.blocks_name = blocks
-        self.seed = seed
-        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
-        self._process_group_backend = process_group_backend
-        self.print_layout = print_layout
+        self._settings = settings if settings is not None else _settings_from(kwargs)
+        self._process_group_backend = self._settings.process_group_backend  # resolved by device at setup
         self.num_nodes = 1
         self.topology: Topology | None = None
         self._mesh: DeviceMesh | None = None
@@ -202,9 +139,69 @@ class ThreeDStrategy(ParallelStrategy):
         self._held_grads: HeldGrads | None = None  # the last training batch's gradients, until backward()
         self._tied: TiedWeights | None = None
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
-        self._reliability = Reliability(
-            self, self._timeout, as_timedelta(train_timeout), on_nonfinite, check_consistency, fail_fast
-        )
+        self._reliability = Reliability(self.settings)
+
+    # ------------------------------------------------------------------ settings (read-only views)
+    @property
+    def settings(self) -> ThreeDSettings:
+        """Every setting of this strategy (frozen; the one place they are kept)."""
+        return self._settings
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree."""
+        return self.settings.tp
+
+    @property
+    def pp(self) -> int:
+        """Pipeline-parallel degree."""
+        return self.settings.pp
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per batch (resolved: the schedule's minimum when not given)."""
+        assert self.settings.micro_batches is not None  # resolved by ThreeDSettings
+        return self.settings.micro_batches
+
+    @property
+    def schedule(self) -> str:
+        """The training schedule's name."""
+        return self.settings.schedule
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages per rank."""
+        return self.settings.stages_per_rank
+
+    @property
+    def tp_plan(self) -> dict[str, Any] | None:
+        """The explicit tensor-parallel plan given (``None``: the automatic plan only)."""
+        return self.settings.tp_plan  # type: ignore[return-value]  # a dict after validation
+
+    @property
+    def tp_autoplan(self) -> bool:
+        """Whether the tensor-parallel plan is found automatically."""
+        return self.settings.tp_autoplan
+
+    @property
+    def partitioner(self) -> partition.Partitioner:
+        """The partitioner object (``settings.partitioner`` is its name or the callable given)."""
+        return partition.get_partitioner(self.settings.partitioner)
+
+    @property
+    def body_name(self) -> str | None:
+        """The dotted name of the body given (``None``: found automatically)."""
+        return self.settings.body
+
+    @property
+    def seed(self) -> int | None:
+        """The initialisation seed given (``None``: rank 0's ``torch.initial_seed()``)."""
+        return self.settings.seed
+
+    @property
+    def print_layout(self) -> bool:
+        """Whether rank 0 prints the layout once."""
+        return self.settings.print_layout
 
     # ------------------------------------------------------------------ topology and processes
     @property
@@ -246,7 +243,13 @@ class ThreeDStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         if self.num_processes:
-            self.topology = Topology(self.num_nodes * self.num_processes, tp=self.tp, pp=self.pp, dp=self._dp_arg)
+            world = self.num_nodes * self.num_processes
+            self.topology = Topology(world, tp=self.settings.tp, pp=self.settings.pp, dp=self.settings.dp)
+
+    def _launched_processes(self) -> list[Any]:
+        """The processes this rank's launcher started (rank 0 under Lightning's launcher; none elsewhere)."""
+        launcher = self.launcher
+        return list(launcher.procs) if isinstance(launcher, _SubprocessScriptLauncher) else []
 
     @override
     def _configure_launcher(self) -> None:
@@ -263,11 +266,14 @@ class ThreeDStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs: dict[str, Any] = {"timeout": self.settings.timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._reliability.on_process_group_ready()  # ---- reliability: layout check (before the mesh), watch
+        # ---- reliability: layout check (before the mesh), fail-fast watch
+        self._reliability.on_process_group_ready(
+            self.topology, self.root_device, self.global_rank, self.barrier, self._launched_processes
+        )
         if self._mesh is None:  # later trainer.validate / test / predict calls reuse the mesh
             self._mesh = self.topology.build_mesh(self.root_device.type)
         assert self.lightning_module is not None
@@ -324,21 +330,23 @@ class ThreeDStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None and self.topology is not None
         self._validate_module(module)
-        config = ParallelConfig(
-            self.tp,
-            self.pp,
-            self.stages_per_rank,
-            self.partitioner,
-            self.body_name,
-            self.tp_plan,
-            self.tp_autoplan,
-            blocks=self.blocks_name,
-        )
+        s = self.settings
         try:
-            model = plan_model(module, config)  # every check that needs no communication, on every rank alike
+            # every check that needs no communication, on every rank alike
+            model = plan_model(
+                module,
+                tp=s.tp,
+                pp=s.pp,
+                stages_per_rank=s.stages_per_rank,
+                partitioner=s.partitioner,
+                body=s.body,
+                blocks=s.blocks,
+                tp_plan=s.tp_plan,
+                tp_autoplan=s.tp_autoplan,
+            )
         except ValueError as err:
             # Every rank raises it alike (the consistency check below proves it): not a one-rank failure.
-            self._reliability.check_consistency(None, None, error=err)
+            self._reliability.check_consistency(module, self.precision_plugin, None, error=err)
             raise mark_agreed(err) from None
         self.body, self.stage_plan, self.plan, self.full_spec = (
             model.body,
@@ -349,8 +357,9 @@ class ThreeDStrategy(ParallelStrategy):
         self._example_input = model.example_input
         layout = describe_layout(self.topology, self.device_mesh, model, self.schedule, self.micro_batches)
         # --- from here on ranks communicate
-        self._reliability.check_consistency(model.body, model.stage_plan)  # ---- reliability: FIRST collective
-        seed = broadcast_seed(self.seed)
+        # ---- reliability: the FIRST collective
+        self._reliability.check_consistency(module, self.precision_plugin, model)
+        seed = broadcast_seed(s.seed)
         built = build_stages(module, model, self.device_mesh, self.root_device, self.precision_plugin, seed)
         self._tied = built.tied
         self.body_randomness = add_body_randomness(model, built.stages, self.device_mesh, self.root_device, seed)
@@ -366,8 +375,9 @@ class ThreeDStrategy(ParallelStrategy):
             randomness=self.body_randomness,
             executor=built.executor,
         )
+        self._reliability.on_model_ready(module, built.stages, model.stage_plan.num_stages)  # ---- reliability
         self._layout = layout
-        if self.print_layout and self.global_rank == 0:
+        if s.print_layout and self.global_rank == 0:
             print(layout, flush=True)
 
     def describe_layout(self) -> str:
@@ -471,8 +481,22 @@ class ThreeDStrategy(ParallelStrategy):
         writer = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
         return gather_full_state_dict(self.lightning_module, writer=writer)
 
-    # ---- checkpoints: sharded DCP folders, written atomically, loadable at any layout (see checkpoint.py;
-    # imported where used so that `python -m lightning_3d.checkpoint` runs a module not yet imported)
+    # ---- checkpoints: sharded DCP folders, written atomically, loadable at any layout (see checkpoint/)
+    def _checkpoint_context(self) -> ckpt.CheckpointContext:
+        assert self.lightning_module is not None and self.topology is not None
+        return ckpt.CheckpointContext(
+            module=self.lightning_module,
+            topology=self.topology,
+            global_rank=self.global_rank,
+            device=self.root_device,
+            stages=self.stage_plan.layer_names if self.stage_plan is not None else None,
+            full_spec=self.full_spec,
+            optimizers=tuple(self.optimizers),
+            randomness=self.body_randomness,
+            broadcast=self.broadcast,
+            barrier=self.barrier,
+        )
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -485,15 +509,11 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from . import checkpoint as ckpt
-
         assert self.lightning_module is not None
         return ckpt.model_state_dict(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        from . import checkpoint as ckpt
-
         assert self.lightning_module is not None
         return ckpt.optimizer_state_dict(self.lightning_module, optimizer)
 
@@ -507,21 +527,15 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        from . import checkpoint as ckpt
-
-        ckpt.save_checkpoint(self, checkpoint, filepath, storage_options)
+        ckpt.save_checkpoint(self._checkpoint_context(), checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        from . import checkpoint as ckpt
-
-        return ckpt.load_checkpoint(self, checkpoint_path, weights_only)
+        return ckpt.load_checkpoint(self._checkpoint_context(), checkpoint_path, weights_only)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        from . import checkpoint as ckpt
-
-        ckpt.remove_checkpoint(self, filepath)
+        ckpt.remove_checkpoint(filepath, self.global_rank)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -571,6 +585,15 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("3d", cls, description="Tensor x pipeline x data parallel (lightning_3d)")
+
+
+def _settings_from(kwargs: dict[str, Any]) -> ThreeDSettings:
+    """``ThreeDSettings(**kwargs)``, with an unknown name reported with the list of settings."""
+    unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(ThreeDSettings)})
+    if unknown:
+        names = ", ".join(f.name for f in dataclasses.fields(ThreeDSettings))
+        raise TypeError(f"ThreeDStrategy: unknown setting(s) {unknown}; the settings are: {names}.")
+    return ThreeDSettings(**kwargs)
 
 
 def _quiet_known_warnings() -> None:

@@ -40,7 +40,7 @@ REL = 1e-4  # float32, after several optimizer steps
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     """Names whose tensors differ (bitwise), plus keys present on one side only."""
     diff = sorted(set(a) ^ set(b))
     return diff + [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
@@ -64,19 +64,19 @@ def _check_resume(rec: dict) -> None:
     assert len(straight["losses"]) == STEPS
     # Saving after every step changes nothing in the run being saved.
     assert rec["saving"]["losses"] == straight["losses"]
-    assert not _equal(rec["saving"]["snap_end"]["params"], straight["snap_end"]["params"])
+    assert not _differences(rec["saving"]["snap_end"]["params"], straight["snap_end"]["params"])
     # 10 steps == N steps + save + resume + (10 - N) steps, bitwise: losses, parameters, Adam states.
     for name, start in (("from4", 4), ("from5", 5)):
         resumed = rec[name]
         assert resumed["steps"] == list(range(start + 1, STEPS + 1)), name
         assert resumed["losses"] == straight["losses"][start:], name
-        assert not _equal(resumed["snap_end"]["params"], straight["snap_end"]["params"]), name
-        assert not _equal(resumed["snap_end"]["opt"], straight["snap_end"]["opt"]), name
+        assert not _differences(resumed["snap_end"]["params"], straight["snap_end"]["params"]), name
+        assert not _differences(resumed["snap_end"]["opt"], straight["snap_end"]["opt"]), name
     # Dropout in the body: the body's random numbers continue exactly too.
     drop, drop_resumed = rec["drop_straight"], rec["drop_from5"]
     assert drop_resumed["steps"] == list(range(6, STEPS + 1))
     assert drop_resumed["losses"] == drop["losses"][5:], (drop["losses"][5:], drop_resumed["losses"])
-    assert not _equal(drop_resumed["snap_end"]["params"], drop["snap_end"]["params"])
+    assert not _differences(drop_resumed["snap_end"]["params"], drop["snap_end"]["params"])
     # With accumulate_grad_batches=2 (a checkpoint per optimizer step, so every two batches): resuming from step 3
     # (batch 6, the middle of epoch 1) replays batches 7..20 exactly.
     acc, acc_resumed = rec["acc_straight"], rec["acc_from3"]
@@ -84,23 +84,23 @@ def _check_resume(rec: dict) -> None:
     assert acc["steps"][:4] == [0, 1, 1, 2], acc["steps"]  # one optimizer step every two batches
     assert acc_resumed["steps"] == acc["steps"][6:]
     assert acc_resumed["losses"] == acc["losses"][6:]
-    assert not _equal(acc_resumed["snap_end"]["params"], acc["snap_end"]["params"])
-    assert not _equal(acc_resumed["snap_end"]["opt"], acc["snap_end"]["opt"])
+    assert not _differences(acc_resumed["snap_end"]["params"], acc["snap_end"]["params"])
+    assert not _differences(acc_resumed["snap_end"]["opt"], acc["snap_end"]["opt"])
 
 
 def _check_reshard(rec: dict, ref: dict, export: dict[str, torch.Tensor] | None) -> None:
     """Full parameters and optimizer states equal right after loading; the continuation within float32."""
     resumed = rec["resume"]
     at5 = ref["snap_5"]
-    assert not _equal(resumed["snap_start"]["params"], at5["params"])
+    assert not _differences(resumed["snap_start"]["params"], at5["params"])
     assert len(at5["opt"]) == 3 * len(at5["params"])  # step, exp_avg, exp_avg_sq per parameter
-    assert not _equal(resumed["snap_start"]["opt"], at5["opt"])
+    assert not _differences(resumed["snap_start"]["opt"], at5["opt"])
     assert resumed["steps"] == list(range(6, STEPS + 1))
     for got, want in zip(resumed["losses"], ref["losses"][5:]):
         assert abs(got - want) <= REL * abs(want), (resumed["losses"], ref["losses"][5:])
     assert _max_rel(resumed["snap_end"]["params"], ref["snap_end"]["params"]) <= REL
     if export is not None and "imported" in rec:
-        assert not _equal(rec["imported"], export)  # 3D training starts from the exported weights
+        assert not _differences(rec["imported"], export)  # 3D training starts from the exported weights
 
 
 def _reshard(out: Path, tp: int, pp: int, dp: int, extra: list, timeout: float) -> dict:
@@ -176,7 +176,7 @@ def test_export_loads_into_the_single_device_module(saved: Path, exported: Path)
     result = model.load_state_dict(state)
     assert not result.missing_keys and not result.unexpected_keys
     assert list(state) == list(model.state_dict())  # the plain module's keys, in its order
-    assert not _equal(dict(model.named_parameters()), _load(saved / "resume.pt")["clean"]["snap_5"]["params"])
+    assert not _differences(dict(model.named_parameters()), _load(saved / "resume.pt")["clean"]["snap_5"]["params"])
 
 
 @pytest.mark.slow
@@ -194,9 +194,9 @@ def test_reshard_from_pp2_dp2(
     _check_reshard(rec, _load(saved / "resume.pt")["clean"], export)
     assert ("imported" in rec) == weights
     if plain:  # plain single-device Lightning: LoadWeights and load_state_dict of the export
-        assert not _equal(rec["plain_imported"], export)
+        assert not _differences(rec["plain_imported"], export)
         assert rec["plain"]["missing"] == [] and rec["plain"]["unexpected"] == []
-        assert not _equal(rec["plain"]["params"], export)
+        assert not _differences(rec["plain"]["params"], export)
         got, want = rec["validate"]  # trainer.validate(ckpt_path=...) restores the weights only
         assert abs(got - want) <= 1e-6 * abs(want)
 
@@ -219,7 +219,7 @@ def test_killed_save_is_never_resumed(tmp_path: Path) -> None:
     assert Path(rec["picked"]).name == "last.ckpt"
     assert rec["resumed"]["steps"] == [3, 4, 5, 6]
     assert rec["resumed"]["losses"] == rec["straight"]["losses"][2:]
-    assert not _equal(rec["resumed"]["snap_end"]["params"], rec["straight"]["snap_end"]["params"])
+    assert not _differences(rec["resumed"]["snap_end"]["params"], rec["straight"]["snap_end"]["params"])
     assert ".last.ckpt.partial" in rec["before"]
     assert not [n for n in rec["after"] if n.startswith(".")]  # the next save of last.ckpt cleared it
 
@@ -235,7 +235,7 @@ def test_tp2_pp2_dp2_resume_and_reshard_matrix(tmp_path: Path) -> None:
     export = tmp_path / "step5.pt"
     ckpt.export(tmp_path / "all" / "step=5.ckpt", export)
     weights = torch.load(export, weights_only=True)
-    assert not _equal(weights, ref["snap_5"]["params"])
+    assert not _differences(weights, ref["snap_5"]["params"])
     for tp, pp, dp, extra in [
         (1, 4, 2, []),
         (4, 1, 2, []),
@@ -280,13 +280,11 @@ def test_publish_replaces_atomically_and_remove_hides_first(tmp_path: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     link = tmp_path / "link.ckpt"
     link.symlink_to(target.name)
-
-    class Rank0:
-        global_rank = 0
-
-    ckpt.remove_checkpoint(Rank0(), link)  # a save_last="link" symlink: the link goes, the target stays
+    ckpt.remove_checkpoint(target, global_rank=1)  # only rank 0 deletes
+    assert target.is_dir()
+    ckpt.remove_checkpoint(link, global_rank=0)  # a save_last="link" symlink: the link goes, the target stays
     assert not link.exists() and target.is_dir()
-    ckpt.remove_checkpoint(Rank0(), target)
+    ckpt.remove_checkpoint(target, global_rank=0)
     assert list(tmp_path.iterdir()) == []
 
 

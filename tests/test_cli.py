@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import re
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from lightning_3d.core.runner import micro_batch_mismatch
 from lightning_3d.train.app import CONF_DIR, ConfigurationError, _register_resolvers, build
 from lightning_3d.train.config import register_configs
 from lightning_3d_examples import PRESETS
@@ -110,6 +112,54 @@ def test_layout_that_does_not_fit_is_refused_at_build(tmp_path):
         build(cfg)
 
 
+# Every setting that is not a layout choice, away from its default; the fast in-process test and the run below.
+SETTINGS_OVERRIDES = [
+    "strategy.on_nonfinite=skip",
+    "strategy.train_timeout=120",
+    "strategy.fail_fast=false",
+    "strategy.check_consistency=false",
+]
+SMALL_JOB = [
+    "model=gpt_tiny",
+    "trainer.devices=2",
+    "strategy.tp=1",
+    "strategy.pp=2",
+    "strategy.micro_batches=2",
+    "data.batch_size=4",
+    "trainer.max_steps=3",
+    "trainer.val_check_interval=3",
+]
+
+
+def test_settings_from_the_command_line_reach_the_strategy(tmp_path):
+    overrides = [*SMALL_JOB, *SETTINGS_OVERRIDES, "strategy.timeout=90.5", "++strategy.tp_plan={*.mlp.fc:colwise}"]
+    trainer, _, _ = build(_resolved(tmp_path, overrides))
+    s = trainer.strategy.settings
+    assert (s.on_nonfinite, s.fail_fast, s.check_consistency) == ("skip", False, False)
+    assert (s.timeout, s.train_timeout) == (timedelta(seconds=90.5), timedelta(seconds=120))
+    assert (s.tp, s.pp, s.micro_batches, s.tp_plan) == (1, 2, 2, {"*.mlp.fc": "colwise"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "total", "micro_batches", "minimum"),
+    [
+        (["data.batch_size=3"], 3, 4, 2),  # the default job: micro_batches 4 under 1F1B at pp 2
+        (["strategy.micro_batches=null", "strategy.pp=4", "strategy.tp=1", "data.batch_size=6"], 6, 4, 4),
+    ],
+)
+def test_batch_that_micro_batches_do_not_divide_is_refused_at_build(tmp_path, overrides, total, micro_batches, minimum):
+    """The strategy's own message (the one the first training step would raise on every rank), before any
+    process starts; micro_batches=null resolves as the strategy resolves it (the schedule's minimum)."""
+    with pytest.raises(ConfigurationError) as err:
+        build(_resolved(tmp_path, overrides))
+    assert str(err.value) == f"ValueError: {micro_batch_mismatch(total, micro_batches, minimum)}"
+    assert "\n" not in str(err.value)
+    trainer, _, _ = build(
+        _resolved(tmp_path, [*overrides[:-1], f"data.batch_size={total + micro_batches - total % micro_batches}"])
+    )
+    assert trainer.strategy.micro_batches == micro_batches
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 
@@ -120,6 +170,7 @@ def test_layout_that_does_not_fit_is_refused_at_build(tmp_path):
         ("strategy.tpp=2", "Key 'tpp' not in 'StrategyConfig'"),
         ("strategy.tp=two", "Value 'two' of type 'str' could not be converted to Integer"),
         ("strategy.pp=3", "ThreeDStrategy: tp * pp = 2 * 3 = 6 does not divide the world size 8."),
+        ("data.batch_size=3", "ThreeDStrategy: the training batch has 3 samples per data-parallel replica"),
     ],
 )
 def test_bad_override_fails_fast_with_one_line(tmp_path, override, reason):
@@ -165,6 +216,38 @@ def test_cli_trains_with_overrides(tmp_path):
     assert _csv_column(metrics, "tokens_per_sec")
     assert (tmp_path / "job.yaml").is_file()
     assert any((tmp_path / "checkpoints").iterdir()), "no checkpoint written"
+
+
+@pytest.mark.slow
+def test_cli_takes_every_setting(tmp_path):
+    """Settings the schema once lacked (``on_nonfinite``, ``train_timeout``, ``fail_fast``, ``check_consistency``)
+    from the command line, into a job that trains; every rank trains from the recorded ``job.yaml``."""
+    job = run_lightning(CLI, [*SMALL_JOB, *SETTINGS_OVERRIDES, f"hydra.run.dir={tmp_path}"], timeout=120)
+    out = job.output
+    assert "done: 3 steps" in out, job.tail()
+    for line in ("on_nonfinite: skip", "train_timeout: 120.0", "fail_fast: false", "check_consistency: false"):
+        assert re.search(rf"^  {line}$", out, re.M), f"resolved config lacks {line!r}"
+    recorded = yaml.safe_load((tmp_path / "job.yaml").read_text())["strategy"]
+    assert (recorded["on_nonfinite"], recorded["train_timeout"]) == ("skip", 120.0)
+    assert (recorded["fail_fast"], recorded["check_consistency"]) == (False, False)
+
+
+@pytest.mark.slow
+def test_error_every_rank_raises_is_printed_once(tmp_path):
+    """A checkpoint that does not exist: every rank raises the same error in ``load_checkpoint``. Rank 0 prints
+    its traceback; the other rank prints one line (the fail-fast watch's) and no traceback."""
+    missing = tmp_path / "missing.ckpt"
+    args = [*SMALL_JOB, f"ckpt_path={missing}", "print_config=false", f"hydra.run.dir={tmp_path}"]
+    job = run_lightning(CLI, args, timeout=120, check=False)
+    out = job.output
+    assert job.returncode != 0, job.tail()
+    message = f"FileNotFoundError: lightning_3d: checkpoint '{missing}' does not exist."
+    assert out.count("Traceback") == 1 and out.count(message) == 3, job.tail(40)  # rank 0: watch + traceback
+    rank1 = [line for line in out.splitlines() if line.startswith("[rank 1]") or line.startswith("[rank1]")]
+    assert rank1 == [
+        "[rank 1] lightning_3d: rank 1 (dp 0, stage 1 of 2, tp 0) failed at global step 0 with the error every "
+        f"rank raised (in full on rank 0): {message}"
+    ], rank1
 
 
 @pytest.mark.slow

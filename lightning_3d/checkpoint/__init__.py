@@ -30,9 +30,10 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -46,6 +47,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from ..core.agreed import mark_agreed
+from ..core.partition import TensorSpec
+from ..core.rng import BodyRandomness
+from ..core.topology import Topology
 from .named_state import (
     MODEL,
     compare_keys,
@@ -59,6 +63,7 @@ from .named_state import (
 from .resume import ResumePosition, rng_state, set_rng_state, source_rank, train_batch_size
 
 __all__ = [
+    "CheckpointContext",
     "LoadWeights",
     "check_complete",
     "export",
@@ -70,13 +75,39 @@ __all__ = [
     "save_checkpoint",
 ]
 
-if TYPE_CHECKING:
-    from ..strategy import ThreeDStrategy
-
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a distributed checkpoint
 DCP_METADATA = ".metadata"
 SECTION = "lightning_3d"
 FORMAT = 1
+
+
+@dataclass(frozen=True)
+class CheckpointContext:
+    """What saving and loading need from the strategy; ``ThreeDStrategy`` builds one per call.
+
+    Args:
+        module: the set-up (split, sharded, wrapped) LightningModule.
+        topology: the job's (dp, pp, tp) degrees.
+        global_rank: this rank.
+        device: this rank's device.
+        stages: the layer names of every pipeline stage (``None`` before the model is split).
+        full_spec: the whole model's tensors (name -> shape, dtype), in ``state_dict`` order.
+        optimizers: the strategy's optimizers (Lightning's wrappers or torch's).
+        randomness: the body's random streams (saved with every rank's RNG state).
+        broadcast: rank 0's object to every rank (collective).
+        barrier: all ranks meet (collective).
+    """
+
+    module: pl.LightningModule
+    topology: Topology
+    global_rank: int
+    device: torch.device
+    stages: list[list[str]] | None
+    full_spec: Mapping[str, TensorSpec]
+    optimizers: Sequence[Any]
+    randomness: BodyRandomness | None
+    broadcast: Callable[[Any], Any]
+    barrier: Callable[[], None]
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -143,9 +174,9 @@ def _publish(staging: Path, path: Path) -> None:
     _remove_path(old)
 
 
-def remove_checkpoint(strategy: ThreeDStrategy, filepath: str | os.PathLike) -> None:
+def remove_checkpoint(filepath: str | os.PathLike, global_rank: int) -> None:
     """Delete a checkpoint (rank 0): first renamed out of sight, so a half-deleted folder is never picked."""
-    if strategy.global_rank != 0:
+    if global_rank != 0:
         return
     path = Path(filepath)
     if path.is_dir() and not path.is_symlink():
@@ -165,15 +196,13 @@ def _gather_to_rank0(obj: Any) -> list[Any] | None:
     return out
 
 
-def _layout(strategy: ThreeDStrategy) -> dict[str, Any]:
-    assert strategy.topology is not None
-    dp, pp, tp = strategy.topology.shape
-    stages = strategy.stage_plan.layer_names if strategy.stage_plan is not None else None
-    return {"dp": dp, "pp": pp, "tp": tp, "world_size": strategy.topology.world_size, "stages": stages}
+def _layout(context: CheckpointContext) -> dict[str, Any]:
+    dp, pp, tp = context.topology.shape
+    return {"dp": dp, "pp": pp, "tp": tp, "world_size": context.topology.world_size, "stages": context.stages}
 
 
 def save_checkpoint(
-    strategy: ThreeDStrategy, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
+    context: CheckpointContext, checkpoint: dict[str, Any], filepath: str | os.PathLike, storage_options: Any = None
 ) -> None:
     """Write Lightning's ``checkpoint`` dict as a checkpoint folder at ``filepath`` (collective; see module doc)."""
     if storage_options is not None:
@@ -181,38 +210,35 @@ def save_checkpoint(
             "ThreeDStrategy.save_checkpoint(..., storage_options=...) is not supported: the checkpoint is written "
             "by torch.distributed.checkpoint, not by a CheckpointIO plugin."
         )
-    path = Path(strategy.broadcast(os.fspath(filepath)))
+    path = Path(context.broadcast(os.fspath(filepath)))
     staging = staging_path(path)
-    is_rank0 = strategy.global_rank == 0
+    is_rank0 = context.global_rank == 0
     if is_rank0:
         _remove_path(staging)  # left by a save that was killed
         staging.mkdir(parents=True)
-    strategy.barrier()
+    context.barrier()
     tensors: dict[str, Any] = {MODEL: checkpoint.pop("state_dict")}
     optimizer_states = checkpoint.pop("optimizer_states", None)
     for i, state in enumerate(optimizer_states or []):
         tensors[f"optimizer_{i}"] = state
-    rng = _gather_to_rank0(rng_state(strategy.root_device, strategy.body_randomness))
+    rng = _gather_to_rank0(rng_state(context.device, context.randomness))
     dcp.save(tensors, checkpoint_id=staging)
     failure: BaseException | None = None
     if is_rank0:
-        trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
+        trainer = context.module.trainer
         checkpoint[SECTION] = {
             "format": FORMAT,
-            "layout": _layout(strategy),
+            "layout": _layout(context),
             "rng": rng,
-            "data": {
-                "dp": strategy.topology.shape[0] if strategy.topology else 1,
-                "batch_size": train_batch_size(trainer) if trainer is not None else None,
-            },
-            "keys": list(strategy.full_spec),
+            "data": {"dp": context.topology.shape[0], "batch_size": train_batch_size(trainer)},
+            "keys": list(context.full_spec),
         }
         try:
             _write_meta(checkpoint, staging / META_FILE)
             _publish(staging, path)
         except Exception as exc:  # tell the other ranks before raising
             failure = exc
-    message = strategy.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+    message = context.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
     if failure is not None:
         raise failure
     if message is not None:
@@ -220,7 +246,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    strategy: ThreeDStrategy, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
+    context: CheckpointContext, checkpoint_path: str | os.PathLike, weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Load a checkpoint folder into the set-up model and optimizers, at any layout (collective).
 
@@ -230,18 +256,17 @@ def load_checkpoint(
     Returns:
         Lightning's remaining checkpoint dict (loops, callbacks, LR schedulers, ...), for Lightning to restore.
     """
-    path = Path(strategy.broadcast(os.fspath(checkpoint_path)))
+    path = Path(context.broadcast(os.fspath(checkpoint_path)))
     try:
         check_complete(path)
     except FileNotFoundError as err:
         raise mark_agreed(err) from None
-    module = strategy.lightning_module
-    assert module is not None and strategy.topology is not None
+    module = context.module
     metadata = FileSystemReader(path).read_metadata()
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
     section = meta.pop(SECTION, None) or {}
     saved = saved_model_shapes(metadata)
-    report = compare_keys({k: spec.shape for k, spec in strategy.full_spec.items()}, saved)
+    report = compare_keys({k: spec.shape for k, spec in context.full_spec.items()}, saved)
     # The checks below see the same folder and (setup checked it) the same model on every rank: each rank raises
     # the same error by itself, so they are "agreed" and do not trip the fail-fast watch (see core/agreed.py).
     if report.mismatched or (report and module.strict_loading):
@@ -250,7 +275,7 @@ def load_checkpoint(
         warnings.warn(report.message(path).replace("Nothing was loaded.", "Loading the common keys."), stacklevel=2)
     trainer = module.trainer
     fitting = trainer.state.fn == TrainerFn.FITTING
-    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers] if fitting else []
+    optimizers = [getattr(o, "_optimizer", o) for o in context.optimizers] if fitting else []
     saved_optimizers = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")})
     if optimizers and not saved_optimizers:
         raise mark_agreed(
@@ -279,7 +304,7 @@ def load_checkpoint(
             _local(targets[key]).copy_(_local(loaded))
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(torch_optimizer_state(names, optimizer, state[f"optimizer_{i}"]))
-    _restore_rank_state(strategy, trainer, section, fitting)
+    _restore_rank_state(context, trainer, section, fitting)
     return meta
 
 
@@ -287,31 +312,30 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _restore_rank_state(strategy: ThreeDStrategy, trainer: pl.Trainer, section: dict[str, Any], fitting: bool) -> None:
+def _restore_rank_state(
+    context: CheckpointContext, trainer: pl.Trainer, section: dict[str, Any], fitting: bool
+) -> None:
     """RNG state (and, when fitting, the data position) for this rank; see ``resume.py``."""
-    assert strategy.topology is not None
     layout, rngs = section.get("layout"), section.get("rng")
-    dp, pp, tp = strategy.topology.shape
+    dp, pp, tp = context.topology.shape
     rng = None
     if layout is not None and rngs:
-        rng = rngs[source_rank(layout, strategy.topology, strategy.global_rank)]
+        rng = rngs[source_rank(layout, context.topology, context.global_rank)]
         same_layout = (layout["dp"], layout["pp"], layout["tp"]) == (dp, pp, tp)
         if not same_layout:
             # the body's streams belong to stages and tp ranks of the saved layout: fresh ones here
             rng = {k: v for k, v in rng.items() if k != "streams"}
-        if not same_layout and strategy.global_rank == 0:
+        if not same_layout and context.global_rank == 0:
             rank_zero_info(
                 f"lightning_3d: resharded a checkpoint saved at (tp={layout['tp']}, pp={layout['pp']}, "
                 f"dp={layout['dp']}) into (tp={tp}, pp={pp}, dp={dp})."
             )
     if not fitting:
         if rng is not None:
-            set_rng_state(rng, strategy.root_device, strategy.body_randomness)
+            set_rng_state(rng, context.device, context.randomness)
         return
     trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, ResumePosition)]
-    trainer.callbacks.append(
-        ResumePosition(rng, section.get("data", {}), dp, strategy.root_device, strategy.body_randomness)
-    )
+    trainer.callbacks.append(ResumePosition(rng, section.get("data", {}), dp, context.device, context.randomness))
 
 
 # ------------------------------------------------------------------------------------------- export / import
@@ -405,3 +429,48 @@ class LoadWeights(pl.Callback):
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._load(trainer, pl_module)
+
+
+def export_hf_checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    module_attr: str | None = None,
+    config: Any = None,
+) -> Path:
+    """:func:`export_hf` of a ThreeDStrategy checkpoint folder (one process, no process group).
+
+    Args:
+        checkpoint_dir: the checkpoint folder (``.../last.ckpt``).
+        out_dir: the Hugging Face folder to write.
+        module_attr: attribute path of the model in the LightningModule; inferred when None.
+        config: the model's config (see :func:`config_from`); None: the ``hf_config`` stored in the checkpoint's
+            ``meta.pt`` (see :data:`HF_CONFIG_KEY`).
+
+    Returns:
+        ``out_dir``.
+    """
+    from .hf import HF_CONFIG_KEY, export_hf  # transformers is imported only here
+
+    path = Path(checkpoint_dir)
+    state_dict = load_consolidated(path)
+    if config is None:
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        stored: dict[str, Any] = meta.get(HF_CONFIG_KEY) or {}
+        if module_attr is not None:
+            if module_attr.strip(".") not in stored:
+                raise ValueError(
+                    f"lightning_3d: checkpoint {str(path)!r} stores no Hugging Face config for {module_attr!r} "
+                    f"(stored: {sorted(stored) or 'none'}); pass --config CONFIG_JSON_OR_FOLDER"
+                )
+            config = stored[module_attr.strip(".")]
+        elif len(stored) == 1:
+            module_attr, config = next(iter(stored.items()))
+        else:
+            raise ValueError(
+                f"lightning_3d: checkpoint {str(path)!r} stores "
+                f"{'no Hugging Face config' if not stored else f'several ({sorted(stored)}); pass --module-attr'}. "
+                f"Pass --config CONFIG_JSON_OR_FOLDER (or store `checkpoint['{HF_CONFIG_KEY}'] = hf_configs(self)` "
+                "in the LightningModule's on_save_checkpoint)."
+            )
+    return export_hf(state_dict, out_dir, config, module_attr=module_attr)

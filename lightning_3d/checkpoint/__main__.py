@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             numel = sum(t.numel() for t in state_dict.values() if isinstance(t, Tensor))
             print(f"wrote {args.out}: {len(state_dict)} tensors, {numel:,} elements")
         elif args.command == "export-hf":
-            from .hf import export_hf_checkpoint
+            from . import export_hf_checkpoint
 
             out = export_hf_checkpoint(args.checkpoint, args.out, module_attr=args.module_attr, config=args.config)
             print(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")

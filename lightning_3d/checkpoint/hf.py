@@ -201,51 +201,6 @@ def export_hf(
     return out
 
 
-def export_hf_checkpoint(
-    checkpoint_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    module_attr: str | None = None,
-    config: Any = None,
-) -> Path:
-    """:func:`export_hf` of a ThreeDStrategy checkpoint folder (one process, no process group).
-
-    Args:
-        checkpoint_dir: the checkpoint folder (``.../last.ckpt``).
-        out_dir: the Hugging Face folder to write.
-        module_attr: attribute path of the model in the LightningModule; inferred when None.
-        config: the model's config (see :func:`config_from`); None: the ``hf_config`` stored in the checkpoint's
-            ``meta.pt`` (see :data:`HF_CONFIG_KEY`).
-
-    Returns:
-        ``out_dir``.
-    """
-    from . import META_FILE, load_consolidated
-
-    path = Path(checkpoint_dir)
-    state_dict = load_consolidated(path)
-    if config is None:
-        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        stored: dict[str, Any] = meta.get(HF_CONFIG_KEY) or {}
-        if module_attr is not None:
-            if module_attr.strip(".") not in stored:
-                raise ValueError(
-                    f"lightning_3d: checkpoint {str(path)!r} stores no Hugging Face config for {module_attr!r} "
-                    f"(stored: {sorted(stored) or 'none'}); pass --config CONFIG_JSON_OR_FOLDER"
-                )
-            config = stored[module_attr.strip(".")]
-        elif len(stored) == 1:
-            module_attr, config = next(iter(stored.items()))
-        else:
-            raise ValueError(
-                f"lightning_3d: checkpoint {str(path)!r} stores "
-                f"{'no Hugging Face config' if not stored else f'several ({sorted(stored)}); pass --module-attr'}. "
-                f"Pass --config CONFIG_JSON_OR_FOLDER (or store `checkpoint['{HF_CONFIG_KEY}'] = hf_configs(self)` "
-                "in the LightningModule's on_save_checkpoint)."
-            )
-    return export_hf(state_dict, out_dir, config, module_attr=module_attr)
-
-
 def read_hf_folder(
     folder: str | os.PathLike,
     module: nn.Module | None = None,
@@ -302,7 +257,6 @@ __all__ = [
     "HF_CONFIG_KEY",
     "config_from",
     "export_hf",
-    "export_hf_checkpoint",
     "hf_configs",
     "infer_prefix",
     "is_hf_folder",

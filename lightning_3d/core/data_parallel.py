@@ -15,19 +15,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import torch_compat
 
-DP_MODES = ("replicate",)
 
-
-def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, mode: str = "replicate") -> nn.Module:
-    """Wrap a stage module for data parallelism over ``dp_mesh`` (no-op when the dp size is 1).
+def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Wrap a stage module for data parallelism over ``dp_mesh`` with ``replicate`` (no-op when the dp size is 1).
 
     Args:
         module: the stage's module, already tensor-parallel.
         dp_mesh: the 1-D data-parallel sub-mesh.
-        mode: ``"replicate"`` (DDP semantics). FSDP2 sharding is a planned mode.
+
+    Returns:
+        The wrapped module (the same object: ``replicate`` works in place), or ``module`` when dp is 1.
     """
-    if mode not in DP_MODES:
-        raise ValueError(f"Unknown data-parallel mode {mode!r}; supported: {DP_MODES}.")
     if dp_mesh.size() == 1:
         return module
     return torch_compat.replicate(module, mesh=dp_mesh)

@@ -35,20 +35,6 @@ from .tied import TiedWeights, install_alias_hooks, retie
 from .topology import Topology, mesh_ranks_table
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
-    """The parallelisation settings of a ``ThreeDStrategy`` (see its docstring)."""
-
-    tp: int
-    pp: int
-    stages_per_rank: int
-    partitioner: partition.Partitioner
-    body_name: str | None
-    tp_plan: Mapping[str, Any] | None
-    tp_autoplan: bool
-    blocks: str | None = None
-
-
 @dataclass
 class ModelPlan:
     """What ``plan_model`` decided for a module.
@@ -70,48 +56,68 @@ class ModelPlan:
     hf_plan: HFPlan | None = None  # a Hugging Face model's own tensor-parallel plan (root-relative names)
 
 
-def plan_model(module: LightningModule, config: ParallelConfig) -> ModelPlan:
+def plan_model(
+    module: LightningModule,
+    *,
+    tp: int,
+    pp: int,
+    stages_per_rank: int = 1,
+    partitioner: str | partition.Partitioner = "uniform",
+    body: str | None = None,
+    blocks: str | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
+    tp_autoplan: bool = True,
+) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
+
+    Args:
+        module: the LightningModule (its layers may still be on the meta device).
+        tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan: the settings of the same names
+            (see ``lightning_3d.settings.ThreeDSettings``).
+
+    Returns:
+        The body, the stage split, the tensor-parallel plan, the whole model's tensor specs and the example input.
 
     Raises:
         ValueError: the module breaks the contract or the layout does not fit it (each message says why and
             what would work).
     """
-    if not uses_sequential_body(module, config):
-        return _plan_split_model(module, config)
-    body = partition.find_body(module, config.body_name)
-    partition.check_no_outside_parameters(module, body)
+    partitioner = partition.get_partitioner(partitioner)
+    if not uses_sequential_body(module, body, blocks):
+        return _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan)
+    found = partition.find_body(module, body)
+    partition.check_no_outside_parameters(module, found)
     full_spec = partition.full_model_spec(module)
-    stage_plan = partition.plan_stages(body, config.pp, config.partitioner, config.stages_per_rank)
+    stage_plan = partition.plan_stages(found, pp, partitioner, stages_per_rank)
     example_input = module.example_input_array
     if example_input is not None:
         # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
         module._example_input_array = None
-    explicit = config.tp_plan if config.tp_plan is not None else getattr(module, "tp_plan", None)
-    if config.tp == 1:
-        tp_plan = tpmod.resolve_plan(body.module, 1, explicit=explicit, body_prefix=body.fqn)
+    explicit = tp_plan if tp_plan is not None else getattr(module, "tp_plan", None)
+    if tp == 1:
+        resolved = tpmod.resolve_plan(found.module, 1, explicit=explicit, body_prefix=found.fqn)
     else:
-        example = example_input if example_input is not None else tpmod.example_input_for(body.module)
-        tp_plan = tpmod.resolve_plan(
-            body.module,
-            config.tp,
+        example = example_input if example_input is not None else tpmod.example_input_for(found.module)
+        resolved = tpmod.resolve_plan(
+            found.module,
+            tp,
             explicit=explicit,
-            body_prefix=body.fqn,
+            body_prefix=found.fqn,
             example_input=example,
-            auto=config.tp_autoplan,
+            auto=tp_autoplan,
         )
-    is_meta = has_meta_tensors(body.module)
+    is_meta = has_meta_tensors(found.module)
     if is_meta:
-        check_materializable(body.module, body.fqn)
-    return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta)
+        check_materializable(found.module, found.fqn)
+    return ModelPlan(found, stage_plan, resolved, full_spec, example_input, is_meta)
 
 
-def uses_sequential_body(module: nn.Module, config: ParallelConfig) -> bool:
+def uses_sequential_body(module: nn.Module, body: str | None, blocks: str | None) -> bool:
     """Whether the module follows the ``nn.Sequential`` body contract (one Sequential holding every parameter,
     or the one named with ``body=``); any other module is split at its blocks."""
-    if config.body_name is not None:
+    if body is not None:
         return True
-    if config.blocks is not None:
+    if blocks is not None:
         return False
     try:
         body = partition.find_body(module, None)
@@ -121,14 +127,23 @@ def uses_sequential_body(module: nn.Module, config: ParallelConfig) -> bool:
     return True
 
 
-def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelPlan:
+def _plan_split_model(
+    module: LightningModule,
+    tp: int,
+    pp: int,
+    stages_per_rank: int,
+    partitioner: partition.Partitioner,
+    blocks_name: str | None,
+    explicit_plan: Mapping[str, Any] | None,
+    tp_autoplan: bool,
+) -> ModelPlan:
     """Plan a model split at its block container (or, at pp = 1, not split at all)."""
     full_spec = partition.full_model_spec(module)
-    num_stages = config.pp * config.stages_per_rank
+    num_stages = pp * stages_per_rank
     try:
-        container = blocks.find_blocks(module, config.blocks)
+        container = blocks.find_blocks(module, blocks_name)
     except ValueError:
-        if num_stages > 1 or config.blocks is not None:
+        if num_stages > 1 or blocks_name is not None:
             raise
         container = None
     if container is None:
@@ -140,16 +155,16 @@ def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelP
             raise ValueError(
                 f"The block container {container.fqn!r} has {len(layers)} blocks but {num_stages} pipeline stages "
                 "were asked for: every stage needs at least one block. "
-                f"Use pp <= {len(layers) // config.stages_per_rank}."
+                f"Use pp <= {len(layers) // stages_per_rank}."
             )
-        ranges = config.partitioner(layers, num_stages)
+        ranges = partitioner(layers, num_stages)
         flat = [i for r in ranges for i in r]
         if len(ranges) != num_stages or flat != list(range(len(layers))) or any(len(r) == 0 for r in ranges):
             raise ValueError(
-                f"Partitioner {config.partitioner!r} returned {ranges}: expected {num_stages} contiguous non-empty "
+                f"Partitioner {partitioner!r} returned {ranges}: expected {num_stages} contiguous non-empty "
                 f"ranges covering blocks 0..{len(layers) - 1} in order."
             )
-        split = blocks.split_model(module, container, config.pp, ranges, config.stages_per_rank)
+        split = blocks.split_model(module, container, pp, ranges, stages_per_rank)
         parent_name, _, attr = container.fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         body = partition.BodyRef(parent=parent, attr=attr, fqn=container.fqn, module=container.module)  # type: ignore[arg-type]
@@ -158,19 +173,19 @@ def _plan_split_model(module: LightningModule, config: ParallelConfig) -> ModelP
         hf_config = getattr(sub, "config", None)
         if getattr(hf_config, "use_cache", None):
             hf_config.use_cache = False
-    explicit = config.tp_plan if config.tp_plan is not None else getattr(module, "tp_plan", None)
+    explicit = explicit_plan if explicit_plan is not None else getattr(module, "tp_plan", None)
     tp_plan = tpmod.TPPlan()
     # A Hugging Face model's own plan when the user gives none (it checks heads / kv heads against tp)
-    hf_plan = hf_tp_plan(module, config.tp) if config.tp > 1 and explicit is None else None
-    if hf_plan is None and container is not None and (config.tp > 1 or explicit):
+    hf_plan = hf_tp_plan(module, tp) if tp > 1 and explicit is None else None
+    if hf_plan is None and container is not None and (tp > 1 or explicit):
         view = nn.Sequential(OrderedDict(container.module.named_children()))
         tp_plan = tpmod.resolve_plan(
             view,
-            config.tp,
+            tp,
             explicit=explicit,
             body_prefix=container.fqn,
             example_input=_block_example(view),
-            auto=config.tp_autoplan,
+            auto=tp_autoplan,
         )
     is_meta = has_meta_tensors(module)
     if is_meta:

@@ -186,14 +186,12 @@ class StagePlan:
     def num_stages(self) -> int:
         return len(self.layer_names)
 
-    def describe(self, modules: dict[str, nn.Module] | None = None) -> str:
+    def describe(self) -> str:
+        """One line per stage: its index, its pp rank and the names of its layers in the body."""
         lines = []
         for index, names in enumerate(self.layer_names):
-            kinds = ""
-            if modules is not None:
-                kinds = " (" + ", ".join(type(modules[n]).__name__ for n in names) + ")"
             rank = f" on pp rank {self.stage_to_rank[index]}" if self.stage_to_rank else ""
-            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{', '.join(names)}]{kinds}")
+            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{', '.join(names)}]")
         return "\n".join(lines)
 
 

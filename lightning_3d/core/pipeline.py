@@ -119,15 +119,24 @@ class StageSpec:
 class PipelineRuntime:
     """Runs whole batches through this rank's stages with a cached schedule per micro-batch shape.
 
+    ``schedule`` returns the schedule for a micro-batch count, batch shape, mode and schedule name (built on
+    first use); ``run`` runs one batch through it, and ``current`` is that schedule while it runs.
+    ``defer_grad_sync`` (set by the caller per batch) keeps the data-parallel gradients of a training batch
+    local (not the last batch of an accumulation window); the next batch that syncs all-reduces what has
+    accumulated, and ``flush_deferred_grads`` does it first when a new schedule must be built (torch's shape
+    inference would clear the gradients).
+
     Args:
         stages: the stages this rank holds, in increasing index order.
         num_stages: total number of stages in the pipeline.
-        group: the pipeline process group (``None`` when pp == 1).
+        group: the pipeline process group (the pp sub-mesh's group; ``None``: the default group).
         device: the device of this rank.
-        schedule: schedule name for training.
+        schedule: schedule name for training; evaluation runs forward-only GPipe order (``loopedbfs`` when the
+            rank holds several stages), and so does training under ``"gpipe"`` with several local stages.
         loss_fn: called by the last stage as ``loss_fn(output, target)`` for every micro-batch, training and
             evaluation alike.
-        cache_size: how many (shape, micro-batch count, mode) schedules to keep.
+        cache_size: how many schedules to keep (keyed by micro-batch count, batch shape, mode and schedule name;
+            the least recently used goes first).
         randomness: the stages' random streams (frozen during torch's shape inference).
     """
 

@@ -1,9 +1,11 @@
 """The (dp, pp, tp) process grid.
 
 One small dataclass owns the degrees and their validation; the device mesh is built from it with named
-dimensions, and everything else fetches sub-meshes and groups by name (``mesh["tp"]``), never by rank
-arithmetic. ``tp`` is the innermost dimension so that the ranks of one tensor-parallel group are
-neighbours (on GPUs: the same node, the fastest links).
+dimensions, and the parallel machinery fetches sub-meshes and groups by name (``mesh["tp"]``). The one place
+that computes with ranks is ``Topology.coordinates``: where a rank sits in the grid, for code that has a rank
+number but no mesh (the fail-fast watch's messages about other ranks, the checkpoint's mapping from saved to
+current ranks); it follows the mesh's row-major layout. ``tp`` is the innermost dimension so that the ranks
+of one tensor-parallel group are neighbours (on GPUs: the same node, the fastest links).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class Topology:
         return (self.dp, self.pp, self.tp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """(dp, pp, tp) coordinates of a global rank; tp varies fastest."""
+        """(dp, pp, tp) coordinates of a global rank in the mesh ``build_mesh`` makes (row-major: tp fastest)."""
         _, pp, tp = self.shape
         return {"dp": rank // (pp * tp), "pp": (rank // tp) % pp, "tp": rank % tp}
 

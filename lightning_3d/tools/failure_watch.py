@@ -248,8 +248,10 @@ class FailureWatch:
         earlier = self._record() if comm else None
         dead = self._wait_for_dead_peer() if comm and earlier is None else []
         record: dict[str, Any] | None = None
-        if agreed:
+        if agreed and self.rank == 0:
             self._print(f"{head} with the error every rank raised: {type(exc).__name__}: {exc}")
+        elif agreed:  # the same error as rank 0's: one line here, the whole message there
+            self._print(f"{head} with the error every rank raised (in full on rank 0): {summarize(exc)}")
         elif earlier is not None and earlier.get("rank") != self.rank:
             self._print(f"{head}: {summarize(exc)}\n(a consequence: {self._who(earlier)} had failed first)")
         elif dead:

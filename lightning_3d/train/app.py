@@ -35,6 +35,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..core.agreed import is_agreed
+from ..core.runner import micro_batch_mismatch
+from ..settings import ThreeDSettings
 from .config import register_configs
 
 log = logging.getLogger(__name__)
@@ -130,11 +133,26 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
             callbacks=_callbacks(cfg, model),
             default_root_dir=cfg.run_dir,
         )
+        _check_batch(cfg, strategy)
     except Exception as err:  # everything here is a config problem: report it without a traceback
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         raise ConfigurationError(_one_line(err)) from err
     return trainer, model, data
+
+
+def _check_batch(cfg: DictConfig, strategy: Any) -> None:
+    """Refuse a per-replica batch that the micro-batch count does not divide, before any process starts.
+
+    The strategy would refuse it at the first training step, on every rank; the message is the same.
+    """
+    settings = getattr(strategy, "settings", None)
+    batch = cfg.data.get("batch_size")
+    if not isinstance(settings, ThreeDSettings) or not isinstance(batch, int) or batch < 1:
+        return
+    assert settings.micro_batches is not None  # resolved by ThreeDSettings
+    if batch % settings.micro_batches:
+        raise ValueError(micro_batch_mismatch(batch, settings.micro_batches, settings.min_micro_batches))
 
 
 def _one_line(err: BaseException) -> str:
@@ -192,7 +210,15 @@ def run(cfg: DictConfig) -> float | None:
             OmegaConf.save(cfg, job_file)
             if launches:
                 os.environ[JOB_CONFIG_ENV] = str(job_file)
-        trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+        try:
+            trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+        except Exception as err:
+            if is_agreed(err) and not trainer.is_global_zero:
+                # Every rank raised this same error at the same point: rank 0 prints its traceback, the other
+                # ranks exit without repeating it (the fail-fast watch has printed one line naming each rank).
+                sys.stderr.flush()
+                sys.exit(1)
+            raise
         if launches:
             _wait_for_children(trainer)
     finally:

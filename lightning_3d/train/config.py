@@ -5,38 +5,76 @@ Each dataclass is registered in Hydra's ConfigStore under its config group (``st
 so Hydra type-checks every value and refuses unknown keys: ``strategy.tpp=2`` or ``strategy.tp=two`` fail at
 composition, before anything is built or any process starts.
 
+``StrategyConfig`` is derived from :class:`lightning_3d.settings.ThreeDSettings`, one field per setting: a new
+setting is on the command line without being written here (``tests/unit/test_settings.py`` checks that it is
+also in ``conf/strategy/3d.yaml``).
+
 The primary config types its groups as ``Any`` on purpose: a user's own model or data option (added with
 ``--config-dir``) need not follow one of these schemas; it only needs a ``_target_``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from types import UnionType
+from typing import Any, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from ..settings import ThreeDSettings
 
-@dataclass
-class StrategyConfig:
-    """Arguments of :class:`lightning_3d.ThreeDStrategy` (see its docstring for their meaning)."""
+# ---------------------------------------------------------------------------------------------- strategy
+# Settings whose Python type Hydra cannot hold, and their command-line form: (type, default -> config value).
+_CLI_FORMS: dict[str, tuple[Any, Callable[[Any], Any]]] = {
+    "timeout": (float | None, lambda v: None if v is None else v.total_seconds()),  # seconds
+    "train_timeout": (float | None, lambda v: None if v is None else v.total_seconds()),
+    "partitioner": (str, str),  # by name: a custom partitioner is a Python object
+    # {"glob": "style name"}; {} for none, because Hydra can add entries to {} but not to null:
+    # ++strategy.tp_plan={*.attn.q_proj:colwise,*.attn.o_proj:rowwise}
+    "tp_plan": (dict[str, str], lambda v: dict(v or {})),
+}
+# Types Hydra holds as they are (alone or ``| None``).
+_PLAIN_TYPES = (int, float, bool, str)
 
-    _target_: str = "lightning_3d.ThreeDStrategy"
-    tp: int = 1
-    pp: int = 1
-    dp: int | None = None  # None: world_size // (tp * pp)
-    micro_batches: int | None = None  # None: pp
-    schedule: str = "1f1b"
-    stages_per_rank: int = 1
-    tp_plan: dict[str, str] | None = None
-    tp_autoplan: bool = True
-    partitioner: str = "uniform"
-    body: str | None = None
-    seed: int | None = None
-    timeout: float | None = 1800.0  # seconds; process-group timeout
-    process_group_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
-    print_layout: bool = True
+
+def _cli_type(name: str, hint: Any) -> Any:
+    if name in _CLI_FORMS:
+        return _CLI_FORMS[name][0]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if hint in _PLAIN_TYPES or (
+        typing.get_origin(hint) in (Union, UnionType) and len(args) == 1 and args[0] in _PLAIN_TYPES
+    ):
+        return hint
+    raise TypeError(f"ThreeDSettings.{name}: type {hint} has no command-line form; add it to _CLI_FORMS in {__name__}.")
+
+
+def strategy_schema(settings: type[ThreeDSettings] = ThreeDSettings) -> type:
+    """The Hydra schema of ``ThreeDStrategy``'s arguments, derived field by field from ``ThreeDSettings``.
+
+    Every setting is reachable from the command line (``strategy.<name>=value``) with the setting's own
+    default; the few whose Python type Hydra cannot hold take their command-line form (``_CLI_FORMS``).
+    """
+    hints = typing.get_type_hints(settings)
+    specs: list[tuple[str, Any, Any]] = [("_target_", str, field(default="lightning_3d.ThreeDStrategy"))]
+    for f in dataclasses.fields(settings):
+        default = f.default
+        if f.name in _CLI_FORMS:
+            default = _CLI_FORMS[f.name][1](default)
+        value = (
+            field(default_factory=lambda d=default: d.copy()) if isinstance(default, dict) else field(default=default)
+        )
+        specs.append((f.name, _cli_type(f.name, hints[f.name]), value))
+    schema = dataclasses.make_dataclass("StrategyConfig", specs)
+    schema.__doc__ = "Arguments of :class:`lightning_3d.ThreeDStrategy`: the fields of ``ThreeDSettings``."
+    schema.__module__ = __name__
+    return schema
+
+
+StrategyConfig = strategy_schema()
 
 
 @dataclass

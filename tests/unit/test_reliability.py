@@ -23,6 +23,7 @@ from lightning_3d.reliability import (
     body_items,
     compare_across_ranks,
 )
+from lightning_3d.settings import ThreeDSettings
 
 
 @pytest.mark.parametrize(
@@ -73,8 +74,8 @@ def test_body_items_names_layers_and_stages() -> None:
 
 def test_on_nonfinite_is_checked() -> None:
     with pytest.raises(ValueError, match=r"on_nonfinite must be one of \('raise', 'skip', 'off'\), got 'ignore'"):
-        Reliability(None, None, None, on_nonfinite="ignore")  # type: ignore[arg-type]
-    assert Reliability(None, None, None, on_nonfinite="skip").on_nonfinite == "skip"  # type: ignore[arg-type]
+        ThreeDSettings(on_nonfinite="ignore")
+    assert Reliability(ThreeDSettings(on_nonfinite="skip")).on_nonfinite == "skip"
 
 
 # ------------------------------------------------------------------------------------ compare_across_ranks

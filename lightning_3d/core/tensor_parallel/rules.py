@@ -9,9 +9,9 @@ gradient (whose gradient would only be a partial sum on each rank), or is not kn
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -26,9 +26,6 @@ from lightning_3d.core.tensor_parallel.shapes import (
     parse_einsum,
     permute_perm,
 )
-
-if TYPE_CHECKING:
-    from lightning_3d.core.tensor_parallel.flow import FlowState
 
 FUSED = "is split into parts (a fused projection?): give an explicit plan or use separate Linears"
 RESIDUAL = "is combined with a full-size tensor that is not sharded the same way (e.g. a residual connection)"
@@ -51,6 +48,21 @@ class Tag:
     dim: int
     size: int
     srcs: frozenset[str]
+
+
+class FlowView(Protocol):
+    """What the rules read and record in a traced pass: ``flow.FlowState`` is one (``flow`` imports the rules,
+    so they see it through this protocol and do not import ``flow`` back)."""
+
+    attention: set[str]
+
+    def tag_of(self, t: torch.Tensor) -> Tag | None: ...
+
+    def is_grad(self, t: torch.Tensor) -> bool: ...
+
+    def union(self, names: Iterable[str]) -> None: ...
+
+    def add_split(self, srcs: Iterable[str], n: int) -> None: ...
 
 
 _DUNDER = dict(
@@ -139,7 +151,7 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], pos: int, name: str, def
 
 
 def apply_rule(
-    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor], st: FlowState
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor], st: FlowView
 ) -> list[Tag | None]:
     """Tags of ``outs`` of the call ``name(*args, **kwargs)``; raises :class:`Refuse`."""
     if name in ("max", "min") and isinstance(_arg(args, kwargs, 1, "other"), torch.Tensor):
@@ -232,7 +244,7 @@ def apply_rule(
     raise Refuse(f"goes through `{name}`, which the analysis does not know to keep the sharding")
 
 
-def _same_as_self(args: tuple[Any, ...], outs: list[torch.Tensor], st: FlowState) -> list[Tag | None]:
+def _same_as_self(args: tuple[Any, ...], outs: list[torch.Tensor], st: FlowView) -> list[Tag | None]:
     src = args[0] if args and isinstance(args[0], torch.Tensor) else None
     tag = st.tag_of(src) if src is not None else None
     if tag is None or src is None:
@@ -242,7 +254,7 @@ def _same_as_self(args: tuple[Any, ...], outs: list[torch.Tensor], st: FlowState
     return [tag] * len(outs)
 
 
-def _elementwise(outs: list[torch.Tensor], operands: list[torch.Tensor], st: FlowState) -> list[Tag | None]:
+def _elementwise(outs: list[torch.Tensor], operands: list[torch.Tensor], st: FlowView) -> list[Tag | None]:
     out_nd = outs[0].ndim
     pos = size = None
     srcs: set[str] = set()
@@ -272,7 +284,7 @@ def _elementwise(outs: list[torch.Tensor], operands: list[torch.Tensor], st: Flo
 
 
 def _repeat_interleave(
-    args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor], st: FlowState
+    args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor], st: FlowView
 ) -> list[Tag | None]:
     src, repeats, dim = args[0], _arg(args, kwargs, 1, "repeats"), _arg(args, kwargs, 2, "dim")
     tag = st.tag_of(src) if isinstance(src, torch.Tensor) else None
@@ -284,7 +296,7 @@ def _repeat_interleave(
 
 
 def _cat_stack(
-    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor], st: FlowState
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], outs: list[torch.Tensor], st: FlowView
 ) -> list[Tag | None]:
     parts = list(_arg(args, kwargs, 0, "tensors"))
     tags = [st.tag_of(t) for t in parts]
@@ -304,7 +316,7 @@ def _cat_stack(
     return [Tag(d, first.size, srcs)]
 
 
-def _matmul(a: Any, b: Any, out: torch.Tensor, st: FlowState) -> list[Tag | None]:
+def _matmul(a: Any, b: Any, out: torch.Tensor, st: FlowView) -> list[Tag | None]:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.ndim < 2 or b.ndim < 2:
         raise Refuse("goes through a matmul the analysis does not follow")
     nd = out.ndim
@@ -336,7 +348,7 @@ def _matmul(a: Any, b: Any, out: torch.Tensor, st: FlowState) -> list[Tag | None
     return [Tag(pos, size, srcs)]
 
 
-def _sdpa(args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor, st: FlowState) -> list[Tag | None]:
+def _sdpa(args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor, st: FlowView) -> list[Tag | None]:
     q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
     tags = [st.tag_of(t) for t in (q, k, v)]
     if any(t is None for t in tags):
@@ -374,7 +386,7 @@ def _sdpa(args: tuple[Any, ...], kwargs: dict[str, Any], out: torch.Tensor, st: 
     return [Tag(out.ndim - 3, tq.size, srcs)]
 
 
-def _einsum(args: tuple[Any, ...], out: torch.Tensor, st: FlowState) -> list[Tag | None]:
+def _einsum(args: tuple[Any, ...], out: torch.Tensor, st: FlowView) -> list[Tag | None]:
     ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
     terms, rhs = parse_einsum(args[0], len(ops))
     letter = size = None

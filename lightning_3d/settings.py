@@ -1,0 +1,172 @@
+"""``ThreeDSettings``: every setting of ``ThreeDStrategy``, in one frozen, validated dataclass.
+
+This is the only place a setting is written down. ``ThreeDStrategy(**settings)`` builds one and keeps it as
+``strategy.settings``; the consistency check hashes all of its fields (``reliability.settings_items``); the
+Hydra schema ``StrategyConfig`` is derived from its fields (``train/config.py``), and a unit test compares
+``conf/strategy/3d.yaml`` with them field by field. A new setting is a new field here (with its docstring
+entry and its check in ``__post_init__``) plus its line in the YAML file.
+
+Validation runs at construction, in the process that builds the strategy, before any process starts: every
+message names the setting and says what would work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from .core import partition
+from .core.pipeline import is_multi_stage, min_micro_batches, schedule_class
+
+NONFINITE_MODES = ("raise", "skip", "off")
+TIMEOUT_FIELDS = ("timeout", "train_timeout")
+
+
+def as_timedelta(value: timedelta | float | None) -> timedelta | None:
+    """Seconds or a ``timedelta`` as a ``timedelta`` (``None`` stays ``None``)."""
+    return timedelta(seconds=value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+@dataclass(frozen=True)
+class ThreeDSettings:
+    """The settings of a ``ThreeDStrategy`` (its keyword arguments), validated and normalised.
+
+    After construction ``micro_batches`` holds the count in use (never ``None``), the timeouts are ``timedelta``
+    (or ``None``), ``tp_plan`` is a plain ``dict`` copy (``None`` when empty) and ``partitioner`` is kept as given
+    (a name or a callable; ``partition.get_partitioner`` makes the object).
+
+    Args:
+        tp: tensor-parallel degree: each layer's matrices are split over ``tp`` ranks (Megatron layout).
+        pp: pipeline-parallel degree: the body's layers are split into ``pp`` stages.
+        dp: data-parallel degree; ``None`` infers ``world_size // (tp * pp)``.
+        micro_batches: micro-batches per batch (per data-parallel replica); ``None`` means the fewest the
+            schedule accepts (``pp`` for 1F1B, 1 for GPipe). More micro-batches shrink the pipeline bubble
+            ``(pp - 1) / (m + pp - 1)``.
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``; with ``stages_per_rank > 1`` a multi-stage schedule such
+            as ``"interleaved1f1b"``.
+        stages_per_rank: pipeline stages per rank (virtual stages for interleaved schedules).
+        tp_plan: explicit tensor-parallel plan ``{"glob pattern of module name": "colwise" | "rowwise" |
+            "colwise_gather" | "vocab" | "sequence" | "replicate" | ParallelStyle}``; it overrides the automatic
+            plan for the modules it matches. A ``tp_plan`` attribute on the LightningModule works the same.
+        tp_autoplan: find the plan for standard blocks automatically from the data flow.
+        partitioner: ``"uniform"`` (layers per stage), ``"parameters"`` or a callable.
+        body: dotted name of an ``nn.Sequential`` body (the earlier contract) when the module has several.
+        blocks: dotted name of the block container (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``) that
+            pipeline parallelism splits; ``None`` finds it (a Hugging Face model's ``base_model_pp_plan``, else the
+            container holding most parameters).
+        seed: seed for initialising layers built in ``configure_model``; ``None`` takes rank 0's
+            ``torch.initial_seed()`` (set by ``seed_everything``).
+        timeout: timeout of the process groups during setup (the first collectives wait for every rank to import,
+            build and materialise its part of the model) and the first training step; seconds or a timedelta.
+        train_timeout: timeout of every process group (and of pipeline sends and receives) once the first training
+            step has finished: a rank that stops answering fails the others this soon. ``None`` keeps ``timeout``.
+        on_nonfinite: a NaN or inf in the loss or in any gradient: ``"raise"`` (every rank raises
+            ``NonFiniteError`` at the same step, before the optimizer steps), ``"skip"`` (every rank drops that
+            optimizer step's gradients; the global step and LR schedulers still advance) or ``"off"``.
+        check_consistency: compare a hash of the settings and the model structure across ranks at setup.
+        fail_fast: when one rank fails, stop every rank within about a second (see ``tools/failure_watch.py``).
+        process_group_backend: ``"gloo"`` / ``"nccl"``; ``None`` chooses by device.
+        print_layout: rank 0 prints the mesh, the stages and the tensor-parallel plan once.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    micro_batches: int | None = None
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    tp_plan: Mapping[str, Any] | None = None
+    tp_autoplan: bool = True
+    partitioner: str | partition.Partitioner = "uniform"
+    body: str | None = None
+    blocks: str | None = None
+    seed: int | None = None
+    timeout: timedelta | float | None = timedelta(minutes=30)
+    train_timeout: timedelta | float | None = timedelta(minutes=10)
+    on_nonfinite: str = "raise"
+    check_consistency: bool = True
+    fail_fast: bool = True
+    process_group_backend: str | None = None
+    print_layout: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"ThreeDStrategy: {name} must be a positive integer, got {getattr(self, name)!r}.")
+        if self.dp is not None and (not _is_int(self.dp) or self.dp < 1):
+            raise ValueError(f"ThreeDStrategy: dp must be a positive integer or None, got {self.dp!r}.")
+        _check_at_least_one("stages_per_rank", self.stages_per_rank)
+        self._check_schedule()
+        minimum = self.min_micro_batches
+        if self.micro_batches is None:
+            object.__setattr__(self, "micro_batches", max(1, minimum))
+        else:
+            self._check_micro_batches(self.micro_batches, minimum)
+        if self.tp_plan is not None:
+            if not isinstance(self.tp_plan, Mapping):
+                raise ValueError(
+                    f"ThreeDStrategy: tp_plan must be a mapping of module-name patterns to styles or None, got "
+                    f"{self.tp_plan!r}."
+                )
+            # An empty plan gives no entries: the same as none (the command line's default is {}, which Hydra
+            # can add entries to; it cannot to null).
+            object.__setattr__(self, "tp_plan", dict(self.tp_plan) or None)
+        partition.get_partitioner(self.partitioner)  # unknown names fail here, with the list of names
+        if self.on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(
+                f"ThreeDStrategy: on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}."
+            )
+        for name in TIMEOUT_FIELDS:
+            object.__setattr__(self, name, _check_timeout(name, getattr(self, name)))
+
+    def _check_schedule(self) -> None:
+        schedule_class(self.schedule)  # unknown names fail here, with torch's list of names
+        multi = is_multi_stage(self.schedule)
+        if self.stages_per_rank > 1 and not multi:
+            raise ValueError(
+                f"ThreeDStrategy(schedule={self.schedule!r}) runs one stage per rank; with "
+                f"stages_per_rank={self.stages_per_rank} use a multi-stage schedule such as 'interleaved1f1b'."
+            )
+        if self.stages_per_rank == 1 and multi:
+            raise ValueError(f"ThreeDStrategy(schedule={self.schedule!r}) needs stages_per_rank >= 2.")
+
+    def _check_micro_batches(self, m: Any, minimum: int) -> None:
+        _check_at_least_one("micro_batches", m)
+        if m >= minimum:
+            return
+        # Only schedules that keep micro-batches of every stage in flight have a minimum above 1.
+        alternative = "" if is_multi_stage(self.schedule) else ", or schedule='gpipe' (any count, a larger bubble)"
+        raise ValueError(
+            f"ThreeDStrategy: micro_batches={m} < pp={self.pp} under schedule={self.schedule!r}: that schedule "
+            f"keeps one micro-batch in flight per stage, so it needs micro_batches >= {minimum}. Use "
+            f"micro_batches >= {minimum} (more shrinks the bubble){alternative}."
+        )
+
+    @property
+    def min_micro_batches(self) -> int:
+        """The fewest micro-batches the schedule accepts at this ``pp`` (1 for GPipe)."""
+        return min_micro_batches(self.schedule, self.pp)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_at_least_one(name: str, value: Any) -> None:
+    if not _is_int(value):
+        raise ValueError(f"ThreeDStrategy: {name} must be an integer, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"ThreeDStrategy: {name} must be >= 1, got {value}.")
+
+
+def _check_timeout(name: str, value: Any) -> timedelta | None:
+    converted = as_timedelta(value)
+    if converted is None:
+        return None
+    if not isinstance(converted, timedelta) or converted <= timedelta(0):
+        raise ValueError(
+            f"ThreeDStrategy: {name} must be a positive number of seconds, a datetime.timedelta or None, got {value!r}."
+        )
+    return converted
