@@ -332,3 +332,31 @@ def test_gpt_loss_drops_under_3d_parallelism(tmp_path):
     assert val[10] > val[20] > val[30], val
     assert val[30] < train[0] - 1.5, (train[0], val)  # measured drop: 2.15
     assert val[30] < val[10] - 0.3, val  # measured: 0.62
+
+
+@pytest.mark.slow
+def test_hf_llama_from_the_command_line(tmp_path):
+    """``model=hf_llama``: an unmodified Hugging Face LlamaForCausalLM split at ``model.model.layers`` (its own
+    pipeline plan) and sharded with its own tensor-parallel plan, trained from the command line at tp2 x pp2."""
+    args = [
+        "model=hf_llama",
+        "model.preset=tiny",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=2",
+        "strategy.tp=2",
+        "strategy.pp=2",
+        "strategy.micro_batches=2",
+        "data.batch_size=4",
+        "trainer.devices=4",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "sample.max_new_tokens=8",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    job = run_lightning(CLI, args, timeout=180)
+    out = job.output
+    assert "done: 4 steps" in out, job.tail()
+    assert "model.model.layers[0] (hugging face pp plan)" in out and "model.model.layers[1]" in out, job.tail(60)
+    assert re.search(r"model\.model\.layers\.0\.self_attn\.q_proj\s+colwise", out), job.tail(60)
+    assert "sample (" in out, job.tail()

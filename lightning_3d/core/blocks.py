@@ -180,7 +180,7 @@ def outside_modules(root: nn.Module, container: BlockContainer) -> tuple[list[st
     first, siblings after it go last. A sibling without parameters is on every stage and listed in neither.
     """
     before: list[str] = []
-    after: list[str] = []
+    after_levels: list[list[str]] = []  # per level: a deeper level's modules run first after the blocks
     parts = container.fqn.split(".") if container.fqn else []
     module, prefix = root, ""
     if next(root.parameters(recurse=False), None) is not None:
@@ -190,6 +190,8 @@ def outside_modules(root: nn.Module, container: BlockContainer) -> tuple[list[st
         )
     for part in parts:
         seen_path = False
+        after: list[str] = []
+        after_levels.insert(0, after)
         for child_name, child in torch_compat.child_modules(module).items():
             if child is None:
                 continue
@@ -206,7 +208,7 @@ def outside_modules(root: nn.Module, container: BlockContainer) -> tuple[list[st
                 "would be on no stage. Move them into a submodule."
             )
         prefix = f"{prefix}{part}."
-    return before, after
+    return before, [name for level in after_levels for name in level]
 
 
 def tied_parameters(root: nn.Module) -> list[tuple[str, ...]]:
