@@ -210,8 +210,12 @@ class HFCausalLM(_Base):
     def __init__(self, arch: str = "llama", lr: float = 0.01, **kwargs):
         # (a smaller step than the other test models: at 0.05, Adam turns float32 round-off in a tiny LLM into
         # 1e-4 parameter differences within 20 steps, whatever computes the gradients)
+        from torchmetrics.classification import MulticlassAccuracy
+
         self.arch = arch
         super().__init__(lr=lr, **kwargs)
+        self.val_acc = MulticlassAccuracy(num_classes=hf_config(arch).vocab_size, average="micro")  # in __init__:
+        # metric states are not layers, Lightning's configure_model would create them on the meta device
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
@@ -219,9 +223,6 @@ class HFCausalLM(_Base):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_config(hf_config(self.arch), attn_implementation="eager")
-        from torchmetrics.classification import MulticlassAccuracy
-
-        self.val_acc = MulticlassAccuracy(num_classes=self.model.config.vocab_size, average="micro")
 
     def training_step(self, batch, batch_idx):
         x, _ = batch

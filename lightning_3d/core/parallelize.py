@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
+from torchmetrics import Metric
 
 from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
@@ -83,6 +84,7 @@ def plan_model(
             what would work).
     """
     partitioner = partition.get_partitioner(partitioner)
+    _check_no_meta_metrics(module)
     if not uses_sequential_body(module, body, blocks):
         return _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan)
     found = partition.find_body(module, body)
@@ -110,6 +112,21 @@ def plan_model(
     if is_meta:
         check_materializable(found.module, found.fqn)
     return ModelPlan(found, stage_plan, resolved, full_spec, example_input, is_meta)
+
+
+def _check_no_meta_metrics(module: nn.Module) -> None:
+    """torchmetrics states created in ``configure_model`` are on the meta device, and nothing can recreate their
+    initial values (zeros, -inf, ...): refuse them with the fix instead of failing later in ``module.to``."""
+    meta = [
+        name
+        for name, sub in module.named_modules()
+        if isinstance(sub, Metric) and any(isinstance(v, torch.Tensor) and v.is_meta for v in sub.metric_state.values())
+    ]
+    if meta:
+        raise ValueError(
+            f"torchmetrics metrics created on the meta device (in configure_model): {', '.join(meta)}. Create "
+            "metrics in the LightningModule's __init__; configure_model is for the layers."
+        )
 
 
 def uses_sequential_body(module: nn.Module, body: str | None, blocks: str | None) -> bool:
