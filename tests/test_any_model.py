@@ -152,3 +152,8 @@ def test_hf_checkpoints_resume_and_reshard(tmp_path):
         for rec in (saved, reshard):
             assert _rel(rec["validate"]["val_loss"], single["validate"]["val_loss"]) < 1e-6, rec["validate"]
             assert rec["validate"]["val_acc"] == single["validate"]["val_acc"], rec["validate"]
+        # the step-6 checkpoint exported as a Hugging Face folder: from_pretrained gives the trained weights, and
+        # LoadWeights(folder) starts a tp1 x pp4 x dp2 run from them
+        trained = saved["fit"]["snap_end"]["params"]
+        assert _max_rel(saved["hf_params"], trained) == 0.0
+        assert _max_rel(reshard["from_hf"], trained) == 0.0

@@ -170,10 +170,19 @@ def export_hf(
     config = config_from(config)
     model = _build_on_meta(config)
     keys = list(model.state_dict().keys())
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    # a tied weight's other names: lightning_3d checkpoints store it once, under its first name
+    alias_of = {other: names[0] for names in groups.values() for other in names[1:]}
+    required = [k for k in keys if k not in alias_of]
     prefix = _prefix(module_attr)
     if prefix is None:
-        prefix = infer_prefix(state_dict, keys)
+        prefix = infer_prefix(state_dict, required)
     own = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    for alias, canonical in alias_of.items():
+        if alias not in own and canonical in own:
+            own[alias] = own[canonical]
     missing = [k for k in keys if k not in own]
     if missing:
         raise ValueError(
@@ -181,9 +190,6 @@ def export_hf(
             f"{prefix!r}, e.g. {', '.join(missing[:3])}"
         )
     own = {k: own[k] for k in keys}  # only the model's keys (the LightningModule may hold more)
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
     for names in groups.values():
         first = own[names[0]]
         for other in names[1:]:

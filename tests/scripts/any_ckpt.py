@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ckpt_common import Recorder
+from ckpt_common import Recorder, snapshot
 
 from lightning_3d import ThreeDStrategy
 from lightning_3d.checkpoint import LoadWeights
@@ -35,6 +35,14 @@ GLOBAL_BATCH, N = 8, 48
 
 def module(name: str) -> L.LightningModule:
     return MODELS[name](build="init")
+
+
+class StartSnapshot(L.Callback):
+    """Full parameters (canonical names) as training starts, after LoadWeights (listed before it)."""
+
+    def on_fit_start(self, trainer, pl_module):
+        snap = canonical({"snap_start": snapshot(trainer, pl_module)}, pl_module)
+        self.params = snap["snap_start"]["params"]
 
 
 def trainer(args: argparse.Namespace, steps: int, callbacks: list, single: bool = False) -> L.Trainer:
@@ -107,6 +115,21 @@ def run(args: argparse.Namespace, name: str) -> None:
         t = trainer(args, 6, [LoadWeights(str(init)), recorder, saver])
         t.fit(model, datamodule=data(args.dp))
         rec["fit"] = canonical(recorder.record(), model)
+        if t.global_rank == 0:  # the trained model as a Hugging Face folder, and what from_pretrained makes of it
+            from transformers import AutoModelForCausalLM
+
+            from lightning_3d.checkpoint import export_hf_checkpoint
+
+            folder = export_hf_checkpoint(ckpts / "step=6.ckpt", out / f"{name}-hf", config=model.model.config)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float64)
+            rec["hf_params"] = {f"model.{k}": v.detach().clone() for k, v in loaded.named_parameters()}
+        t.strategy.barrier()
+    if args.phase == "reshard":  # a fresh fit from the Hugging Face folder (fine-tuning a pretrained model)
+        start = StartSnapshot()
+        L.seed_everything(777, verbose=False)
+        t = trainer(args, 1, [LoadWeights(str(out / f"{name}-hf")), start])
+        t.fit(module(name), datamodule=data(args.dp))
+        rec["from_hf"] = start.params
     recorder = Recorder()
     L.seed_everything(4321, verbose=False)  # the checkpoint, not the seed, decides
     resumed = module(name)
