@@ -174,13 +174,7 @@ def _plan_split_model(
                 "were asked for: every stage needs at least one block. "
                 f"Use pp <= {len(layers) // stages_per_rank}."
             )
-        ranges = partitioner(layers, num_stages)
-        flat = [i for r in ranges for i in r]
-        if len(ranges) != num_stages or flat != list(range(len(layers))) or any(len(r) == 0 for r in ranges):
-            raise ValueError(
-                f"Partitioner {partitioner!r} returned {ranges}: expected {num_stages} contiguous non-empty "
-                f"ranges covering blocks 0..{len(layers) - 1} in order."
-            )
+        ranges = partition.checked_ranges(partitioner, layers, num_stages, what="blocks")
         split = blocks.split_model(module, container, pp, ranges, stages_per_rank)
         parent_name, _, attr = container.fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module

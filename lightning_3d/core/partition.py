@@ -195,6 +195,20 @@ class StagePlan:
         return "\n".join(lines)
 
 
+def checked_ranges(
+    partitioner: Partitioner, layers: Sequence[tuple[str, nn.Module]], num_stages: int, what: str = "layers"
+) -> list[range]:
+    """The partitioner's ranges for ``layers``, checked: ``num_stages`` contiguous non-empty ranges in order."""
+    ranges = partitioner(layers, num_stages)
+    flat = [i for r in ranges for i in r]
+    if len(ranges) != num_stages or flat != list(range(len(layers))) or any(len(r) == 0 for r in ranges):
+        raise ValueError(
+            f"Partitioner {partitioner!r} returned {ranges}: expected {num_stages} contiguous non-empty ranges "
+            f"covering {what} 0..{len(layers) - 1} in order."
+        )
+    return list(ranges)
+
+
 def plan_stages(body: BodyRef, pp: int, partitioner: Partitioner, stages_per_rank: int = 1) -> StagePlan:
     """Split ``body`` into ``pp * stages_per_rank`` stages; stage ``s`` runs on pp rank ``s % pp`` (looping)."""
     layers = list(body.module.named_children())
@@ -205,13 +219,7 @@ def plan_stages(body: BodyRef, pp: int, partitioner: Partitioner, stages_per_ran
             f"(pp={pp}{f' x {stages_per_rank} stages per rank' if stages_per_rank > 1 else ''}): every stage needs "
             f"at least one layer. Use pp <= {len(layers) // stages_per_rank}, or split the model into more layers."
         )
-    ranges = partitioner(layers, num_stages)
-    flat = [i for r in ranges for i in r]
-    if len(ranges) != num_stages or flat != list(range(len(layers))) or any(len(r) == 0 for r in ranges):
-        raise ValueError(
-            f"Partitioner {partitioner!r} returned {ranges}: expected {num_stages} contiguous non-empty ranges "
-            f"covering layers 0..{len(layers) - 1} in order."
-        )
+    ranges = checked_ranges(partitioner, layers, num_stages)
     names = [[layers[i][0] for i in r] for r in ranges]
     return StagePlan(names, body.fqn, [s % pp for s in range(num_stages)])
 

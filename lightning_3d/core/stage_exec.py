@@ -34,7 +34,7 @@ from torch import nn
 from . import torch_compat
 from .blocks import BLOCKS_CONTRACT, ModelSplit
 from .log_relay import LogRecorder, StepLogs, silenced
-from .step import extract_loss, slice_batch
+from .step import extract_loss, micro_batch_loss, slice_batch
 
 
 class _StageDone(BaseException):
@@ -370,25 +370,11 @@ class StageExecutor:
         if inferring:
             loss = extract_loss(result, self._hook) if self._train else None
             return (loss * 0.0).reshape(1) if isinstance(loss, torch.Tensor) else torch.zeros(1, device=_device(inputs))
-        if not self._train:
-            self.outputs.append(result)
-            loss = extract_loss(result, self._hook) if isinstance(result, (torch.Tensor, Mapping)) else None
-            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-                self.logs.add_loss(loss, length)
-            return torch.zeros(1, device=_device(inputs))
-        loss = extract_loss(result, self._hook)
-        if loss is None:
-            raise ValueError(
-                f"{self._hook} returned None: skipping a batch is not supported under pipeline parallelism "
-                "(every stage has already run it)."
-            )
-        if loss.numel() != 1 or not loss.requires_grad:
-            raise ValueError(
-                f"{self._hook} must return a scalar loss computed from the model's output (got shape "
-                f"{tuple(loss.shape)}, requires_grad={loss.requires_grad})."
-            )
-        self.logs.add_loss(loss, length)
-        return (loss * (length / self._total * self._scale)).reshape(1)
+        loss = micro_batch_loss(
+            result, self._hook, self._train, self.logs, self.outputs, length, length / self._total * self._scale
+        )
+        # a (1,)-shaped output, so that torch can join the micro-batches' outputs (loss_fn sums it back)
+        return torch.zeros(1, device=_device(inputs)) if loss is None else loss.reshape(1)
 
 
 def _device(inputs: Sequence[torch.Tensor]) -> torch.device | None:

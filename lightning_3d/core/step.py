@@ -250,25 +250,40 @@ class StepAdapter:
             result = self._step_fn(micro_batch, *self._step_args)
         if not called:
             raise ValueError(f"{self._hook} did not call the body {self.body.fqn!r}. {CONTRACT}")
-        if not self._train:
-            self.outputs.append(result)
-            loss = extract_loss(result, self._hook) if isinstance(result, (torch.Tensor, Mapping)) else None
-            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-                self.logs.add_loss(loss, length)
-            return torch.zeros(())
-        loss = extract_loss(result, self._hook)
-        if loss is None:
-            raise ValueError(
-                f"{self._hook} returned None: skipping a batch is not supported under pipeline parallelism "
-                "(every stage has already run it)."
-            )
-        if loss.numel() != 1 or not loss.requires_grad:
-            raise ValueError(
-                f"{self._hook} must return a scalar loss computed from the body's output (got shape "
-                f"{tuple(loss.shape)}, requires_grad={loss.requires_grad})."
-            )
-        self.logs.add_loss(loss, length)
-        return loss * (length / self._total * self._scale)
+        loss = micro_batch_loss(
+            result, self._hook, self._train, self.logs, self.outputs, length, length / self._total * self._scale
+        )
+        return torch.zeros(()) if loss is None else loss
+
+
+def micro_batch_loss(
+    result: Any, hook: str, train: bool, logs: StepLogs, outputs: list[Any], samples: int, weight: float
+) -> torch.Tensor | None:
+    """What the schedule takes from the user's step on one micro-batch.
+
+    In evaluation the step's output is kept in ``outputs`` (and a scalar loss among it recorded in ``logs``) and
+    ``None`` is returned; in training the loss is checked, recorded and returned times ``weight`` (the
+    micro-batch's share of the batch, over ``accumulate_grad_batches``).
+    """
+    if not train:
+        outputs.append(result)
+        loss = extract_loss(result, hook) if isinstance(result, (torch.Tensor, Mapping)) else None
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            logs.add_loss(loss, samples)
+        return None
+    loss = extract_loss(result, hook)
+    if loss is None:
+        raise ValueError(
+            f"{hook} returned None: skipping a batch is not supported under pipeline parallelism "
+            "(every stage has already run it)."
+        )
+    if loss.numel() != 1 or not loss.requires_grad:
+        raise ValueError(
+            f"{hook} must return a scalar loss computed from the model's output (got shape "
+            f"{tuple(loss.shape)}, requires_grad={loss.requires_grad})."
+        )
+    logs.add_loss(loss, samples)
+    return loss * weight
 
 
 def merge_outputs(outputs: list[Any], sizes: Sequence[int] | None = None) -> Any:

@@ -76,6 +76,7 @@ from lightning_3d.core.tensor_parallel.hf_styles import (
     TiedParams,
     module_kind,
 )
+from lightning_3d.core.tensor_parallel.styles import relative_name
 
 # HF style name -> (direction of PLACEMENTS or "replicated_grad" / "replicate", module kinds it applies to).
 SUPPORTED_STYLES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -162,13 +163,8 @@ class HFPlan:
         """
         out: dict[str, ParallelStyle] = {}
         for fqn, entry in self.entries.items():
-            if not prefix:
-                key = fqn
-            elif fqn == prefix:
-                key = ""
-            elif fqn.startswith(prefix + "."):
-                key = fqn[len(prefix) + 1 :]
-            else:
+            key = relative_name(fqn, prefix)
+            if key is None:
                 continue
             style = make_hf_style(entry.style, self.ties)
             if style is not None:

@@ -24,7 +24,14 @@ from lightning_3d.core.tensor_parallel.analyzer import (
     divisors_text,
     example_input_for,
 )
-from lightning_3d.core.tensor_parallel.styles import STYLE_NAMES, check_style, local_numel_of, make_style, style_kind
+from lightning_3d.core.tensor_parallel.styles import (
+    STYLE_NAMES,
+    check_style,
+    local_numel_of,
+    make_style,
+    relative_name,
+    style_kind,
+)
 
 
 @dataclass(frozen=True)
@@ -66,13 +73,8 @@ class TPPlan:
         """
         out: dict[str, ParallelStyle] = {}
         for fqn, entry in self.entries.items():
-            if not prefix:
-                key = fqn
-            elif fqn == prefix:
-                key = ""
-            elif fqn.startswith(prefix + "."):
-                key = fqn[len(prefix) + 1 :]
-            else:
+            key = relative_name(fqn, prefix)
+            if key is None:
                 continue
             style = make_style(entry.style)
             if style is not None:

@@ -161,3 +161,15 @@ def local_numel_of(shape: tuple[int, ...], kind: str, param_name: str, tp: int) 
     if kind in ("rowwise", "vocab") and param_name == "weight":
         return math.prod(shape) // tp
     return math.prod(shape)
+
+
+def relative_name(fqn: str, prefix: str) -> str | None:
+    """``fqn`` relative to the submodule at ``prefix`` (``""`` for the submodule itself; any ``fqn`` when
+    ``prefix`` is the root ``""``), or ``None`` when ``fqn`` is not inside it."""
+    if not prefix:
+        return fqn
+    if fqn == prefix:
+        return ""
+    if fqn.startswith(prefix + "."):
+        return fqn[len(prefix) + 1 :]
+    return None
