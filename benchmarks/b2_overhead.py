@@ -52,11 +52,18 @@ MODELS: tuple[str, ...] = ("gpt", "hf_llama")
 
 
 def _has_nonfinite_check() -> bool:
+    import dataclasses
     import inspect
 
     from lightning_3d import ThreeDStrategy
 
-    return "on_nonfinite" in inspect.signature(ThreeDStrategy.__init__).parameters
+    if "on_nonfinite" in inspect.signature(ThreeDStrategy.__init__).parameters:
+        return True
+    try:  # the settings are a dataclass that ThreeDStrategy(**kwargs) fills in
+        from lightning_3d.settings import ThreeDSettings
+    except ImportError:
+        return False
+    return "on_nonfinite" in {f.name for f in dataclasses.fields(ThreeDSettings)}
 
 
 NONFINITE_CHECK = _has_nonfinite_check()
