@@ -649,7 +649,8 @@ def run_llama(out: Path, tiny: bool, model: str) -> Record:
     if result["unexplained_in_schedule"]:
         lines.append(f"unexplained collectives inside the schedule: {result['unexplained_in_schedule'][:5]}")
     lines.append(
-        "outside the schedule, all 8 ranks together: "
+        "outside the schedule, all 8 ranks together (the log relay of train_loss: pp broadcast and dp all-gather; a "
+        "world all-reduce of the NaN/inf flags; with tied weights the embedding-group all-reduce 'emb'): "
         + ", ".join(
             f"{k}: {v['calls']} calls / {v['bytes']} B" for k, v in result["outside_schedule_all_ranks"].items()
         )
