@@ -2,6 +2,8 @@
 
 ``python -m benchmarks ID [ID ...] [--out DIR]`` runs B0..B7 (or ``all``); each prints the measured value,
 the baseline measured in the same run, the ideal and the ratio, and writes ``DIR/ID.json``.
+``--model hf_llama`` (B2, B3, B4, B5) or ``--model hf_llama_tied`` (B3, B4, B5) runs them on a Hugging Face
+``LlamaForCausalLM`` (``hf_llama.py``) instead of the example GPT and writes ``DIR/ID_<model>.json``.
 
 ==  ====================================================================================================
 B0  calibration: gloo send/recv and all-reduce bandwidth, one-core matmul GFLOP/s

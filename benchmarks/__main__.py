@@ -1,4 +1,8 @@
-"""``python -m benchmarks ID [ID ...] [--out DIR] [--tiny]``: run benchmarks and write ``DIR/ID.json``."""
+"""``python -m benchmarks ID [ID ...] [--out DIR] [--tiny] [--model NAME]``: run benchmarks and write ``DIR/ID.json``.
+
+``--model hf_llama`` (or ``hf_llama_tied``) runs the benchmarks that have a Hugging Face Llama variant (a module
+listing it in ``MODELS``) on that model instead of the example GPT and writes ``DIR/ID_hf_llama.json``.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,15 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import ModuleType
 
 from . import BENCHMARKS, RUN_ORDER
 from .common import environment, fmt, report
+from .hf_llama import MODEL_NAMES
+
+
+def _module(bench_id: str) -> ModuleType:
+    return importlib.import_module(f"benchmarks.{BENCHMARKS[bench_id]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,26 +35,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny model and few repetitions: checks the plumbing, times nothing"
     )
+    parser.add_argument(
+        "--model",
+        default="gpt",
+        choices=("gpt", *MODEL_NAMES),
+        help="gpt (default): the example GPT; hf_llama / hf_llama_tied: a Hugging Face LlamaForCausalLM (GQA; "
+        "untied / tied embeddings), for B2..B5 (records ID_MODEL.json)",
+    )
     args = parser.parse_args(argv)
     ids = list(RUN_ORDER) if [i.lower() for i in args.ids] == ["all"] else [i.upper() for i in args.ids]
     unknown = [i for i in ids if i not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark id(s) {unknown}; choose from {', '.join(BENCHMARKS)} or 'all'")
+    if args.model != "gpt":
+        without = [i for i in ids if args.model not in getattr(_module(i), "MODELS", ("gpt",))]
+        if without and [i.lower() for i in args.ids] == ["all"]:
+            ids = [i for i in ids if i not in without]  # 'all' with a model: the benchmarks that have it
+        elif without:
+            parser.error(f"benchmark(s) {without} have no --model {args.model} variant")
     out = Path(args.out)
     summary, failed = {}, []
     for bench_id in ids:
-        module = importlib.import_module(f"benchmarks.{BENCHMARKS[bench_id]}")
+        module = _module(bench_id)
         env = environment()
         start = time.monotonic()
         try:
-            record = module.run(out, tiny=args.tiny)
+            if args.model == "gpt":
+                record = module.run(out, tiny=args.tiny)
+            else:
+                record = module.run(out, tiny=args.tiny, model=args.model)
         except Exception:  # a failed benchmark must not stop the others
             failed.append(bench_id)
             print(f"== {bench_id} FAILED\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             continue
         data = report(record, out, env, time.monotonic() - start)
-        summary[bench_id] = {k: data[k] for k in ("measured", "baseline", "ideal", "ratio", "unit")}
-        summary[bench_id]["loadavg_start"] = env["loadavg_start"]
+        summary[record.id] = {k: data[k] for k in ("measured", "baseline", "ideal", "ratio", "unit")}
+        summary[record.id]["loadavg_start"] = env["loadavg_start"]
     if len(ids) > 1:
         print("\nsummary:")
         for bench_id, row in sorted(summary.items()):

@@ -25,6 +25,16 @@ Where ``ThreeDStrategy`` checks every step's loss and gradients for NaN/inf (``o
 the strategy also runs a third time with ``on_nonfinite="off"`` to show what that check costs.
 
 Ratio = strategy step (defaults) / hand-loop step (ideal 1.00).
+
+``--model hf_llama`` (record ``B2_hf_llama``, pp=2 only): the Hugging Face Llama of ``hf_llama.py``. The strategy
+splits it at its block container and runs the example's unchanged ``training_step`` (the whole Hugging Face
+forward and loss) on each stage, the other stage's modules stood in for. The hand-written side drives torch's
+``PipelineStage`` + ``Schedule1F1B`` over stage modules built by hand (:class:`LlamaStage`: stage 0 = embedding +
+the first half of the layers, stage 1 = the second half + final norm + LM head, each computing the causal mask
+and rotary position embeddings the way ``LlamaModel.forward`` does; mean cross-entropy as the loss) with the
+example's AdamW groups. Both sides start from the same weights (the model built from seed 0, not on the meta
+device) and read the same batches, so their losses must agree step by step: the largest difference is reported.
+Rounds alternate hand / strategy / hand / ... (three strategy rounds, four hand rounds) in the same processes.
 """
 
 from __future__ import annotations
@@ -37,14 +47,23 @@ from typing import Any
 from .common import Record, median
 
 ID, TITLE = "B2", "strategy overhead: ThreeDStrategy vs a hand-written loop over the same torch objects"
+MODELS: tuple[str, ...] = ("gpt", "hf_llama")
+"""The models this benchmark runs on (``--model``; the hand loop holds no tied weights)."""
 
 
 def _has_nonfinite_check() -> bool:
+    import dataclasses
     import inspect
 
     from lightning_3d import ThreeDStrategy
 
-    return "on_nonfinite" in inspect.signature(ThreeDStrategy.__init__).parameters
+    if "on_nonfinite" in inspect.signature(ThreeDStrategy.__init__).parameters:
+        return True
+    try:  # the settings are a dataclass that ThreeDStrategy(**kwargs) fills in
+        from lightning_3d.settings import ThreeDSettings
+    except ImportError:
+        return False
+    return "on_nonfinite" in {f.name for f in dataclasses.fields(ThreeDSettings)}
 
 
 NONFINITE_CHECK = _has_nonfinite_check()
@@ -112,7 +131,15 @@ def _hand_loop(config: dict[str, Any], tp: int, pp: int, m: int, batch: int, ste
 
 
 def _strategy_run(
-    config: dict[str, Any], tp: int, pp: int, m: int, batch: int, steps: int, **strategy_kwargs: Any
+    config: dict[str, Any],
+    tp: int,
+    pp: int,
+    m: int,
+    batch: int,
+    steps: int,
+    module: Any = None,
+    trainer_kwargs: dict[str, Any] | None = None,
+    **strategy_kwargs: Any,
 ) -> dict[str, list[float]]:
     import lightning as L
 
@@ -127,6 +154,7 @@ def _strategy_run(
             self.starts: list[float] = []
             self.times: dict[str, list[float]] = {"schedule": [], "runner": [], "relay": [], "optimizer": []}
             self._before_opt = 0.0
+            self.losses: list[float] = []
 
         def _wrap(self, obj: Any, name: str, key: str) -> None:
             real = getattr(obj, name)
@@ -155,11 +183,28 @@ def _strategy_run(
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.times["optimizer"].append(time.perf_counter() - self._before_opt)
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            self.losses.append(float(loss) if loss is not None else float("nan"))
 
     clock = Clock()
-    fit_3d(config, clock, tp=tp, pp=pp, micro_batches=m, batch=batch, steps=steps, devices=tp * pp, **strategy_kwargs)
+    fit_3d(
+        config,
+        clock,
+        tp=tp,
+        pp=pp,
+        micro_batches=m,
+        batch=batch,
+        steps=steps,
+        devices=tp * pp,
+        module=module,
+        trainer_kwargs=trainer_kwargs,
+        **strategy_kwargs,
+    )
     s = clock.starts
-    return {"steps": [b - a for a, b in itertools.pairwise(s)], **{k: v[:-1] for k, v in clock.times.items()}}
+    out = {"steps": [b - a for a, b in itertools.pairwise(s)], **{k: v[:-1] for k, v in clock.times.items()}}
+    if module is not None:  # the loss of every batch (on the last stage), to compare with the hand loop's
+        out["losses"] = clock.losses[:-1]
+    return out
 
 
 def runs_of(gathered: list[Any], rank: int, phase: str, key: str) -> list[float]:
@@ -189,22 +234,30 @@ def worker(variants: list[dict[str, int]], steps: int, warmup: int, tiny: bool) 
         runs = [(kind, fn(*args)) for kind, fn in phases]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, runs)
-        merged: dict[str, dict[str, Any]] = {}
-        for i, (kind, run) in enumerate(runs):
-            pooled = merged.setdefault(kind, {"round_medians_ms": []})
-            # a step is the slower rank's; its parts are rank 0's (the first stage, which finishes a 1F1B step last)
-            for key in run:
-                pooled.setdefault(key, []).extend(list(gathered[0][i][1][key])[warmup:])
-            slowest = [max(vals) for vals in zip(*(g[i][1]["steps"] for g in gathered))][warmup:]
-            pooled["steps"] = pooled["steps"][: -len(slowest)] + slowest
-            pooled["round_medians_ms"].append(median(slowest) * 1e3)
-        out[f"tp{v['tp']}_pp{v['pp']}"] = {"variant": v, **merged}
+        out[f"tp{v['tp']}_pp{v['pp']}"] = {"variant": v, **_pool(runs, gathered, warmup)}
     return out
 
 
-def run(out: Path, tiny: bool = False) -> Record:
+def _pool(runs: list[tuple[str, Any]], gathered: list[Any], warmup: int) -> dict[str, dict[str, Any]]:
+    """The timed steps of every phase kind, pooled over its rounds (after ``warmup`` steps of each phase)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for i, (kind, run) in enumerate(runs):
+        pooled = merged.setdefault(kind, {"round_medians_ms": []})
+        # a step is the slower rank's; its parts are rank 0's (the first stage, which finishes a 1F1B step last)
+        for key in run:
+            pooled.setdefault(key, []).extend(list(gathered[0][i][1][key])[warmup:])
+        slowest = [max(vals) for vals in zip(*(g[i][1]["steps"] for g in gathered))][warmup:]
+        pooled["steps"] = pooled["steps"][: -len(slowest)] + slowest
+        pooled["round_medians_ms"].append(median(slowest) * 1e3)
+    return merged
+
+
+def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
     """Launch the two processes and build the record."""
     from .common import launch
+
+    if model != "gpt":
+        return run_llama(out, tiny, model)
 
     variants = [
         {"tp": 1, "pp": 2, "m": 8, "batch": 8, "rounds": 3, "check_off": True},
@@ -271,6 +324,218 @@ def run(out: Path, tiny: bool = False) -> Record:
         main["hand_ms"]["steps"],
         1.0,
         main["ratio"],
+        "ms per step (pp=2)",
+        details,
+        lines,
+    )
+
+
+# ---------------------------------------------------------------------- the Hugging Face Llama (--model hf_llama)
+def _llama_stage_class() -> type:
+    """:class:`LlamaStage`, built lazily (torch and transformers import inside)."""
+    import torch
+    from torch import nn
+    from transformers.masking_utils import create_causal_mask
+
+    class LlamaStage(nn.Module):
+        """One pipeline stage of a ``LlamaForCausalLM``, written by hand: what ``LlamaModel.forward`` and
+        ``LlamaForCausalLM.forward`` compute, restricted to this stage's modules (shared with the model).
+
+        Args:
+            hf: the ``LlamaForCausalLM``.
+            layers: indices of the decoder layers of this stage.
+            first: holds the embedding (input: token ids); last: holds the final norm and the LM head (output:
+                logits).
+        """
+
+        def __init__(self, hf: nn.Module, layers: range, first: bool, last: bool) -> None:
+            super().__init__()
+            base = hf.model
+            self.config = base.config
+            self.embed_tokens = base.embed_tokens if first else None
+            self.layers = nn.ModuleList(base.layers[i] for i in layers)
+            self.rotary_emb = base.rotary_emb
+            self.norm = base.norm if last else None
+            self.lm_head = hf.lm_head if last else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            mask = create_causal_mask(
+                config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=position_ids
+            )
+            position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+            for layer in self.layers:
+                hidden = layer(
+                    hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids
+                )
+            if self.lm_head is not None:
+                hidden = self.lm_head(self.norm(hidden))
+            return hidden
+
+    return LlamaStage
+
+
+def llama_loss(logits: Any, targets: Any) -> Any:
+    """Mean cross-entropy over every position, in float32 (Hugging Face's ``ForCausalLMLoss`` with
+    ``shift_labels`` given and nothing ignored)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _hand_loop_llama(config: dict[str, Any], m: int, batch: int, steps: int) -> dict[str, list[float]]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from .hf_llama import build_llama
+
+    module = build_llama(config, seed=0)
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    n_layers = int(config["num_hidden_layers"])
+    per_stage = n_layers // pp
+    first, last = rank == 0, rank == pp - 1
+    stage_module = _llama_stage_class()(
+        module.model, range(rank * per_stage, (rank + 1) * per_stage), first=first, last=last
+    )
+    stage = PipelineStage(stage_module, rank, pp, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, m, loss_fn=llama_loss)
+    # the example's configure_optimizers, on this stage's parameters
+    hp = module.hparams
+    params = [p for p in stage_module.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=(0.9, 0.95))
+    starts, inside, opt, losses = [], [], [], []
+    for x, y in _data(config, batch, steps):
+        starts.append(time.perf_counter())
+        t = time.perf_counter()
+        if first:
+            schedule.step(x)
+        else:
+            mb_losses: list[Any] = []
+            schedule.step(target=y, losses=mb_losses)
+            losses.append(float(sum(float(v) for v in mb_losses) / len(mb_losses)))
+        inside.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        opt.append(time.perf_counter() - t)
+    out = {"steps": [b - a for a, b in itertools.pairwise(starts)], "schedule": inside[:-1], "optimizer": opt[:-1]}
+    out["losses"] = losses[:-1]
+    return out
+
+
+def worker_llama(model: str, m: int, batch: int, steps: int, warmup: int, rounds: int, tiny: bool) -> dict[str, Any]:
+    """Runs on both ranks: rounds of hand loop / Trainer, then a last hand loop, on the Llama at pp=2."""
+    import torch.distributed as dist
+
+    from .common import init_distributed
+    from .hf_llama import build_llama, llama_config
+
+    init_distributed()
+    config = llama_config(model, tiny)
+    n = steps + warmup + 1
+
+    def hand() -> dict[str, list[float]]:
+        return _hand_loop_llama(config, m, batch, n)
+
+    def strategy() -> dict[str, list[float]]:
+        # batches in order, as the hand loop reads them (Lightning's sampler would shuffle them)
+        module = build_llama(config, seed=0)
+        return _strategy_run(
+            config, 1, 2, m, batch, n, module=module, trainer_kwargs={"use_distributed_sampler": False}
+        )
+
+    phases = [phase for _ in range(rounds) for phase in (("hand", hand), ("strategy", strategy))]
+    phases.append(("hand", hand))
+    runs = [(kind, fn()) for kind, fn in phases]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, runs)
+    last = dist.get_world_size() - 1
+    losses = {kind: gathered[last][i][1]["losses"] for i, (kind, _) in enumerate(runs[:2])}  # first round's
+    pooled = _pool(runs, gathered, warmup)
+    for kind in pooled:
+        pooled[kind].pop("losses", None)  # rank 0's (the first stage's): not the loss
+    return {
+        "tp1_pp2": {"variant": {"tp": 1, "pp": 2, "m": m, "batch": batch, "rounds": rounds}, **pooled},
+        "losses": losses,
+        "config": config,
+    }
+
+
+def run_llama(out: Path, tiny: bool, model: str) -> Record:
+    """B2 on the Hugging Face Llama (pp=2): launch the two processes and build ``B2_<model>``."""
+    from .common import launch
+
+    if model != "hf_llama":
+        raise ValueError(f"B2 runs on the example GPT or hf_llama (its hand loop holds no tied weights), not {model}")
+    steps, warmup, rounds = (2, 1, 1) if tiny else (6, 2, 3)
+    m, batch = (2, 4) if tiny else (8, 8)
+    args = {"model": model, "m": m, "batch": batch, "steps": steps, "warmup": warmup, "rounds": rounds, "tiny": tiny}
+    res = launch("b2_overhead:worker_llama", 2, args, timeout=600)
+    r = res["tp1_pp2"]
+    hand = {k: median(v) * 1e3 for k, v in r["hand"].items() if k != "round_medians_ms"}
+    strat = {k: median(v) * 1e3 for k, v in r["strategy"].items() if k != "round_medians_ms"}
+    hand["other"] = hand["steps"] - hand["schedule"] - hand["optimizer"]
+    strat["runner_extra"] = strat["runner"] - strat["schedule"]
+    strat["other"] = strat["steps"] - strat["runner"] - strat["optimizer"]
+    ratio = strat["steps"] / hand["steps"]
+    hand_rounds, strat_rounds = r["hand"]["round_medians_ms"], r["strategy"]["round_medians_ms"]
+    # each strategy round against the mean of the hand rounds before and after it (alternating order)
+    paired = [s / ((hand_rounds[i] + hand_rounds[i + 1]) / 2) for i, s in enumerate(strat_rounds)]
+    losses = res["losses"]
+    diffs = [abs(a - b) for a, b in zip(losses["hand"], losses["strategy"])]
+    lines = [
+        f"{model}, pp=2 (1F1B, m={m}, batch {batch}), {rounds} strategy rounds between {rounds + 1} hand rounds, "
+        f"{steps} timed steps each after {warmup} warm-up",
+        f"strategy {strat['steps']:.1f} ms/step vs hand loop {hand['steps']:.1f} -> ratio {ratio:.3f}",
+        "phase medians in run order (ms): "
+        + ", ".join(
+            f"{kind} {x:.0f}"
+            for pair in itertools.zip_longest(hand_rounds, strat_rounds)
+            for kind, x in zip(("hand", "strategy"), pair)
+            if x is not None
+        ),
+        "each strategy round / mean of the hand rounds around it: "
+        + ", ".join(f"{x:.3f}" for x in paired)
+        + f" (spread {min(paired):.3f}..{max(paired):.3f})",
+        f"   schedule {strat['schedule']:.1f} vs {hand['schedule']:.1f} ms; optimizer {strat['optimizer']:.1f} vs "
+        f"{hand['optimizer']:.1f}; strategy's runner around the schedule {strat['runner_extra']:.1f} (log relay "
+        f"{strat['relay']:.1f}); rest of the loop {strat['other']:.1f} vs {hand['other']:.1f} ms",
+        f"same computation: losses of the first round, hand {[round(x, 5) for x in losses['hand']]} vs strategy "
+        f"{[round(x, 5) for x in losses['strategy']]}, largest difference {max(diffs, default=float('nan')):.2e}",
+    ]
+    details = {
+        "model": model,
+        "config": res["config"],
+        "table": {
+            "tp1_pp2": {
+                "variant": r["variant"],
+                "hand_ms": hand,
+                "strategy_ms": strat,
+                "ratio": ratio,
+                "hand_round_medians_ms": hand_rounds,
+                "strategy_round_medians_ms": strat_rounds,
+                "strategy_round_over_neighbouring_hand_rounds": paired,
+                "raw_s": r,
+            }
+        },
+        "losses_first_round": losses,
+        "largest_loss_difference": max(diffs, default=None),
+        "layout": "2 processes, 1 thread each; pp=2 (1F1B); machine shared: timings are noisy",
+        "steps": {"warmup": warmup, "timed": steps, "statistic": "median of start-to-start, slower rank"},
+    }
+    return Record(
+        f"{ID}_{model}",
+        f"{TITLE} ({model}, hand-built Llama stages)",
+        strat["steps"],
+        hand["steps"],
+        1.0,
+        ratio,
         "ms per step (pp=2)",
         details,
         lines,

@@ -14,6 +14,12 @@ ratio sits a hair under the ideal because the micro-batches' token ids and targe
 tensor, whose storage is counted once however many micro-batches are in flight. Interleaved 1F1B (2 stages
 per rank, 4 stages) is reported per rank against 1F1B. The record's ratio is the lowest per-stage (GPipe / 1F1B) /
 ideal.
+
+``--model hf_llama`` (record ``B3_hf_llama``): the Hugging Face Llama of ``hf_llama.py`` trained through
+``Trainer.fit`` with ``ThreeDStrategy(pp=2, schedule=...)`` (split at its block container; every stage runs the
+example's ``training_step``, Hugging Face's own loss included), GPipe and 1F1B, m=8 micro-batches of one sequence.
+The same tracker runs around the strategy's schedule during step 1 (an observer of its pipeline runtime). No
+interleaved run.
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from .common import Record
+from .hf_llama import MODEL_NAMES
 
 ID, TITLE = "B3", "activation memory in flight: saved-tensor bytes per stage, GPipe vs 1F1B vs interleaved"
+MODELS: tuple[str, ...] = ("gpt", *MODEL_NAMES)
+"""The models this benchmark runs on (``--model``)."""
 
 
 class _Saved:
@@ -175,9 +184,12 @@ def worker(m: int, tiny: bool) -> dict[str, Any]:
     return result
 
 
-def run(out: Path, tiny: bool = False) -> Record:
+def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
     """Launch the two processes and build the record."""
     from .common import launch
+
+    if model != "gpt":
+        return run_llama(out, tiny, model)
 
     m, p = (4 if tiny else 8), 2
     res = launch("b3_activations:worker", 2, {"m": m, "tiny": tiny})
@@ -220,6 +232,122 @@ def run(out: Path, tiny: bool = False) -> Record:
     return Record(
         ID,
         TITLE,
+        measured,
+        baseline,
+        ideal,
+        min(ratios.values()),
+        "GPipe/1F1B per stage",
+        details,
+        lines,
+        "MB (1F1B peak per stage)",
+    )
+
+
+def worker_llama(model: str, m: int, tiny: bool) -> dict[str, Any]:
+    """Runs on both ranks: ``Trainer.fit`` of the Llama under GPipe, then 1F1B; step 1 tracked; returns every
+    rank's peaks (bytes)."""
+    import gc
+
+    import lightning as L
+    import torch.distributed as dist
+
+    from .common import fit_3d
+    from .hf_llama import build_llama, llama_config
+
+    config = llama_config(model, tiny)
+    result: dict[str, Any] = {}
+
+    class Track(L.Callback):
+        """Tracks saved tensors while the strategy's schedule runs step 1 (a pipeline runtime observer)."""
+
+        def __init__(self) -> None:
+            self.tracker: SavedTensorTracker | None = None
+            self.mine: dict[str, Any] = {}
+            self._ctx: Any = None
+
+        def before_batch(self, schedule: Any, train: bool) -> None:
+            assert self.tracker is not None
+            self._ctx = self.tracker.track(schedule)
+            self._ctx.__enter__()
+
+        def after_batch(self, schedule: Any, train: bool) -> None:
+            self._ctx.__exit__(None, None, None)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step != 1:
+                return
+            gc.collect()
+            self.tracker = SavedTensorTracker({p.untyped_storage().data_ptr() for p in pl_module.parameters()})
+            self.runtime = trainer.strategy.runner.runtime
+            self.runtime.add_observer(self)
+            dist.barrier()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.tracker is None or self.mine:
+                return
+            self.runtime.remove_observer(self)
+            gc.collect()
+            tracker = self.tracker
+            stages = [s.index for s in self.runtime.stages]
+            self.mine = {
+                "stages": stages,
+                "peak_per_stage": {str(s): tracker.peak[s] for s in stages},
+                "rank_peak": tracker.rank_peak,
+                "unattributed_peak": tracker.peak.get(-1, 0),
+                "left_after_step": tracker.rank_live,
+            }
+
+    for name in ("gpipe", "1f1b"):
+        track = Track()
+        module = build_llama(config, build=False)
+        fit_3d(config, track, tp=1, pp=2, micro_batches=m, batch=m, steps=2, devices=2, module=module, schedule=name)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, track.mine)
+        result[name] = gathered
+    return {"runs": result, "config": config}
+
+
+def run_llama(out: Path, tiny: bool, model: str) -> Record:
+    """B3 on the Hugging Face Llama through the strategy: launch the two processes, build ``B3_<model>``."""
+    from .common import launch
+    from .hf_llama import check_model
+
+    m, p = (4 if tiny else 8), 2
+    res = launch("b3_activations:worker_llama", 2, {"model": check_model(model), "m": m, "tiny": tiny}, timeout=300)
+    runs = res["runs"]
+    per_stage: dict[str, dict[int, int]] = {name: {} for name in runs}
+    for name, ranks in runs.items():
+        for r in ranks:
+            per_stage[name].update({int(s): v for s, v in r["peak_per_stage"].items()})
+    lines = [
+        f"{model} through ThreeDStrategy(pp=2), m={m} micro-batches of one sequence of {res['config']['block_size']}",
+        "stage | 1F1B MB | GPipe MB | GPipe/1F1B | ideal m/min(m,p-s) | ratio",
+    ]
+    measured, baseline, ideal, ratios = {}, {}, {}, {}
+    for s in range(p):
+        one, gp = per_stage["1f1b"][s], per_stage["gpipe"][s]
+        ideal_s = m / min(m, p - s)
+        measured[str(s)], baseline[str(s)], ideal[str(s)] = gp / one, one / 2**20, ideal_s
+        ratios[str(s)] = gp / one / ideal_s
+        lines.append(
+            f"{s:5d} | {one / 2**20:7.2f} | {gp / 2**20:8.2f} | {gp / one:10.3f} | {ideal_s:18.3f} | "
+            f"{ratios[str(s)]:.3f}"
+        )
+    left = {name: [r["left_after_step"] for r in ranks] for name, ranks in runs.items()}
+    unattributed = {name: [r["unattributed_peak"] for r in ranks] for name, ranks in runs.items()}
+    lines.append(f"bytes still saved after the step (per rank): {left}; saved outside any stage: {unattributed}")
+    details = {
+        "model": model,
+        "config": res["config"],
+        "raw": runs,
+        "per_stage_bytes": {k: {str(s): v for s, v in d.items()} for k, d in per_stage.items()},
+        "gpipe_bytes_per_microbatch": {str(s): per_stage["gpipe"][s] / m for s in range(p)},
+        "ratios_per_stage": ratios,
+        "layout": f"pp=2 on 2 processes through ThreeDStrategy, m={m}, micro-batch 1 sequence",
+    }
+    return Record(
+        f"{ID}_{model}",
+        f"{TITLE} ({model}, through the strategy)",
         measured,
         baseline,
         ideal,

@@ -13,6 +13,13 @@ Also reported: the naive share ``full / (tp * pp)`` of benchmarks.md (the worst 
 replicated norms/biases and the stage imbalance), and each rank's peak-RSS growth from just before
 ``configure_model`` to the start of training, next to the full model's parameter bytes.
 Ratio = max over ranks of measured / exact share (ideal 1.00).
+
+``--model hf_llama`` / ``hf_llama_tied`` (record ``B4_<model>``): the same count for the Hugging Face Llama of
+``hf_llama.py`` (GQA) under its own tensor-parallel plan, split at its block container. The exact share comes
+from a meta-device copy of the model (every parameter name, tied aliases included), the stage rule
+:func:`benchmarks.hf_llama.llama_stage` and the shard rule :func:`benchmarks.hf_llama.llama_local_numel`; a tied
+LM head counts on both the first stage (as the embedding) and the last (as the head), each with its own AdamW
+state. No RSS probe.
 """
 
 from __future__ import annotations
@@ -23,9 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from .common import Record
+from .hf_llama import MODEL_NAMES
 
 ID, TITLE = "B4", "state bytes per rank (params + grads + AdamW) at dp2 x pp2 x tp2, and peak RSS"
 TP, PP, DEVICES = 2, 2, 8
+MODELS: tuple[str, ...] = ("gpt", *MODEL_NAMES)
+"""The models this benchmark runs on (``--model``)."""
 
 
 def _peak_rss() -> int:
@@ -103,9 +113,92 @@ def worker(tiny: bool = False, steps: int = 1, n_embd: int | None = None) -> dic
     return {"ranks": gathered}
 
 
-def run(out: Path, tiny: bool = False) -> Record:
+def _state_bytes(trainer: Any, pl_module: Any) -> dict[str, int]:
+    """Bytes this rank holds: its parameters, their gradients and the optimizers' state (local shards)."""
+    from .common import local_tensor
+
+    params = list(pl_module.parameters())
+
+    def nbytes(t: Any) -> int:
+        t = local_tensor(t)
+        return t.numel() * t.element_size()
+
+    opt_bytes = sum(
+        nbytes(v) for opt in trainer.optimizers for st in opt.state.values() for v in st.values() if hasattr(v, "numel")
+    )
+    return {
+        "param_bytes": sum(nbytes(p) for p in params),
+        "grad_bytes": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_bytes": opt_bytes,
+        "param_tensors": len(params),
+    }
+
+
+def worker_llama(model: str, tiny: bool = False) -> dict[str, Any]:
+    """Runs on the 8 ranks with the Hugging Face Llama; returns every rank's counts."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from .common import fit_3d
+    from .hf_llama import build_llama, llama_config, llama_local_numel, owned_llama, reference_parameters
+
+    config = llama_config(model, tiny)
+    reference = reference_parameters(config)  # every name, tied aliases included (independent of the strategy)
+    unique = reference_parameters(config, with_aliases=False)  # the unsplit model's parameters, each once
+    n_layers = int(config["num_hidden_layers"])
+
+    class Count(L.Callback):
+        def __init__(self) -> None:
+            self.record: dict[str, Any] = {}
+            self.before = 0
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            self.before = _peak_rss()
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            mesh = trainer.strategy.device_mesh
+            coords = {d: mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}
+            owned = owned_llama(reference, n_layers, PP, coords["pp"])
+            exact_params = sum(llama_local_numel(n, shape, TP) for n, shape in owned.items()) * 4
+            self.record.update(
+                rank=trainer.global_rank,
+                coords=coords,
+                rss_growth=_peak_rss() - self.before,
+                exact_bytes=exact_params * 4 + 4 * len(owned),
+                exact_param_bytes=exact_params,
+                owned_tensors=len(owned),
+                owned_outside_blocks=sorted(n for n in owned if ".layers." not in n),
+                full_param_bytes=sum(4 * math.prod(s) for s in unique.values()),
+                full_param_tensors=len(unique),
+            )
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                self.record.update(_state_bytes(trainer, pl_module))
+
+    counter = Count()
+    fit_3d(
+        config,
+        counter,
+        tp=TP,
+        pp=PP,
+        micro_batches=2,
+        batch=2,
+        steps=1,
+        devices=DEVICES,
+        module=build_llama(config, build=False),
+    )
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, counter.record)
+    return {"ranks": gathered, "config": config}
+
+
+def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
     """Launch the eight processes and build the record."""
     from .common import launch
+
+    if model != "gpt":
+        return run_llama(out, tiny, model)
 
     res = launch("b4_state:worker", DEVICES, {"tiny": tiny}, timeout=240)
     # RSS of a model big enough to see: hidden 1024 (4x the benchmark GPT's width), built, not trained; once with
@@ -173,6 +266,66 @@ def run(out: Path, tiny: bool = False) -> Record:
     return Record(
         ID,
         TITLE,
+        worst["total_bytes"] / 2**20,
+        full_state / 2**20,
+        worst["exact_bytes"] / 2**20,
+        worst_ratio,
+        "MB (worst rank)",
+        details,
+        lines,
+        "MB (full model state)",
+    )
+
+
+def run_llama(out: Path, tiny: bool, model: str) -> Record:
+    """B4 on the Hugging Face Llama: launch the eight processes and build the record ``B4_<model>``."""
+    from .common import launch
+    from .hf_llama import check_model
+
+    res = launch("b4_state:worker_llama", DEVICES, {"model": check_model(model), "tiny": tiny}, timeout=300)
+    ranks = sorted(res["ranks"], key=lambda r: r["rank"])
+    full_params = ranks[0]["full_param_bytes"]
+    full_state = full_params * 4 + 4 * ranks[0]["full_param_tensors"]
+    naive = full_state / (TP * PP)
+    lines = [
+        f"{model}: LlamaForCausalLM hidden {res['config']['hidden_size']}, {res['config']['num_attention_heads']} "
+        f"heads / {res['config']['num_key_value_heads']} kv heads, intermediate {res['config']['intermediate_size']}, "
+        f"vocab {res['config']['vocab_size']}, {res['config']['num_hidden_layers']} layers, tied embeddings: "
+        f"{res['config']['tie_word_embeddings']}; Hugging Face tp plan, tp2 x pp2 x dp2",
+        "rank (dp,pp,tp) | params MB | grads MB | AdamW MB | total MB | exact MB | total/exact | outside the blocks",
+    ]
+    per_rank = []
+    for r in ranks:
+        total = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+        ratio = total / r["exact_bytes"]
+        per_rank.append({**r, "total_bytes": total, "ratio_exact": ratio, "ratio_naive": total / naive})
+        c = r["coords"]
+        outside = ", ".join(n.removeprefix("model.") for n in r["owned_outside_blocks"]) or "-"
+        lines.append(
+            f"{r['rank']:4d} ({c['dp']},{c['pp']},{c['tp']})     | {r['param_bytes'] / 2**20:9.3f} | "
+            f"{r['grad_bytes'] / 2**20:8.3f} | {r['optimizer_bytes'] / 2**20:8.3f} | {total / 2**20:8.3f} | "
+            f"{r['exact_bytes'] / 2**20:8.3f} | {ratio:11.4f} | {outside}"
+        )
+    worst = max(per_rank, key=lambda r: r["total_bytes"])
+    worst_ratio = max(r["ratio_exact"] for r in per_rank)
+    lines.append(
+        f"full model state {full_state / 2**20:.2f} MB (parameters {full_params / 2**20:.2f} MB, each once); naive "
+        f"share full/(tp*pp) = {naive / 2**20:.2f} MB; worst rank {worst['total_bytes'] / 2**20:.2f} MB = "
+        f"{worst['total_bytes'] / naive:.3f} x naive share, {worst['ratio_exact']:.4f} x its exact share"
+    )
+    details = {
+        "model": model,
+        "config": res["config"],
+        "ranks": per_rank,
+        "full_state_bytes": full_state,
+        "full_param_bytes": full_params,
+        "naive_share_bytes": naive,
+        "worst_rank_over_naive": worst["total_bytes"] / naive,
+        "layout": "dp2 x pp2 x tp2 on 8 processes (counting only), AdamW, after the first optimizer step",
+    }
+    return Record(
+        f"{ID}_{model}",
+        f"{TITLE} ({model})",
         worst["total_bytes"] / 2**20,
         full_state / 2**20,
         worst["exact_bytes"] / 2**20,

@@ -27,9 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from .common import Record
+from .hf_llama import MODEL_NAMES
 
 ID, TITLE = "B5", "communication audit of one dp2 x pp2 x tp2 step vs the formulas"
 TP, PP, DEVICES = 2, 2, 8
+MODELS: tuple[str, ...] = ("gpt", *MODEL_NAMES)
+"""The models this benchmark runs on (``--model``)."""
 _SKIP = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
@@ -42,9 +45,10 @@ def _counter_mode() -> Any:
     from lightning_3d.core.torch_compat import TorchDispatchMode, in_backward, op_name
 
     class CommCounter(TorchDispatchMode):
-        def __init__(self, group_dims: dict[str, str]) -> None:
+        def __init__(self, group_dims: dict[str, str], rank_dims: dict[tuple[int, ...], str] | None = None) -> None:
             super().__init__()
             self.group_dims = group_dims
+            self.rank_dims = rank_dims or {}  # groups outside the mesh, known by their ranks (embedding groups)
             self.records: list[dict[str, Any]] = []
             self.layer: str | None = None
             self.in_schedule = False
@@ -55,9 +59,16 @@ def _counter_mode() -> Any:
                     return self.group_dims[a]
                 if isinstance(a, torch.ScriptObject):
                     try:
-                        return self.group_dims.get(dist.ProcessGroup.unbox(a).group_name, "other")
+                        group = dist.ProcessGroup.unbox(a)
                     except Exception:
                         continue
+                    if group.group_name in self.group_dims:
+                        return self.group_dims[group.group_name]
+                    try:
+                        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+                    except Exception:
+                        return "other"
+                    return self.rank_dims.get(ranks, "other")
             return "other"
 
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
@@ -85,6 +96,19 @@ def _counter_mode() -> Any:
     return CommCounter
 
 
+class _InSchedule:
+    """A runtime observer: marks the counter's records made while the pipeline schedule runs."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+
+    def before_batch(self, schedule: Any, train: bool) -> None:
+        self.mode.in_schedule = True
+
+    def after_batch(self, schedule: Any, train: bool) -> None:
+        self.mode.in_schedule = False
+
+
 def _input_tensors(name: str, args: tuple[Any, ...]) -> list[Any]:
     """The tensors an op sends or reduces (for all-gathers: the input, not the gathered output)."""
     import torch
@@ -106,18 +130,7 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
     from .common import fit_3d, gpt_local_numel, model_config, owned_parameters
 
     CommCounter = _counter_mode()
-
-    class InSchedule:
-        """A runtime observer: marks the counter's records made while the pipeline schedule runs."""
-
-        def __init__(self, mode: Any) -> None:
-            self.mode = mode
-
-        def before_batch(self, schedule: Any, train: bool) -> None:
-            self.mode.in_schedule = True
-
-        def after_batch(self, schedule: Any, train: bool) -> None:
-            self.mode.in_schedule = False
+    InSchedule = _InSchedule
 
     class Audit(L.Callback):
         def __init__(self) -> None:
@@ -267,9 +280,12 @@ def analyse(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
     }
 
 
-def run(out: Path, tiny: bool = False) -> Record:
+def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
     """Launch the eight processes, check the formulas, build the record."""
     from .common import launch
+
+    if model != "gpt":
+        return run_llama(out, tiny, model)
 
     m, batch = (2, 4) if tiny else (4, 8)
     res = launch("b5_comm:worker", DEVICES, {"tiny": tiny, "micro_batches": m, "batch": batch}, timeout=300)
@@ -309,6 +325,340 @@ def run(out: Path, tiny: bool = False) -> Record:
     return Record(
         ID,
         TITLE,
+        {k: c["measured"] for k, c in checks.items()},
+        {k: c["formula"] for k, c in checks.items()},
+        1.0,
+        {k: round(c["ratio"], 4) for k, c in checks.items()},
+        "",
+        details,
+        lines,
+    )
+
+
+# ---------------------------------------------------------------------- the Hugging Face Llama (--model hf_llama)
+LLAMA_OUTSIDE: tuple[str, ...] = ("model.model.embed_tokens", "model.model.norm", "model.lm_head")
+"""The Llama's modules outside its block container, by their names in the LightningModule."""
+
+
+def _label_hooks(mode: Any, modules: list[tuple[str, Any]], prepend: bool) -> list[Any]:
+    """Hooks that set ``mode.layer`` to a module's label while its forward runs and when autograd reaches its
+    output's gradient (its backward starts there).
+
+    Full backward hooks cannot do the second part on a split model: the stage's last block ends its stage's
+    forward by raising from a forward hook, before ``nn.Module`` would wrap the output for backward hooks; a
+    tensor hook on the output, added by a forward hook that runs first (``prepend``), sees it.
+    """
+    import torch
+
+    def enter_fn(label: str) -> Any:
+        def enter(*_: Any) -> None:
+            mode.layer = label
+
+        return enter
+
+    def mark_fn(label: str) -> Any:
+        def mark(module: Any, args: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda grad: setattr(mode, "layer", label))
+
+        return mark
+
+    handles = []
+    for label, module in modules:
+        handles.append(module.register_forward_pre_hook(enter_fn(label)))
+        handles.append(module.register_forward_hook(mark_fn(label), prepend=prepend))
+    return handles
+
+
+def worker_llama(model: str, tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
+    """Runs on the 8 ranks with the Hugging Face Llama: audits step 1; returns every rank's records and its
+    independently counted local gradient and tied-weight elements."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_3d.core.stage_exec import Elsewhere, Skipped
+
+    from .common import fit_3d
+    from .hf_llama import (
+        build_llama,
+        llama_config,
+        llama_local_numel,
+        owned_llama,
+        reference_parameters,
+        tied_local_numel,
+    )
+
+    config = llama_config(model, tiny)
+    reference = reference_parameters(config)
+    n_layers = int(config["num_hidden_layers"])
+    CommCounter = _counter_mode()
+
+    class Audit(L.Callback):
+        def __init__(self) -> None:
+            self.mode: Any = None
+            self.handles: list[Any] = []
+            self.result: dict[str, Any] = {}
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step != 1:
+                return
+            strategy = trainer.strategy
+            mesh = strategy.device_mesh
+            dims = {mesh[d].get_group().group_name: d for d in ("dp", "pp", "tp")}
+            dims[dist.group.WORLD.group_name] = "world"
+            grid = mesh.mesh  # (dp, pp, tp) global ranks; an embedding group: first and last stage of a pipeline
+            emb = {
+                tuple(sorted((int(grid[d, 0, t]), int(grid[d, PP - 1, t])))): "emb"
+                for d in range(grid.shape[0])
+                for t in range(grid.shape[2])
+            }
+            mode = CommCounter(dims, emb)
+            real = lambda mod: not isinstance(mod, (Elsewhere, Skipped))  # noqa: E731
+            blocks = [(f"{n}:{type(b).__name__}", b) for n, b in strategy.body.module.named_children() if real(b)]
+            outside = [(n, pl_module.get_submodule(n)) for n in LLAMA_OUTSIDE]
+            outside = [(f"{n.rpartition('.')[2]}:{type(m).__name__}", m) for n, m in outside if real(m)]
+            self.handles = _label_hooks(mode, blocks, prepend=True) + _label_hooks(mode, outside, prepend=False)
+            self.runtime = strategy.runner.runtime
+            self.observer = _InSchedule(mode)
+            self.runtime.add_observer(self.observer)
+            self.mode = mode
+            mode.__enter__()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.mode is None:
+                return
+            self.mode.__exit__(None, None, None)
+            for h in self.handles:
+                h.remove()
+            self.runtime.remove_observer(self.observer)
+            mesh = trainer.strategy.device_mesh
+            coords = {d: mesh[d].get_local_rank() for d in ("dp", "pp", "tp")}
+            stage = coords["pp"]
+            owned = owned_llama(reference, n_layers, PP, stage)
+            self.result = {
+                "rank": trainer.global_rank,
+                "coords": coords,
+                "records": self.mode.records,
+                "grad_elements_exact": sum(llama_local_numel(n, shape, TP) for n, shape in owned.items()),
+                "tied_elements_exact": tied_local_numel(reference, TP, stage, PP, config["tie_word_embeddings"]),
+                "layers": sum(1 for n in owned if n.endswith("input_layernorm.weight")),
+                "first": stage == 0,
+                "last": stage == PP - 1,
+            }
+            self.mode = None
+
+    audit = Audit()
+    module = build_llama(config, build=False)
+    fit_3d(
+        config, audit, tp=TP, pp=PP, micro_batches=micro_batches, batch=batch, steps=2, devices=DEVICES, module=module
+    )
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, audit.result)
+    return {"ranks": gathered, "config": config}
+
+
+def _ratio(measured: float, formula: float) -> float:
+    if measured == formula:
+        return 1.0  # also 0 == 0: "none expected, none seen"
+    return measured / formula if formula else float("inf")
+
+
+def analyse_llama(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
+    """Compare the Llama records with :func:`benchmarks.hf_llama.llama_comm_formulas` and the p2p, DDP and
+    tied-embedding formulas; returns the checks (measured, formula, ratio; the worst rank's), the unexplained
+    collectives and the traffic outside the schedule."""
+    from .hf_llama import llama_comm_formulas, llama_sizes
+
+    config = res["config"]
+    sz = llama_sizes(config)
+    b, s, h, v = batch // m, sz["s"], sz["h"], sz["v"]
+    bsh = b * s * h
+    tied = bool(config.get("tie_word_embeddings"))
+    ranks = sorted(res["ranks"], key=lambda r: r["rank"])
+    checks: dict[str, dict[str, Any]] = {}
+
+    def check(name: str, measured: float, formula: float, note: str = "") -> None:
+        prev = checks.get(name)
+        ratio = _ratio(measured, formula)
+        if prev is None or abs(ratio - 1) > abs(prev["ratio"] - 1):  # keep the worst case over ranks
+            checks[name] = {"measured": measured, "formula": formula, "ratio": ratio, "note": note}
+
+    # pipeline p2p per boundary and (dp, tp) slice: both directions
+    sent: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
+    for r in ranks:
+        for rec in r["records"]:
+            if rec["dim"] == "pp" and rec["op"] == "send" and rec["in_schedule"]:
+                key = (r["coords"]["dp"], r["coords"]["tp"])
+                sent[key][0] += rec["elements"]
+                sent[key][1] += 1
+    for elements, calls in sent.values():
+        check("p2p elements per boundary", elements, 2 * m * bsh, "2 m b s h (hidden states forward, gradients back)")
+        check("p2p calls per boundary", calls, 2 * m, "m sends each way")
+    for r in ranks:
+        where = "first" if r["first"] else "last"
+        f = llama_comm_formulas(b=b, s=s, h=h, v=v, tp=TP, m=m, layers=r["layers"], first=r["first"], last=r["last"])
+        tp_recs = [x for x in r["records"] if x["dim"] == "tp" and x["in_schedule"]]
+
+        def pick(recs: list[dict[str, Any]], op: str, phase: str) -> list[dict[str, Any]]:
+            return [x for x in recs if x["op"] == op and x["phase"] == phase]
+
+        # the whole stage's step (robust: needs no attribution to layers)
+        for op, phase, key, note in (
+            ("all_reduce", "fwd", "tp_fwd_all_reduce", "m (2 L_stage + 1 embedding on the first stage)"),
+            ("all_reduce", "bwd", "tp_bwd_all_reduce", "m (2 L_stage + 1 LM head input gradient on the last stage)"),
+            ("all_gather_into_tensor", "fwd", "tp_fwd_all_gather", "m on the last stage (LM head logits b s V/tp)"),
+        ):
+            recs = pick(tp_recs, op, phase)
+            label = op.replace("_into_tensor", "").replace("_", "-")
+            check(f"TP {label}s per step, {where} stage ({phase})", len(recs), f[f"{key}_calls"], note)
+            check(
+                f"TP {label} elements per step, {where} stage ({phase})",
+                sum(x["elements"] for x in recs),
+                f[f"{key}_elements"],
+                "calls x (b s h, or b s V/tp for the head)",
+            )
+        known = {("all_reduce", "fwd"), ("all_reduce", "bwd"), ("all_gather_into_tensor", "fwd")}
+        other = [x for x in tp_recs if (x["op"], x["phase"]) not in known]
+        check(f"other TP collectives per step, {where} stage", len(other), 0, "none in the plan")
+        # per transformer layer, per module outside the blocks
+        by_label: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+        for x in tp_recs:
+            by_label[x["layer"] or "none", x["phase"]].append(x)
+        layers = sorted({lab for lab, _ in by_label if lab.endswith(":LlamaDecoderLayer")})
+        for lab in layers:
+            for phase in ("fwd", "bwd"):
+                ar = pick(by_label[lab, phase], "all_reduce", phase)
+                check(
+                    f"TP all-reduces per layer per micro-batch ({phase})",
+                    len(ar) / m,
+                    f[f"layer_{phase}_all_reduces_per_micro_batch"],
+                    "o_proj + down_proj / q|k|v + gate|up inputs",
+                )
+                check(
+                    f"TP all-reduce elements per call, layers ({phase})",
+                    sum(x["elements"] for x in ar) / max(1, len(ar)),
+                    bsh,
+                    "b s h each",
+                )
+        if r["first"]:
+            fwd = by_label["embed_tokens:Embedding", "fwd"]
+            check(
+                "TP embedding all-reduces per micro-batch (fwd)",
+                len(pick(fwd, "all_reduce", "fwd")) / m,
+                1,
+                "vocabulary-parallel embed_tokens",
+            )
+            check(
+                "TP embedding all-reduce elements per call",
+                sum(x["elements"] for x in fwd) / max(1, len(fwd)),
+                bsh,
+                "b s h",
+            )
+            check(
+                "TP embedding collectives (bwd)",
+                len(by_label["embed_tokens:Embedding", "bwd"]),
+                0,
+                "token ids have no gradient",
+            )
+        if r["last"]:
+            fwd, bwd = by_label["lm_head:Linear", "fwd"], by_label["lm_head:Linear", "bwd"]
+            gathers = pick(fwd, "all_gather_into_tensor", "fwd")
+            check("TP head all-gathers per micro-batch (fwd)", len(gathers) / m, 1, "colwise_gather_output")
+            check(
+                "TP head all-gather input elements",
+                sum(x["elements"] for x in gathers) / max(1, len(gathers)),
+                b * s * v // TP,
+                "b s V/tp",
+            )
+            check(
+                "TP head all-reduces per micro-batch (bwd)",
+                len(pick(bwd, "all_reduce", "bwd")) / m,
+                1,
+                "input gradient of lm_head",
+            )
+            norm = by_label["norm:LlamaRMSNorm", "fwd"] + by_label["norm:LlamaRMSNorm", "bwd"]
+            check("TP final norm collectives", len(norm), 0, "RMSNorm replicated")
+        # data parallel: one all-reduce per step of the stage's local gradients
+        ddp = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
+        check("DDP all-reduce calls per step", len(ddp), 1, "one per optimizer step, not per micro-batch")
+        check("DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients")
+        # the tied embedding / head: one all-reduce of the local shard per step over the embedding group
+        embed = [x for x in r["records"] if x["dim"] == "emb"]
+        check(
+            "tied-weight all-reduces per step (embedding group)",
+            len(embed),
+            int(tied),
+            "one per tied tensor per batch, in the strategy's backward (after the schedule)",
+        )
+        check(
+            "tied-weight all-reduce elements per step",
+            sum(x["elements"] for x in embed),
+            r["tied_elements_exact"],
+            "the local shard V/tp x h",
+        )
+        check(
+            "tied-weight all-reduce bytes per step",
+            sum(x["bytes"] for x in embed),
+            4 * r["tied_elements_exact"],
+            "fp32",
+        )
+    unexplained = [
+        (r["rank"], x["dim"], x["op"], x["phase"], x["layer"])
+        for r in ranks
+        for x in r["records"]
+        if x["in_schedule"]
+        and not (
+            x["dim"] in ("pp", "dp")
+            or (x["dim"] == "tp" and x["op"] in ("all_reduce", "all_gather_into_tensor") and x["layer"] is not None)
+        )
+    ]
+    outside: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in ranks:
+        for x in r["records"]:
+            if not x["in_schedule"]:
+                key = f"{x['dim']} {x['op']}"
+                outside[key][0] += 1
+                outside[key][1] += x["bytes"]
+    return {
+        "checks": checks,
+        "unexplained_in_schedule": unexplained,
+        "outside_schedule_all_ranks": {k: {"calls": c, "bytes": nb} for k, (c, nb) in outside.items()},
+        "sizes": {"b": b, "s": s, "h": h, "vocab": v, "m": m, "layers": sz["L"], "kv_heads": sz["kv_heads"]},
+    }
+
+
+def run_llama(out: Path, tiny: bool, model: str) -> Record:
+    """B5 on the Hugging Face Llama: launch the eight processes, check the formulas, build ``B5_<model>``."""
+    from .common import launch
+    from .hf_llama import check_model
+
+    m, batch = (2, 4) if tiny else (4, 8)
+    args = {"model": check_model(model), "tiny": tiny, "micro_batches": m, "batch": batch}
+    res = launch("b5_comm:worker_llama", DEVICES, args, timeout=300)
+    result = analyse_llama(res, m, batch)
+    checks, sz = result["checks"], result["sizes"]
+    lines = [
+        f"{model}: b={sz['b']} sequences per micro-batch, s={sz['s']}, h={sz['h']}, V={sz['vocab']}, m={m}, "
+        f"{sz['layers']} layers ({sz['kv_heads']} kv heads); worst rank shown per check",
+        "check | measured | formula | ratio",
+    ]
+    for name, c in checks.items():
+        flag = "" if abs(c["ratio"] - 1) < 5e-4 else "   <-- not 1.000"
+        lines.append(f"{name}: {c['measured']:g} | {c['formula']:g} | {c['ratio']:.3f}{flag}  ({c['note']})")
+    if result["unexplained_in_schedule"]:
+        lines.append(f"unexplained collectives inside the schedule: {result['unexplained_in_schedule'][:5]}")
+    lines.append(
+        "outside the schedule, all 8 ranks together (the log relay of train_loss: pp broadcast and dp all-gather; a "
+        "world all-reduce of the NaN/inf flags; with tied weights the embedding-group all-reduce 'emb'): "
+        + ", ".join(
+            f"{k}: {v['calls']} calls / {v['bytes']} B" for k, v in result["outside_schedule_all_ranks"].items()
+        )
+    )
+    details = {**result, "model": model, "layout": "dp2 x pp2 x tp2 on 8 processes, step 1 (after the shape exchange)"}
+    return Record(
+        f"{ID}_{model}",
+        f"{TITLE} ({model})",
         {k: c["measured"] for k, c in checks.items()},
         {k: c["formula"] for k, c in checks.items()},
         1.0,

@@ -427,11 +427,16 @@ def fit_3d(
     batch: int,
     steps: int,
     devices: int,
+    module: Any = None,
+    trainer_kwargs: dict[str, Any] | None = None,
     **strategy_kwargs: Any,
 ) -> Any:
     """``Trainer.fit`` of the example GPT with ``ThreeDStrategy`` in the processes of this job (built in
     ``configure_model``, i.e. on the meta device and materialised shard by shard); returns the trainer.
-    ``strategy_kwargs`` go to ``ThreeDStrategy`` (e.g. ``on_nonfinite="off"``)."""
+    ``module`` replaces the GPT (e.g. the Hugging Face Llama of ``hf_llama.py``; ``config`` then only gives the
+    data's vocabulary and sequence length). ``trainer_kwargs`` go to the ``Trainer`` (e.g.
+    ``use_distributed_sampler=False``: batches in order), ``strategy_kwargs`` to ``ThreeDStrategy`` (e.g.
+    ``on_nonfinite="off"``)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -440,7 +445,7 @@ def fit_3d(
 
     quiet_lightning()
     L.seed_everything(0, verbose=False)
-    model = build_gpt(config, build=False)
+    model = build_gpt(config, build=False) if module is None else module
     dp = devices // (tp * pp)
     x, y = token_batch(config, batch * dp * steps, seed=1)
     trainer = L.Trainer(
@@ -453,6 +458,7 @@ def fit_3d(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[callback],
+        **(trainer_kwargs or {}),
     )
     torch.manual_seed(0)
     trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=batch))

@@ -110,3 +110,145 @@ def test_gpt_shard_rule():
     assert gpt_local_numel("body.1.attn.out_proj.bias", (256,), 2) == 256
     assert gpt_local_numel("body.1.ln_1.weight", (256,), 2) == 256
     assert gpt_local_numel("body.9.lm_head.weight", (2048, 256), 2) == math.prod((2048, 256)) // 2
+
+
+# ---------------------------------------------------------------------- the Hugging Face Llama variants (pure logic)
+def test_llama_stage_and_shard_rules():
+    hf = _import("benchmarks.hf_llama")
+    # 8 layers on 2 stages: embedding + layers 0..3 first, layers 4..7 + final norm + head last
+    assert hf.llama_stage("model.model.embed_tokens.weight", 8, 2) == 0
+    assert hf.llama_stage("model.model.layers.3.mlp.up_proj.weight", 8, 2) == 0
+    assert hf.llama_stage("model.model.layers.4.self_attn.q_proj.weight", 8, 2) == 1
+    assert hf.llama_stage("model.model.norm.weight", 8, 2) == 1
+    assert hf.llama_stage("model.lm_head.weight", 8, 2) == 1
+    with pytest.raises(ValueError):
+        hf.llama_stage("model.model.rotary_emb.weight", 8, 2)
+    n = hf.llama_local_numel
+    assert n("model.model.layers.0.self_attn.k_proj.weight", (128, 256), 2) == 128 * 256 // 2  # GQA: narrower, split
+    assert n("model.model.layers.0.self_attn.q_proj.bias", (256,), 2) == 128  # column-parallel bias split
+    assert n("model.model.layers.0.self_attn.o_proj.weight", (256, 256), 2) == 256 * 128
+    assert n("model.model.layers.0.mlp.down_proj.bias", (256,), 2) == 256  # row-parallel bias whole
+    assert n("model.model.layers.0.input_layernorm.weight", (256,), 2) == 256
+    assert n("model.model.norm.weight", (256,), 2) == 256
+    assert n("model.lm_head.weight", (2048, 256), 2) == 2048 * 128
+    assert n("model.lm_head.weight", (2048, 256), 1) == 2048 * 256
+    params = {"model.model.embed_tokens.weight": (64, 32), "model.lm_head.weight": (64, 32)}
+    assert hf.tied_local_numel(params, 2, 0, 2, tied=True) == hf.tied_local_numel(params, 2, 1, 2, tied=True) == 1024
+    assert hf.tied_local_numel(params, 2, 1, 2, tied=False) == 0
+    assert hf.tied_local_numel(params, 2, 1, 3, tied=True) == 0  # a middle stage holds neither
+
+
+def test_llama_comm_formulas():
+    f = _import("benchmarks.hf_llama").llama_comm_formulas(
+        b=2, s=16, h=32, v=64, tp=2, m=4, layers=3, first=True, last=False
+    )
+    bsh = 2 * 16 * 32
+    assert f["tp_fwd_all_reduce_calls"] == 4 * (2 * 3 + 1)  # o_proj + down_proj per layer, + the embedding
+    assert f["tp_bwd_all_reduce_calls"] == 4 * 2 * 3  # q|k|v and gate|up input gradients; no head here
+    assert f["tp_fwd_all_reduce_elements"] == 4 * 7 * bsh
+    assert f["tp_fwd_all_gather_calls"] == f["tp_fwd_all_gather_elements"] == 0
+    last = _import("benchmarks.hf_llama").llama_comm_formulas(
+        b=2, s=16, h=32, v=64, tp=2, m=4, layers=3, first=False, last=True
+    )
+    assert last["tp_bwd_all_reduce_calls"] == 4 * 7 and last["tp_fwd_all_gather_elements"] == 4 * 2 * 16 * 32
+
+
+def _llama_step_records(
+    first: bool, last: bool, layers: int, m: int, bsh: int, head: int, tied: int, grads: int
+) -> list[dict]:
+    """What one stage's step should record under the Llama plan, written out by hand (not from the formulas)."""
+
+    def rec(dim: str, op: str, elements: int, phase: str = "fwd", layer: str | None = None, inside: bool = True):
+        return {
+            "op": op,
+            "dim": dim,
+            "elements": elements,
+            "bytes": 4 * elements,
+            "layer": layer,
+            "phase": phase,
+            "in_schedule": inside,
+        }
+
+    out = []
+    offset = 0 if first else layers
+    for _ in range(m):
+        if first:
+            out.append(rec("tp", "all_reduce", bsh, "fwd", "embed_tokens:Embedding"))
+        for i in range(layers):
+            label = f"{offset + i}:LlamaDecoderLayer"
+            out += [rec("tp", "all_reduce", bsh, "fwd", label), rec("tp", "all_reduce", bsh, "fwd", label)]
+            out += [rec("tp", "all_reduce", bsh, "bwd", label), rec("tp", "all_reduce", bsh, "bwd", label)]
+        if last:
+            out.append(rec("tp", "all_gather_into_tensor", head, "fwd", "lm_head:Linear"))
+            out.append(rec("tp", "all_reduce", bsh, "bwd", "lm_head:Linear"))
+        out.append(rec("pp", "send", bsh))
+    out.append(rec("dp", "all_reduce", grads))
+    if tied:
+        out.append(rec("emb", "allreduce", tied, inside=False))
+    return out
+
+
+def _llama_result(tied: bool) -> dict:
+    b, s, h, v, m, layers = 2, 16, 32, 64, 2, 1
+    config = {
+        "hidden_size": h,
+        "block_size": s,
+        "vocab_size": v,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "tie_word_embeddings": tied,
+    }
+    ranks = []
+    for rank, (pp, tp) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        first, last = pp == 0, pp == 1
+        t = 1024 if tied else 0
+        ranks.append(
+            {
+                "rank": rank,
+                "coords": {"dp": 0, "pp": pp, "tp": tp},
+                "first": first,
+                "last": last,
+                "layers": layers,
+                "grad_elements_exact": 5000 + pp,
+                "tied_elements_exact": t,
+                "records": _llama_step_records(first, last, layers, m, b * s * h, b * s * v // 2, t, 5000 + pp),
+            }
+        )
+    return {"ranks": ranks, "config": config}
+
+
+def test_llama_comm_analysis_on_a_hand_made_record():
+    b5 = _import("benchmarks.b5_comm")
+    for tied in (False, True):
+        result = b5.analyse_llama(_llama_result(tied), m=2, batch=4)
+        assert result["unexplained_in_schedule"] == []
+        bad = {k: c for k, c in result["checks"].items() if c["ratio"] != 1.0}
+        assert bad == {}, bad
+        assert result["checks"]["tied-weight all-reduces per step (embedding group)"]["measured"] == int(tied)
+        assert result["checks"]["TP all-reduces per layer per micro-batch (bwd)"]["measured"] == 2
+
+
+def test_llama_comm_analysis_reports_extra_and_missing_collectives():
+    b5 = _import("benchmarks.b5_comm")
+    res = _llama_result(tied=True)
+    recs = res["ranks"][2]["records"]  # a last-stage rank
+    # a third backward all-reduce in a layer (q, k and v converting their input separately would do this)
+    recs.append({**next(r for r in recs if r["phase"] == "bwd" and r["layer"] == "1:LlamaDecoderLayer")})
+    recs.append({**recs[0], "layer": None})  # a TP collective outside any module
+    res["ranks"][0]["records"] = [r for r in res["ranks"][0]["records"] if r["dim"] != "emb"]  # tied sum missing
+    result = b5.analyse_llama(res, m=2, batch=4)
+    checks = result["checks"]
+    assert checks["TP all-reduces per layer per micro-batch (bwd)"]["measured"] == 2.5
+    assert checks["TP all-reduces per step, last stage (bwd)"]["ratio"] == pytest.approx(7 / 6)
+    assert checks["tied-weight all-reduces per step (embedding group)"]["measured"] == 0
+    assert len(result["unexplained_in_schedule"]) == 1
+
+
+def test_cli_model_option_is_refused_where_there_is_no_variant():
+    main = _import("benchmarks.__main__").main
+    for argv in (["B1", "--model", "hf_llama"], ["B2", "--model", "hf_llama_tied"], ["B4", "--model", "nope"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--out", "/nonexistent"])
+    assert _import("benchmarks.b4_state").MODELS == ("gpt", "hf_llama", "hf_llama_tied")
