@@ -23,11 +23,14 @@ each call handing over what that hook needs (it never sees the strategy itself):
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import hashlib
 import json
 import logging
 import re
+import subprocess
+import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -283,6 +286,35 @@ def diagnose_barrier(timeout: timedelta | float = 60.0, group: dist.ProcessGroup
     dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
 
 
+_JOINING: list[Callable[[], list[Any]]] = []
+
+
+def join_children_at_exit(children: Callable[[], list[Any]], timeout: float = 30.0) -> None:
+    """Let the process that launched the other ranks exit only after them (once per process).
+
+    Lightning's launcher does not wait for the ranks it started: rank 0 could return to the shell while the others
+    are still shutting down (ports, GPUs, files still held), and nothing would notice one that never ends. At
+    interpreter exit this waits up to ``timeout`` seconds for them. (A failing job does not get here: the
+    fail-fast watch ends the ranks itself.)
+    """
+    if _JOINING:
+        _JOINING[0] = children
+        return
+    _JOINING.append(children)
+
+    def join() -> None:
+        deadline = time.monotonic() + timeout
+        for proc in _JOINING[0]():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    f"lightning_3d: rank process {proc.pid} is still running {timeout:.0f} s after rank 0 ended"
+                )
+
+    atexit.register(join)
+
+
 # ---------------------------------------------------------------------------------------------- facade
 class Reliability:
     """The strategy's reliability features (see the module docstring).
@@ -353,6 +385,7 @@ class Reliability:
         """
         self._topology, self._root_device, self._global_rank, self._barrier = topology, device, global_rank, barrier
         self.failed, self.switched = False, False
+        join_children_at_exit(children)
         if self.setup_timeout is not None:
             set_timeouts(self.setup_timeout)
         if self.settings.check_consistency:
