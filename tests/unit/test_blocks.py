@@ -1,0 +1,119 @@
+"""core/blocks.py: finding the block container, assigning the modules around it, tied weights across stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_3d.core.blocks import find_blocks, outside_modules, split_model, tied_parameters
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class Nano(nn.Module):
+    """nanoGPT's registration order: embeddings, dropout, blocks, final norm inside a ModuleDict; head after it."""
+
+    def __init__(self, tie: bool = False, layers: int = 4) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(8, 4),
+                "drop": nn.Dropout(0.0),
+                "h": nn.ModuleList(Block() for _ in range(layers)),
+                "ln_f": nn.LayerNorm(4),
+            }
+        )
+        self.small = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])  # a smaller same-type container
+        self.lm_head = nn.Linear(4, 8, bias=False)
+        if tie:
+            self.lm_head.weight = self.transformer.wte.weight
+
+
+def test_largest_container_of_same_type_blocks_is_found() -> None:
+    found = find_blocks(Nano())
+    assert (found.fqn, found.names, found.source) == ("transformer.h", ("0", "1", "2", "3"), "largest container")
+    assert found.block_fqn("2") == "transformer.h.2"
+
+
+def test_a_named_container_wins_and_bad_names_are_refused() -> None:
+    assert find_blocks(Nano(), "small").fqn == "small"
+    with pytest.raises(ValueError, match=r"blocks='transformer.nope'.*has no submodule"):
+        find_blocks(Nano(), "transformer.nope")
+    with pytest.raises(ValueError, match=r"'lm_head' is a Linear, not an nn.ModuleList"):
+        find_blocks(Nano(), "lm_head")
+
+
+def test_mixed_types_only_count_as_a_sequential() -> None:
+    mixed_list = nn.Module()
+    mixed_list.layers = nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)])
+    with pytest.raises(ValueError, match=r"has no block container to split.*blocks='attribute.path'"):
+        find_blocks(mixed_list)
+    seq = nn.Module()
+    seq.body = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert find_blocks(seq).fqn == "body"
+
+
+def test_hugging_face_pp_plan_names_the_container() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        "llama", num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=16,
+    )  # fmt: skip
+    root = nn.Module()
+    root.model = transformers.AutoModelForCausalLM.from_config(config)
+    found = find_blocks(root)
+    assert (found.fqn, found.source) == ("model.model.layers", "hugging face pp plan")
+    before, after = outside_modules(root, found)
+    assert before == ["model.model.embed_tokens"]
+    assert after == ["model.model.norm", "model.lm_head"]  # run order: the inner norm, then the head
+
+
+def test_modules_around_the_container_go_first_and_last() -> None:
+    model = Nano()
+    before, after = outside_modules(model, find_blocks(model))
+    assert before == ["transformer.wte"]  # the dropout has no parameters: on every stage
+    assert after == ["transformer.ln_f", "small", "lm_head"]
+
+
+def test_parameters_owned_directly_are_refused() -> None:
+    model = Nano()
+    model.scale = nn.Parameter(torch.ones(()))
+    with pytest.raises(ValueError, match=r"Nano owns parameters directly \(\['scale'\]\)"):
+        outside_modules(model, find_blocks(model))
+
+
+def test_split_assigns_blocks_and_outside_modules_to_stages() -> None:
+    model = Nano()
+    container = find_blocks(model)
+    split = split_model(model, container, pp=2, ranges=[range(0, 3), range(3, 4)])
+    assert split.stage_blocks == [["0", "1", "2"], ["3"]] and split.stage_to_rank == [0, 1]
+    assert split.modules_of(0) == ["transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.h.2"]
+    assert split.modules_of(1) == ["transformer.h.3", "transformer.ln_f", "small", "lm_head"]
+    assert split.tied == [] and split.aliases == []
+    interleaved = split_model(model, container, pp=2, ranges=[range(i, i + 1) for i in range(4)], stages_per_rank=2)
+    assert interleaved.stage_to_rank == [0, 1, 0, 1]
+
+
+def test_weights_tied_across_first_and_last_stage_are_reported() -> None:
+    model = Nano(tie=True)
+    assert tied_parameters(model) == [("transformer.wte.weight", "lm_head.weight")]
+    split = split_model(model, find_blocks(model), pp=2, ranges=[range(0, 2), range(2, 4)])
+    assert split.tied == [("transformer.wte.weight", "lm_head.weight")]
+    one_stage = split_model(model, find_blocks(model), pp=1, ranges=[range(0, 4)])
+    assert one_stage.tied == [] and one_stage.aliases == [("transformer.wte.weight", "lm_head.weight")]
+    assert "tied across stages: transformer.wte.weight = lm_head.weight" in split.describe()
+
+
+def test_weights_shared_with_a_middle_stage_are_refused() -> None:
+    model = Nano()
+    model.transformer.h[2].fc.weight = model.lm_head.weight  # block 2 is on the middle stage
+    with pytest.raises(ValueError, match=r"shared by modules on pipeline stages \[1, 2\]"):
+        split_model(model, find_blocks(model), pp=3, ranges=[range(0, 2), range(2, 3), range(3, 4)])

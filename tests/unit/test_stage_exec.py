@@ -1,0 +1,115 @@
+"""core/stage_exec.py: the user's step run for one pipeline stage, in one process (no schedule, no communication).
+
+A model split into two stages at its ModuleList; each test builds the executor a rank holding one of them would
+build, and checks what the stage's forward returns against running the unsplit model's pieces by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_3d.core.blocks import find_blocks, split_model
+from lightning_3d.core.stage_exec import StageExecutor, StageModule
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + scale * torch.tanh(self.fc(x))
+
+
+class Net(LightningModule):
+    def __init__(self, skip: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(4, 2)
+        self.skip = skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        first = None
+        for block in self.blocks:
+            h = block(h, scale=0.5)  # a keyword argument besides the flowing tensor
+            first = h if first is None else first
+        return self.head(h + first if self.skip else h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+def stage_of(model: Net, stage: int) -> tuple[StageExecutor, StageModule]:
+    split = split_model(model, find_blocks(model), pp=2, ranges=[range(0, 2), range(2, 4)])
+    executor = StageExecutor(model, split, [stage])
+    executor.prune()
+    held = {n: model.get_submodule(n) for n in split.modules_of(stage)}
+    return executor, StageModule(stage, held, executor)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)
+
+
+def test_first_stage_sends_its_last_blocks_output() -> None:
+    torch.manual_seed(0)
+    model, ref = Net(), None
+    ref = copy.deepcopy(model)
+    executor, stage = stage_of(model, 0)
+    x, y = batch()
+    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(0, 1)  # the second micro-batch: samples 2 and 3
+    out = stage(torch.arange(2, 4))
+    want = ref.blocks[1](ref.blocks[0](ref.embed(x[2:]), scale=0.5), scale=0.5)
+    assert torch.allclose(out, want)
+    assert set(dict(model.named_parameters())) == {"embed.weight", "embed.bias", *(
+        f"blocks.{i}.fc.{p}" for i in (0, 1) for p in ("weight", "bias"))}  # fmt: skip
+
+
+def test_last_stage_takes_the_received_tensor_and_returns_the_weighted_loss() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    executor, stage = stage_of(model, 1)
+    x, y = batch()
+    received = torch.randn(2, 4, requires_grad=True)
+    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(1, 0)
+    out = stage(received)
+    want = F.cross_entropy(ref.head(ref.blocks[3](ref.blocks[2](received, scale=0.5), scale=0.5)), y[:2])
+    assert out.shape == (1,) and torch.allclose(out[0], want * 0.5)  # 2 of the batch's 4 samples
+    out.sum().backward()
+    assert received.grad is not None  # the gradient goes back to the previous stage
+    logs, _ = executor.finish()
+    assert logs.entries["train_loss"].weight == 2.0
+
+
+def test_a_skip_connection_across_the_boundary_is_named() -> None:
+    model = Net(skip=True)
+    executor, stage = stage_of(model, 1)
+    x, y = batch()
+    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(1, 0)
+    with pytest.raises(ValueError, match=r"crosses the stage boundary between blocks.0 and blocks.2"):
+        stage(torch.randn(2, 4, requires_grad=True))
+
+
+def test_a_step_that_skips_the_model_is_refused() -> None:
+    model = Net()
+    executor, stage = stage_of(model, 0)
+    executor.begin("training_step", lambda batch, idx: batch[0].sum(), batch(), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(0, 0)
+    with pytest.raises(ValueError, match=r"returned without running the blocks of pipeline stage 0"):
+        stage(torch.arange(0, 2))

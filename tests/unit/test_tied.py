@@ -1,0 +1,57 @@
+"""core/tied.py: a tied weight named once in state dicts and checkpoints; re-tying after one-at-a-time allocation."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_3d.core.materialize import library_initializers, materialize
+from lightning_3d.core.tied import canonical_names, install_alias_hooks, retie
+
+
+def tied() -> nn.Module:
+    root = nn.Module()
+    root.embed = nn.Embedding(8, 4)
+    root.head = nn.Linear(4, 8, bias=False)
+    root.head.weight = root.embed.weight
+    return root
+
+
+def test_state_dict_names_a_tied_weight_once_and_loads_back() -> None:
+    root = tied()
+    install_alias_hooks(root, [("embed.weight", "head.weight")])
+    assert canonical_names(root) == {"head.weight": "embed.weight"}
+    state = root.state_dict()
+    assert list(state) == ["embed.weight"]
+    other = tied()
+    install_alias_hooks(other, [("embed.weight", "head.weight")])
+    assert not other.load_state_dict(state).missing_keys
+    assert torch.equal(other.head.weight, state["embed.weight"]) and other.head.weight is other.embed.weight
+
+
+def test_last_stage_holding_only_the_alias_loads_the_canonical_key() -> None:
+    last = nn.Module()  # the last stage: the embedding is held by the first stage
+    last.head = nn.Linear(4, 8, bias=False)
+    install_alias_hooks(last, [("embed.weight", "head.weight")])
+    assert list(last.state_dict()) == ["embed.weight"]  # saved under the canonical name
+    value = torch.randn(8, 4)
+    last.load_state_dict({"embed.weight": value})
+    assert torch.equal(last.head.weight, value)
+
+
+def test_retie_points_an_alias_back_at_the_materialised_weight() -> None:
+    with torch.device("meta"):
+        root = tied()
+    materialize(root.embed, torch.device("cpu"), 1, "embed", library_initializers(root))
+    assert root.head.weight.is_meta and not root.embed.weight.is_meta  # one at a time unties them
+    retie(root, [("embed.weight", "head.weight")], "head")
+    assert root.head.weight is root.embed.weight
+
+
+def test_materialize_keeps_a_tie_inside_the_materialised_module() -> None:
+    with torch.device("meta"):
+        root = tied()
+    materialize(root, torch.device("cpu"), 1, "", {})
+    assert root.head.weight is root.embed.weight and not root.embed.weight.is_meta
+    # initialised once, by its first module (the embedding's normal init, not the Linear's uniform one)
+    assert root.embed.weight.abs().max() > 1.0
