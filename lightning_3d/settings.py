@@ -12,7 +12,7 @@ message names the setting and says what would work.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -69,6 +69,11 @@ class ThreeDSettings:
         fail_fast: when one rank fails, stop every rank within about a second (see ``tools/failure_watch.py``).
         process_group_backend: ``"gloo"`` / ``"nccl"``; ``None`` chooses by device.
         print_layout: rank 0 prints the mesh, the stages and the tensor-parallel plan once.
+        stages: the modules of each pipeline stage, one list of names per stage (``pp * stages_per_rank`` lists):
+            the blocks by their names in the LightningModule (``"model.model.layers.3"``), contiguous and in
+            order, and optionally modules with parameters around the blocks (embeddings, final norm, head) to put
+            them on another stage than the default (the first stage before the blocks, the last after them).
+            Replaces the ``partitioner``; ``None`` lets the partitioner split the blocks. Kept as a tuple of tuples.
     """
 
     tp: int = 1
@@ -90,6 +95,7 @@ class ThreeDSettings:
     fail_fast: bool = True
     process_group_backend: str | None = None
     print_layout: bool = True
+    stages: Sequence[Sequence[str]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -120,6 +126,43 @@ class ThreeDSettings:
             )
         for name in TIMEOUT_FIELDS:
             object.__setattr__(self, name, _check_timeout(name, getattr(self, name)))
+        self._check_stages()
+
+    def _check_stages(self) -> None:
+        if self.stages is None:
+            return
+        stages = self.stages
+        if (
+            isinstance(stages, (str, bytes))
+            or not isinstance(stages, Sequence)
+            or any(
+                isinstance(names, (str, bytes))
+                or not isinstance(names, Sequence)
+                or not all(isinstance(n, str) for n in names)
+                for names in stages
+            )
+        ):
+            raise ValueError(
+                "ThreeDStrategy: stages must be a list of lists of module names, one list per pipeline stage, e.g. "
+                f"[['model.embed', 'model.layers.0'], ['model.layers.1', 'model.head']]; got {stages!r}."
+            )
+        num_stages = self.pp * self.stages_per_rank
+        if len(stages) != num_stages:
+            raise ValueError(
+                f"ThreeDStrategy: stages has {len(stages)} lists but pp * stages_per_rank = {self.pp} * "
+                f"{self.stages_per_rank} = {num_stages} pipeline stages: give one list of module names per stage."
+            )
+        if self.body is not None:
+            raise ValueError(
+                "ThreeDStrategy: stages and body cannot be combined: stages names the blocks of a block container "
+                "(blocks=), body selects the nn.Sequential contract."
+            )
+        if self.partitioner != "uniform":
+            raise ValueError(
+                f"ThreeDStrategy: stages and partitioner={self.partitioner!r} cannot be combined: stages already "
+                "decides which blocks each stage holds."
+            )
+        object.__setattr__(self, "stages", tuple(tuple(names) for names in stages))
 
     def _check_schedule(self) -> None:
         schedule_class(self.schedule)  # unknown names fail here, with torch's list of names

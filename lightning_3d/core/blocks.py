@@ -10,13 +10,15 @@ It is found, in this order:
 
 Every other module that owns parameters is assigned by where it sits relative to the container: modules
 registered before it (embeddings) go with the first stage, modules registered after it (final norm, head) with
-the last stage. Modules without parameters (dropout, rotary tables) stay on every stage, so the model's own forward
-can run unchanged everywhere. Parameters shared by modules on different stages (an LM head tied to the input
-embedding) are reported in ``tied`` so the caller can keep their copies equal.
+the last stage, unless the user lists the modules of every stage (``ThreeDStrategy(stages=[[...], [...]])``,
+checked by :func:`stage_ranges_from_names`). Modules without parameters (dropout, rotary tables) stay on every
+stage, so the model's own forward can run unchanged everywhere. Parameters shared by modules on different stages
+(an LM head tied to the input embedding) are reported in ``tied`` so the caller can keep their copies equal.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -53,12 +55,14 @@ class ModelSplit:
     Attributes:
         container: the block container.
         stage_blocks: per stage, the container keys of its blocks (contiguous, in order).
-        first: fully qualified names of the modules outside the container held by the first stage.
-        last: ... held by the last stage.
+        first: fully qualified names of the modules outside the container registered before it (held by the first
+            stage unless ``placement`` says otherwise).
+        last: ... registered after it (held by the last stage unless ``placement`` says otherwise).
         stage_to_rank: pipeline rank of each stage.
         tied: groups of parameter names that are one tensor held on different stages (first name canonical).
         aliases: every group of names under which one parameter is registered (first name canonical), on one
             stage or several: checkpoints and state dicts name each such parameter once.
+        placement: outside modules the user put on a stage of their choice (``stages=``), by name.
     """
 
     container: BlockContainer | None  # None: one stage holding the whole model (pp = 1, no container)
@@ -68,19 +72,30 @@ class ModelSplit:
     stage_to_rank: list[int]
     tied: list[tuple[str, ...]] = field(default_factory=list)
     aliases: list[tuple[str, ...]] = field(default_factory=list)
+    placement: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_blocks)
 
+    def stage_of(self, name: str) -> int:
+        """The stage holding the outside module or block ``name``."""
+        if name in self.placement:
+            return self.placement[name]
+        if name in self.first:
+            return 0
+        if name in self.last:
+            return self.num_stages - 1
+        assert self.container is not None, name
+        key = name[len(self.container.fqn) + 1 :] if self.container.fqn else name
+        return next(s for s, blocks in enumerate(self.stage_blocks) if key in blocks)
+
     def modules_of(self, stage: int) -> list[str]:
         """Names of the modules stage ``stage`` holds (outside modules and blocks), in model order."""
-        names = list(self.first) if stage == 0 else []
+        names = [n for n in self.first if self.stage_of(n) == stage]
         if self.container is not None:
             names += [self.container.block_fqn(b) for b in self.stage_blocks[stage]]
-        if stage == self.num_stages - 1:
-            names += self.last
-        return names
+        return names + [n for n in self.last if self.stage_of(n) == stage]
 
     def describe(self) -> str:
         if self.container is None:
@@ -88,12 +103,14 @@ class ModelSplit:
         lines = []
         for stage, blocks in enumerate(self.stage_blocks):
             parts = []
-            if stage == 0 and self.first:
-                parts.append(", ".join(self.first))
+            before = [n for n in self.first if self.stage_of(n) == stage]
+            if before:
+                parts.append(", ".join(before))
             shown = f"{blocks[0]}..{blocks[-1]}" if len(blocks) > 1 else blocks[0]
             parts.append(f"{self.container.fqn}[{shown}] ({self.container.source})")
-            if stage == self.num_stages - 1 and self.last:
-                parts.append(", ".join(self.last))
+            after = [n for n in self.last if self.stage_of(n) == stage]
+            if after:
+                parts.append(", ".join(after))
             rank = f" on pp rank {self.stage_to_rank[stage]}" if self.stage_to_rank else ""
             lines.append(f"  stage {stage}{rank}: " + " + ".join(parts))
         for group in self.tied:
@@ -225,12 +242,16 @@ def split_model(
     pp: int,
     ranges: Sequence[range],
     stages_per_rank: int = 1,
+    placement: dict[str, int] | None = None,
 ) -> ModelSplit:
-    """Assign blocks to ``pp * stages_per_rank`` stages by ``ranges`` (indices into ``container.names``)."""
+    """Assign blocks to ``pp * stages_per_rank`` stages by ``ranges`` (indices into ``container.names``), and the
+    outside modules to the first / last stage, or to the stage ``placement`` names (see
+    :func:`stage_ranges_from_names`)."""
     num_stages = pp * stages_per_rank
     before, after = outside_modules(root, container)
     stage_blocks = [[container.names[i] for i in r] for r in ranges]
-    split = ModelSplit(container, stage_blocks, before, after, [s % pp for s in range(num_stages)])
+    stage_to_rank = [s % pp for s in range(num_stages)]
+    split = ModelSplit(container, stage_blocks, before, after, stage_to_rank, placement=dict(placement or {}))
     owner: dict[str, set[int]] = {}
     for stage in range(num_stages):
         for fqn in split.modules_of(stage):
@@ -249,3 +270,103 @@ def split_model(
                 )
             split.tied.append(group)
     return split
+
+
+def stage_ranges_from_names(
+    root: nn.Module, container: BlockContainer, stages: Sequence[Sequence[str]], num_stages: int
+) -> tuple[list[range], dict[str, int]]:
+    """Check the user's per-stage module lists (``ThreeDStrategy(stages=...)``) and turn them into block ranges.
+
+    Args:
+        root: the LightningModule (names are relative to it).
+        container: the block container.
+        stages: one list of module names per pipeline stage: blocks by their container-qualified names
+            (``model.layers.3``), and optionally modules outside the blocks (an embedding, the final norm, the head)
+            to put them on a stage other than the default (first stage before the blocks, last stage after).
+        num_stages: ``pp * stages_per_rank``.
+
+    Returns:
+        The block indices of each stage and the stage of every outside module named.
+
+    Raises:
+        ValueError: wrong number of lists, an unknown name (close names suggested), a block named twice or not
+            at all, a stage without a block, or blocks not contiguous and in order.
+    """
+    where = "ThreeDStrategy(stages=...)"
+    if len(stages) != num_stages:
+        raise ValueError(
+            f"{where} has {len(stages)} lists but there are {num_stages} pipeline stages (pp x stages_per_rank): give "
+            "one list of module names per stage."
+        )
+    block_index = {container.block_fqn(b): i for i, b in enumerate(container.names)}
+    before, after = outside_modules(root, container)
+    outside = set(before) | set(after)
+    placeable = [*before, *block_index, *after]
+    seen: dict[str, int] = {}
+    placement: dict[str, int] = {}
+    per_stage: list[list[int]] = []
+    for stage, names in enumerate(stages):
+        indices = []
+        for name in names:
+            if name in seen:
+                other = f"stage {seen[name]}" + (" and again" if seen[name] == stage else f" and stage {stage}")
+                raise ValueError(f"{where} names {name!r} twice ({other}): every module is on one stage.")
+            seen[name] = stage
+            if name in block_index:
+                indices.append(block_index[name])
+            elif name in outside:
+                placement[name] = stage
+            else:
+                raise ValueError(_unknown_name(root, container, name, placeable))
+        if not indices:
+            raise ValueError(
+                f"{where}: stage {stage} holds no block of {container.fqn!r} ({list(names)}); every stage needs at "
+                "least one block."
+            )
+        per_stage.append(indices)
+    missing = [name for name in block_index if name not in seen]
+    if missing:
+        raise ValueError(
+            f"{where} leaves out {_shown(missing)} of {container.fqn!r}: every block must be named, on one stage."
+        )
+    flat = [i for indices in per_stage for i in indices]
+    if flat != list(range(len(container.names))):
+        shown = "; ".join(
+            f"stage {s}: {_shown([container.block_fqn(container.names[i]) for i in ix])}"
+            for s, ix in enumerate(per_stage)
+        )
+        raise ValueError(
+            f"{where}: the blocks of {container.fqn!r} must be contiguous and in order over the stages (the "
+            f"activation flows from block to block, stage to stage); got {shown}."
+        )
+    ranges = [range(ix[0], ix[-1] + 1) for ix in per_stage]
+    return ranges, placement
+
+
+def _shown(names: Sequence[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{names[0]}, {names[1]}, ..., {names[-1]} ({len(names)} modules)"
+
+
+def _unknown_name(root: nn.Module, container: BlockContainer, name: str, placeable: Sequence[str]) -> str:
+    where = f"ThreeDStrategy(stages=...) names {name!r}"
+    try:
+        module = root.get_submodule(name)
+    except AttributeError:
+        module = None
+    if module is None:
+        why = "which is not a module of the LightningModule"
+    elif name.startswith(f"{container.fqn}.") or not container.fqn:
+        why = f"which is inside a block of {container.fqn!r}: a stage holds whole blocks"
+    elif not _has_params(module):
+        why = "which has no parameters: such modules run on every stage; leave it out"
+    else:
+        why = (
+            f"which contains the block container {container.fqn!r} or is not beside it; name the blocks and the "
+            "modules around them one by one"
+        )
+    close = difflib.get_close_matches(name, placeable, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return (
+        f"{where}, {why}.{hint} Names are relative to the LightningModule: the blocks of {container.fqn!r} "
+        f"({_shown([container.block_fqn(b) for b in container.names])}) and the modules with parameters around them."
+    )

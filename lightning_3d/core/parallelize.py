@@ -10,12 +10,13 @@ sharded), and wrap each stage for data parallelism.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
@@ -26,6 +27,7 @@ from torchmetrics import Metric
 
 from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
+from .boundary_check import check_stage_boundaries
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec
@@ -68,12 +70,13 @@ def plan_model(
     blocks: str | None = None,
     tp_plan: Mapping[str, Any] | None = None,
     tp_autoplan: bool = True,
+    stages: Sequence[Sequence[str]] | None = None,
 ) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
 
     Args:
         module: the LightningModule (its layers may still be on the meta device).
-        tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan: the settings of the same names
+        tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan, stages: the settings of the same names
             (see ``lightning_3d.settings.ThreeDSettings``).
 
     Returns:
@@ -85,8 +88,8 @@ def plan_model(
     """
     partitioner = partition.get_partitioner(partitioner)
     _check_no_meta_metrics(module)
-    if not uses_sequential_body(module, body, blocks):
-        return _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan)
+    if stages is not None or not uses_sequential_body(module, body, blocks):
+        return _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan, stages)
     found = partition.find_body(module, body)
     partition.check_no_outside_parameters(module, found)
     full_spec = partition.full_model_spec(module)
@@ -153,14 +156,17 @@ def _plan_split_model(
     blocks_name: str | None,
     explicit_plan: Mapping[str, Any] | None,
     tp_autoplan: bool,
+    stages: Sequence[Sequence[str]] | None = None,
 ) -> ModelPlan:
-    """Plan a model split at its block container (or, at pp = 1, not split at all)."""
+    """Plan a model split at its block container (or, at pp = 1, not split at all): by the partitioner, or by the
+    user's per-stage module lists (``stages``); the stage boundaries are checked on fake tensors when the module
+    has an ``example_input_array`` (``boundary_check.py``)."""
     full_spec = partition.full_model_spec(module)
     num_stages = pp * stages_per_rank
     try:
         container = blocks.find_blocks(module, blocks_name)
     except ValueError:
-        if num_stages > 1 or blocks_name is not None:
+        if num_stages > 1 or blocks_name is not None or stages is not None:
             raise
         container = None
     if container is None:
@@ -174,8 +180,12 @@ def _plan_split_model(
                 "were asked for: every stage needs at least one block. "
                 f"Use pp <= {len(layers) // stages_per_rank}."
             )
-        ranges = partition.checked_ranges(partitioner, layers, num_stages, what="blocks")
-        split = blocks.split_model(module, container, pp, ranges, stages_per_rank)
+        placement: dict[str, int] = {}
+        if stages is not None:
+            ranges, placement = blocks.stage_ranges_from_names(module, container, stages, num_stages)
+        else:
+            ranges = partition.checked_ranges(partitioner, layers, num_stages, what="blocks")
+        split = blocks.split_model(module, container, pp, ranges, stages_per_rank, placement)
         parent_name, _, attr = container.fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         body = partition.BodyRef(parent=parent, attr=attr, fqn=container.fqn, module=container.module)  # type: ignore[arg-type]
@@ -201,7 +211,18 @@ def _plan_split_model(
     is_meta = has_meta_tensors(module)
     if is_meta:
         check_materializable(module, "", library_initializers(module))
-    return ModelPlan(body, stage_plan, tp_plan, full_spec, None, is_meta, split, hf_plan)
+    example_input = module.example_input_array
+    if example_input is not None:
+        # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
+        module._example_input_array = None
+        if split.num_stages > 1:
+            not_checked = check_stage_boundaries(module, split, example_input)
+            if not_checked:
+                rank_zero_warn(
+                    f"lightning_3d: forward(example_input_array) could not run on fake tensors ({not_checked}); "
+                    "what crosses the pipeline stage boundaries is checked at the first training step instead."
+                )
+    return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan)
 
 
 def _block_example(view: nn.Module) -> torch.Tensor | None:

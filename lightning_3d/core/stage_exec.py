@@ -79,14 +79,17 @@ class Elsewhere(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         current = self._executor.current
-        if self.role == "first" and current is not None and current.received is not None:
+        # Before the stage's first block its output is never used (the block's input is replaced by the received
+        # activation): a module the user placed on an earlier stage (``stages=``) may run there too.
+        if current is not None and current.received is not None and (self.role == "first" or not current.started):
             return self._executor.stand_in_output(torch.zeros_like(current.received), self.fqn)
         stage = current.stage if current is not None else "?"
         raise RuntimeError(
-            f"lightning_3d: {self.fqn} is held by the {self.role} pipeline stage, but stage {stage} reached it "
-            f"{'before' if self.role == 'last' else 'without'} its blocks. Modules registered before the block "
-            "container run on the first stage and modules after it on the last; name the container with "
-            f"ThreeDStrategy(blocks=...) if another one was meant. {BLOCKS_CONTRACT}"
+            f"lightning_3d: {self.fqn} is held by pipeline stage {self._executor.split.stage_of(self.fqn)}, but stage "
+            f"{stage} reached it {'before' if self.role == 'last' else 'without'} its blocks. Modules registered "
+            "before the block container run on the first stage and modules after it on the last unless "
+            "ThreeDStrategy(stages=...) places them; name the container with ThreeDStrategy(blocks=...) if another one "
+            f"was meant. {BLOCKS_CONTRACT}"
         )
 
 
@@ -110,6 +113,7 @@ class _Running:
     last_block: nn.Module | None  # stops the step (all but the last stage)
     first_block_name: str | None = None
     checking: bool = False  # this forward checks that nothing but `received` crosses the boundary
+    started: bool = False  # the stage's first block has been called
     stand_ins: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -253,6 +257,7 @@ class StageExecutor:
         current = self.current
         if current is None or block is not current.first_block or current.received is None:
             return None
+        current.started = True
         if args and isinstance(args[0], torch.Tensor):
             return (current.received, *args[1:]), kwargs
         for key in ("hidden_states", "x", "hidden", "input", "inputs"):

@@ -166,6 +166,14 @@ def child_modules(module: nn.Module) -> dict[str, nn.Module | None]:
     return module._modules
 
 
+def fake_tensor_mode() -> Any:
+    """A ``FakeTensorMode`` (``torch._subclasses``): tensors made or computed inside it carry shapes, dtypes and
+    autograd graphs but no data, so a model's forward runs without compute; real tensors it meets become fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
 # ---------------------------------------------------------------------------------------------- dispatch
 def in_backward() -> bool:
     """Whether the calling code runs inside an autograd backward pass."""

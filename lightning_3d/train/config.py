@@ -36,6 +36,8 @@ _CLI_FORMS: dict[str, tuple[Any, Callable[[Any], Any]]] = {
     # {"glob": "style name"}; {} for none, because Hydra can add entries to {} but not to null:
     # ++strategy.tp_plan={*.attn.q_proj:colwise,*.attn.o_proj:rowwise}
     "tp_plan": (dict[str, str], lambda v: dict(v or {})),
+    # one list of module names per stage: '++strategy.stages=[[model.embed,model.layers.0],[model.layers.1,model.head]]'
+    "stages": (list[list[str]] | None, lambda v: None if v is None else [list(names) for names in v]),
 }
 # Types Hydra holds as they are (alone or ``| None``).
 _PLAIN_TYPES = (int, float, bool, str)

@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.core.blocks import find_blocks, outside_modules, split_model, tied_parameters
+from lightning_3d.core.blocks import (
+    find_blocks,
+    outside_modules,
+    split_model,
+    stage_ranges_from_names,
+    tied_parameters,
+)
 
 
 class Block(nn.Module):
@@ -117,3 +123,78 @@ def test_weights_shared_with_a_middle_stage_are_refused() -> None:
     model.transformer.h[2].fc.weight = model.lm_head.weight  # block 2 is on the middle stage
     with pytest.raises(ValueError, match=r"shared by modules on pipeline stages \[1, 2\]"):
         split_model(model, find_blocks(model), pp=3, ranges=[range(0, 2), range(2, 3), range(3, 4)])
+
+
+# ---------------------------------------------------------------------------------------------- stages=
+
+
+def _split_by_names(model: nn.Module, stages: list[list[str]], pp: int | None = None, per_rank: int = 1):
+    container = find_blocks(model)
+    ranges, placement = stage_ranges_from_names(model, container, stages, len(stages))
+    return split_model(model, container, pp or len(stages), ranges, per_rank, placement)
+
+
+def test_stages_give_uneven_blocks_and_default_outside_modules() -> None:
+    split = _split_by_names(Nano(), [["transformer.h.0"], ["transformer.h.1", "transformer.h.2", "transformer.h.3"]])
+    assert split.stage_blocks == [["0"], ["1", "2", "3"]] and split.placement == {}
+    assert split.modules_of(0) == ["transformer.wte", "transformer.h.0"]
+    assert split.modules_of(1) == ["transformer.h.1", "transformer.h.2", "transformer.h.3", "transformer.ln_f", "small",
+                                   "lm_head"]  # fmt: skip
+
+
+def test_stages_place_named_outside_modules() -> None:
+    stages = [
+        ["transformer.wte", "transformer.h.0", "transformer.h.1", "small"],
+        ["transformer.h.2"],
+        ["transformer.h.3", "transformer.ln_f", "lm_head"],
+    ]
+    split = _split_by_names(Nano(), stages)
+    assert split.placement == {"transformer.wte": 0, "small": 0, "transformer.ln_f": 2, "lm_head": 2}
+    assert split.modules_of(0) == ["transformer.wte", "transformer.h.0", "transformer.h.1", "small"]
+    assert split.modules_of(1) == ["transformer.h.2"]
+    assert split.modules_of(2) == ["transformer.h.3", "transformer.ln_f", "lm_head"]
+    assert (split.stage_of("small"), split.stage_of("transformer.h.2")) == (0, 1)
+    assert "stage 0 on pp rank 0: transformer.wte + transformer.h[0..1] (largest container) + small" in split.describe()
+
+
+def test_stages_interleaved_assign_ranks_in_a_loop() -> None:
+    split = _split_by_names(Nano(), [[f"transformer.h.{i}"] for i in range(4)], pp=2, per_rank=2)
+    assert split.stage_to_rank == [0, 1, 0, 1] and split.stage_blocks == [["0"], ["1"], ["2"], ["3"]]
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([["transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.h.3"]],
+         r"stages=\.\.\.\) has 1 lists but there are 2 pipeline stages"),
+        ([["transformer.h.0", "transformer.h.1"], ["transformer.h.2", "transformer.h.3", "lm_haed"]],
+         r"names 'lm_haed', which is not a module of the LightningModule\. Did you mean 'lm_head'\?"),
+        ([["transformer.h.0", "transformer.h.1"], ["transformer.h.2", "transformer.h.3", "transformer.h.3.fc"]],
+         r"'transformer.h.3.fc', which is inside a block of 'transformer.h': a stage holds whole blocks"),
+        ([["transformer.drop", "transformer.h.0", "transformer.h.1"], ["transformer.h.2", "transformer.h.3"]],
+         r"'transformer.drop', which has no parameters: such modules run on every stage; leave it out"),
+        ([["transformer", "transformer.h.0", "transformer.h.1"], ["transformer.h.2", "transformer.h.3"]],
+         r"'transformer', which contains the block container 'transformer.h'"),
+        ([["transformer.h.0", "transformer.h.1"], ["transformer.h.1", "transformer.h.2", "transformer.h.3"]],
+         r"names 'transformer.h.1' twice \(stage 0 and stage 1\)"),
+        ([["transformer.h.0", "transformer.h.1"], ["transformer.h.2"]],
+         r"leaves out transformer.h.3 of 'transformer.h': every block must be named"),
+        ([["transformer.wte", "lm_head"], ["transformer.h.0", "transformer.h.1", "transformer.h.2", "transformer.h.3"]],
+         r"stage 0 holds no block of 'transformer.h' \(\['transformer.wte', 'lm_head'\]\)"),
+        ([["transformer.h.0", "transformer.h.2"], ["transformer.h.1", "transformer.h.3"]],
+         r"must be contiguous and in order over the stages.*stage 0: transformer.h.0, transformer.h.2; stage 1"),
+        ([["transformer.h.2", "transformer.h.3"], ["transformer.h.0", "transformer.h.1"]],
+         r"must be contiguous and in order"),
+    ],
+)  # fmt: skip
+def test_stages_are_checked_with_clear_messages(stages: list[list[str]], message: str) -> None:
+    model = Nano()
+    with pytest.raises(ValueError, match=message):
+        stage_ranges_from_names(model, find_blocks(model), stages, 2)
+
+
+def test_stages_that_move_a_tied_weight_to_a_middle_stage_are_refused() -> None:
+    stages = [["transformer.wte", "transformer.h.0"], ["transformer.h.1", "transformer.h.2", "lm_head"],
+              ["transformer.h.3"]]  # fmt: skip
+    with pytest.raises(ValueError, match=r"shared by modules on pipeline stages \[0, 1\]"):
+        _split_by_names(Nano(tie=True), stages)

@@ -1,0 +1,317 @@
+"""Checking a model's stage boundaries at setup, on fake tensors: what crosses between pipeline stages.
+
+Under pipeline parallelism only the tensor flowing from block to block crosses a stage boundary (``stage_exec.py``).
+A skip connection across a boundary (a later stage reading an earlier block's or embedding's output), a residual
+added outside the blocks, an operation between two blocks on different stages, or a module used by a stage that
+does not hold it would give wrong numbers or fail mid-step. :func:`check_stage_boundaries` finds them before any
+rank communicates, by running the unsplit model's ``forward`` once on the LightningModule's
+``example_input_array`` under a ``FakeTensorMode`` (shapes and autograd graphs, no data, no compute, no
+collective, the random state untouched):
+
+* every stage unit (a block or a module with parameters outside the blocks) has its output replaced by a fresh
+  leaf tagged with the unit's stage, and the first argument of each stage's first block by a leaf of that stage
+  (what the stage receives);
+* each unit's output, and the forward's result (the last stage's), may depend only on leaves of its own stage:
+  a leaf of another stage names the module whose output would cross the boundary;
+* a stage's first block must get exactly the previous block's output (anything computed in between would be
+  lost), and a module with parameters must be held by the stage running when it is called.
+
+When the forward cannot run on fake tensors (no ``example_input_array``, data-dependent Python control flow, a
+custom kernel), the check is left to the first training step (``StageExecutor._check_no_skip``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from . import torch_compat
+from .blocks import BLOCKS_CONTRACT, ModelSplit
+
+FOUND_AT_SETUP = "(found at setup by running forward(example_input_array) on fake tensors)"
+
+
+@dataclass(frozen=True)
+class _Tag:
+    name: str
+    stage: int
+    order: int  # model order, to name the module closest to a boundary
+
+
+@dataclass
+class _Trace:
+    split: ModelSplit
+    blocks: list[str]  # block names in container order
+    tags: dict[int, _Tag] = field(default_factory=dict)  # id(leaf) -> tag
+    leaves: list[torch.Tensor] = field(default_factory=list)  # keeps tagged leaves alive (ids stay unique)
+    next_block: int = 0
+    prev_output: torch.Tensor | None = None
+
+    def stage_now(self) -> int:
+        """The stage whose segment of the forward is running: the stage of the next block to be called."""
+        if self.next_block < len(self.blocks):
+            return self.split.stage_of(self.blocks[self.next_block])
+        return self.split.num_stages - 1
+
+    def first_block_of(self, stage: int) -> str:
+        assert self.split.container is not None
+        return self.split.container.block_fqn(self.split.stage_blocks[stage][0])
+
+    def leaf(self, value: torch.Tensor, tag: _Tag) -> torch.Tensor:
+        leaf = value.detach().requires_grad_(True)
+        self.tags[id(leaf)] = tag
+        self.leaves.append(leaf)
+        return leaf
+
+    def foreign(self, value: Any, stage: int) -> list[_Tag]:
+        """Tagged leaves of stages other than ``stage`` that the floating-point tensors in ``value`` depend on."""
+        found: dict[int, _Tag] = {}
+        seen: set[Any] = set()
+        todo = [t.grad_fn for t in _tensors(value) if t.grad_fn is not None]
+        todo += [t for t in _tensors(value) if id(t) in self.tags]  # a tagged leaf returned as it is
+        while todo:
+            node = todo.pop()
+            if isinstance(node, torch.Tensor):
+                tag = self.tags[id(node)]
+                if tag.stage != stage:
+                    found[id(node)] = tag
+                continue
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None and id(variable) in self.tags:
+                tag = self.tags[id(variable)]
+                if tag.stage != stage:
+                    found[id(variable)] = tag
+            todo.extend(next_node for next_node, _ in node.next_functions)
+        return sorted(found.values(), key=lambda t: t.order)
+
+    def refuse_foreign(self, value: Any, stage: int, user: str) -> None:
+        foreign = self.foreign(value, stage)
+        if not foreign:
+            return
+        first = self.first_block_of(stage)
+        earlier = [t for t in foreign if t.stage < stage]
+        if earlier:
+            source = earlier[-1]  # the closest to the boundary
+            raise ValueError(
+                f"lightning_3d: pipeline stage {stage} (from {first}) uses the output of {source.name}, which another "
+                f"stage holds: a skip connection crosses the stage boundary between {source.name} and {first} (in "
+                f"{user}). Only the tensor flowing from block to block crosses stages (a block's first argument and "
+                "its output); residuals must be added inside the blocks, and no block may read an earlier block's "
+                f"output otherwise. Choose stage boundaries that no skip connection crosses. {FOUND_AT_SETUP} "
+                f"{BLOCKS_CONTRACT}"
+            )
+        source = foreign[0]
+        raise ValueError(
+            f"lightning_3d: pipeline stage {stage} (from {first}) uses the output of {source.name} (in {user}), but "
+            f"the later stage {source.stage} holds {source.name}. Put it on stage {stage} with "
+            f"ThreeDStrategy(stages=...). {FOUND_AT_SETUP}"
+        )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors in a module's output (a tensor, a tuple / list, a mapping or a ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _replace_first(value: Any, make: Any) -> tuple[Any, torch.Tensor | None]:
+    """``value`` with its first floating-point tensor (a tensor, or a tuple / list's first element) replaced."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        new = make(value)
+        return new, new
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        if value[0].is_floating_point():
+            new = make(value[0])
+            return type(value)([new, *value[1:]]) if isinstance(value, list) else (new, *value[1:]), new
+    return value, None
+
+
+def _path_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int, torch.Tensor] | None:
+    # the same rule as StageExecutor._receive: the first positional tensor, else a conventional keyword
+    if args and isinstance(args[0], torch.Tensor):
+        return 0, args[0]
+    for key in ("hidden_states", "x", "hidden", "input", "inputs"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return key, kwargs[key]
+    return None
+
+
+def check_stage_boundaries(module: nn.Module, split: ModelSplit, example_input: Any) -> str | None:
+    """Run ``module``'s forward on fake tensors with ``example_input`` and refuse what crosses a stage boundary.
+
+    Args:
+        module: the LightningModule, unsplit (its parameters real or on the meta device; they are not touched).
+        split: the stage assignment to check (with a block container and more than one stage).
+        example_input: Lightning's ``example_input_array``: a tensor, a tuple of positional arguments or a dict
+            of keyword arguments.
+
+    Returns:
+        ``None`` when the check ran, else why it could not (the check is then left to the first training step).
+
+    Raises:
+        ValueError: a skip connection or another tensor crosses a stage boundary outside the block-to-block path,
+            or a module is used on a stage that does not hold it (each message names the modules).
+    """
+    container = split.container
+    if container is None or split.num_stages < 2:
+        return None
+    trace = _Trace(split, [container.block_fqn(b) for b in container.names])
+    order = {name: i for i, name in enumerate([*split.first, *trace.blocks, *split.last])}
+    try:
+        with torch_compat.fake_tensor_mode() as mode, _fork_rng(), torch.enable_grad():
+            device = _device(module)
+            state = {}
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+                state[name] = fake.requires_grad_(tensor.requires_grad)
+            inputs = _to_fake(example_input, mode, device)
+            with _hooks(module, split, trace, order):
+                if isinstance(inputs, tuple):
+                    output = functional_call(module, state, inputs)
+                elif isinstance(inputs, dict):
+                    output = functional_call(module, state, (), inputs)
+                else:
+                    output = functional_call(module, state, (inputs,))
+            if trace.next_block != len(trace.blocks):
+                return f"forward(example_input_array) ran {trace.next_block} of the {len(trace.blocks)} blocks"
+            trace.refuse_foreign(output, split.num_stages - 1, "the forward's result")
+    except ValueError as err:
+        if str(err).startswith("lightning_3d:"):
+            raise
+        return f"{type(err).__name__}: {err}"
+    except Exception as err:  # the forward cannot run on fake tensors: leave the check to the first step
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _device(module: nn.Module) -> torch.device:
+    real = [t.device for t in [*module.parameters(), *module.buffers()] if t.device.type != "meta"]
+    return real[0] if real else torch.device("cpu")
+
+
+def _to_fake(value: Any, mode: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+    if isinstance(value, tuple):
+        return tuple(_to_fake(v, mode, device) for v in value)
+    if isinstance(value, list):
+        return [_to_fake(v, mode, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_fake(v, mode, device) for k, v in value.items()}
+    return value
+
+
+@contextlib.contextmanager
+def _fork_rng() -> Iterator[None]:
+    # fake dropout draws no numbers, but keep the real generators exactly as they were whatever the forward does
+    with torch.random.fork_rng(devices=[]):
+        yield
+
+
+@contextlib.contextmanager
+def _hooks(module: nn.Module, split: ModelSplit, trace: _Trace, order: dict[str, int]) -> Iterator[None]:
+    handles = []
+    block_index = {name: i for i, name in enumerate(trace.blocks)}
+    try:
+        for name in [*split.first, *trace.blocks, *split.last]:
+            sub = module.get_submodule(name)
+            stage = split.stage_of(name)
+            tag = _Tag(name, stage, order[name])
+            if name in block_index:
+                handles.append(
+                    sub.register_forward_pre_hook(_block_pre_hook(trace, block_index[name]), with_kwargs=True)
+                )
+            else:
+                handles.append(sub.register_forward_pre_hook(_outside_pre_hook(trace, tag)))
+            handles.append(sub.register_forward_hook(_output_hook(trace, tag, block_index.get(name))))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _block_pre_hook(trace: _Trace, index: int) -> Any:
+    name = trace.blocks[index]
+    stage = trace.split.stage_of(name)
+    starts_stage = index > 0 and trace.split.stage_of(trace.blocks[index - 1]) != stage
+
+    def hook(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if index != trace.next_block:
+            due = trace.next_block
+            when = f"when {trace.blocks[due]} was due" if due < len(trace.blocks) else "again after the last block"
+            raise ValueError(
+                f"lightning_3d: the forward called {name} {when}: pipeline stages need every block of the container "
+                f"called once, in order. {FOUND_AT_SETUP} {BLOCKS_CONTRACT}"
+            )
+        if not starts_stage:
+            return None
+        found = _path_argument(args, kwargs)
+        if found is None:
+            raise ValueError(
+                f"lightning_3d: {name}, the first block of pipeline stage {stage}, was called without a tensor as its "
+                f"first argument; the tensor flowing from block to block must be the first argument. {FOUND_AT_SETUP} "
+                f"{BLOCKS_CONTRACT}"
+            )
+        key, value = found
+        if value is not trace.prev_output:
+            trace.refuse_foreign(value, stage, f"the input of {name}")
+            previous = trace.blocks[index - 1]
+            raise ValueError(
+                f"lightning_3d: the input of {name} (the first block of pipeline stage {stage}) is not the output of "
+                f"{previous}: what the forward computes between them would be lost at the stage boundary. Only a "
+                f"block's output crosses stages; choose another boundary or move that computation into a block. "
+                f"{FOUND_AT_SETUP} {BLOCKS_CONTRACT}"
+            )
+        received = trace.leaf(value, _Tag(f"{name} (its input)", stage, -1))
+        if isinstance(key, int):
+            return (received, *args[1:]), kwargs
+        return args, {**kwargs, key: received}
+
+    return hook
+
+
+def _outside_pre_hook(trace: _Trace, tag: _Tag) -> Any:
+    def hook(sub: nn.Module, args: tuple[Any, ...]) -> None:
+        running = trace.stage_now()
+        if running != tag.stage:
+            where = (
+                "before the blocks"
+                if trace.next_block == 0
+                else "after the blocks"
+                if trace.next_block == len(trace.blocks)
+                else f"before {trace.blocks[trace.next_block]}"
+            )
+            raise ValueError(
+                f"lightning_3d: the forward calls {tag.name} {where}, which is pipeline stage {running}'s part of the "
+                f"forward, but stage {tag.stage} holds it. Put {tag.name} on stage {running} in "
+                f"ThreeDStrategy(stages=...) (modules before the blocks go with the first stage and modules after "
+                f"them with the last by default). {FOUND_AT_SETUP}"
+            )
+
+    return hook
+
+
+def _output_hook(trace: _Trace, tag: _Tag, index: int | None) -> Any:
+    def hook(sub: nn.Module, args: Any, output: Any) -> Any:
+        trace.refuse_foreign(output, tag.stage, tag.name)
+        new, leaf = _replace_first(output, lambda t: trace.leaf(t, tag))
+        if index is not None:
+            trace.next_block = index + 1
+            trace.prev_output = leaf
+        return new
+
+    return hook

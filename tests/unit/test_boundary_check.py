@@ -1,0 +1,123 @@
+"""core/boundary_check.py: what crosses a pipeline stage boundary, found at setup on fake tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_3d.core.blocks import find_blocks, split_model, stage_ranges_from_names
+from lightning_3d.core.boundary_check import FOUND_AT_SETUP, check_stage_boundaries
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        return x + self.fc(x) * (1.0 if scale is None else scale)
+
+
+class Net(nn.Module):
+    """An embedding, four blocks, a final norm and a head; ``kind`` chooses how the forward wires them."""
+
+    def __init__(self, kind: str = "plain") -> None:
+        super().__init__()
+        self.kind = kind
+        self.wte = nn.Embedding(8, 4)
+        self.h = nn.ModuleList(Block() for _ in range(4))
+        self.mid = nn.LayerNorm(4)  # registered after the blocks: the last stage's by default
+        self.ln_f = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        first = x
+        scale = torch.ones(())
+        if self.kind == "data_dependent" and bool(x.sum() > 0):  # needs real values
+            x = x * 2
+        for i, block in enumerate(self.h):
+            if self.kind == "residual_outside":
+                x = x + block(x)
+            elif self.kind == "kwarg_from_embedding":
+                x = block(x, scale=first.mean())
+            else:
+                x = block(x, scale=scale)
+            if self.kind == "mid_norm" and i == 0:
+                x = self.mid(x)
+        if self.kind == "skip":
+            x = x + first
+        return self.head(self.ln_f(x))
+
+
+def _split(model: nn.Module, stages: list[list[str]] | None = None, cuts: tuple[int, ...] = (2,)):
+    container = find_blocks(model)
+    if stages is not None:
+        ranges, placement = stage_ranges_from_names(model, container, stages, len(stages))
+    else:
+        bounds = (0, *cuts, len(container.names))
+        ranges, placement = [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)], {}
+    return split_model(model, container, len(ranges), ranges, 1, placement)
+
+
+IDS = torch.zeros(2, 3, dtype=torch.long)
+
+
+def test_a_model_whose_blocks_chain_passes_and_nothing_real_is_touched() -> None:
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rng = torch.random.get_rng_state()
+    assert check_stage_boundaries(model, _split(model), IDS) is None
+    assert check_stage_boundaries(model, _split(model, cuts=(1, 2, 3)), (IDS,)) is None
+    assert check_stage_boundaries(model, _split(model), {"idx": IDS}) is None
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_model_on_the_meta_device_is_checked_too() -> None:
+    with torch.device("meta"):
+        model = Net("skip")
+    with pytest.raises(ValueError, match="between wte and h.2"):
+        check_stage_boundaries(model, _split(model), IDS)
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("skip", r"pipeline stage 1 \(from h.2\) uses the output of wte, which another stage holds: a skip "
+                 r"connection crosses the stage boundary between wte and h.2 \(in ln_f\)"),
+        ("residual_outside", r"a skip connection crosses the stage boundary between h.1 and h.2 \(in the input of "
+                             r"h.2\)"),
+        ("kwarg_from_embedding", r"stage boundary between wte and h.2 \(in h.2\)"),
+    ],
+)  # fmt: skip
+def test_what_crosses_a_boundary_is_named(kind: str, message: str) -> None:
+    model = Net(kind)
+    with pytest.raises(ValueError, match=message) as err:
+        check_stage_boundaries(model, _split(model), IDS)
+    assert FOUND_AT_SETUP in str(err.value)
+    assert check_stage_boundaries(Net(kind), _split(Net(kind), cuts=()), IDS) is None  # one stage: nothing crosses
+
+
+def test_a_module_used_on_a_stage_that_does_not_hold_it_is_refused() -> None:
+    model = Net("mid_norm")  # mid runs between h.0 and h.1 but belongs to the last stage by default
+    with pytest.raises(ValueError, match=r"calls mid before h.1, which is pipeline stage 0's part of the forward, "
+                                         r"but stage 1 holds it. Put mid on stage 0"):  # fmt: skip
+        check_stage_boundaries(model, _split(model), IDS)
+    placed = _split(model, [["h.0", "mid", "h.1"], ["h.2", "h.3"]])
+    assert check_stage_boundaries(model, placed, IDS) is None
+    moved = _split(Net(), [["h.0", "h.1"], ["wte", "h.2", "h.3"]])  # the embedding is needed by stage 0
+    with pytest.raises(ValueError, match=r"calls wte before the blocks, which is pipeline stage 0's part"):
+        check_stage_boundaries(Net(), moved, IDS)
+    head_early = _split(Net(), [["h.0", "h.1", "head"], ["h.2", "h.3"]])
+    with pytest.raises(ValueError, match=r"calls head after the blocks, which is pipeline stage 1's part"):
+        check_stage_boundaries(Net(), head_early, IDS)
+
+
+def test_a_forward_that_needs_real_values_leaves_the_check_to_the_first_step() -> None:
+    model = Net("data_dependent")
+    reason = check_stage_boundaries(model, _split(model), IDS)
+    assert reason is not None and "DataDependent" in reason
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
