@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -57,7 +59,7 @@ def _split(model: nn.Module, stages: list[list[str]] | None = None, cuts: tuple[
         ranges, placement = stage_ranges_from_names(model, container, stages, len(stages))
     else:
         bounds = (0, *cuts, len(container.names))
-        ranges, placement = [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)], {}
+        ranges, placement = [range(a, b) for a, b in itertools.pairwise(bounds)], {}
     return split_model(model, container, len(ranges), ranges, 1, placement)
 
 
@@ -79,7 +81,7 @@ def test_a_model_whose_blocks_chain_passes_and_nothing_real_is_touched() -> None
 def test_a_model_on_the_meta_device_is_checked_too() -> None:
     with torch.device("meta"):
         model = Net("skip")
-    with pytest.raises(ValueError, match="between wte and h.2"):
+    with pytest.raises(ValueError, match=r"between wte and h\.2"):
         check_stage_boundaries(model, _split(model), IDS)
 
 
