@@ -176,3 +176,31 @@ def test_hf_checkpoints_resume_and_reshard(tmp_path):
         trained = saved["fit"]["snap_end"]["params"]
         assert _max_rel(saved["hf_params"], trained) == 0.0
         assert _max_rel(reshard["from_hf"], trained) == 0.0
+
+
+@pytest.mark.slow
+def test_explicit_stages_give_single_device_numbers(any_reference, tmp_path):
+    """``stages=`` at pp2 x dp2 (the names a user writes): one block on the first stage with the embeddings, three
+    on the last with the final norm and the head (the uniform partitioner would split 2 + 2). nanoGPT with its head
+    tied to the embedding across the two stages, and the Hugging Face Llama; both with an ``example_input_array``,
+    so the stage boundaries are also checked at setup on fake tensors (and pass)."""
+    cases = ["nanotied64", "llama64"]
+    copy_inits(any_reference, tmp_path)
+    result = run_lightning(
+        "parity_run.py",
+        ["--pp", 2, "--dp", 2, "--stages", "--micro", 4, "--cases", ",".join(cases), "--out", tmp_path],
+        timeout=300,
+    )
+    layouts = [
+        "stage 0 on pp rank 0: transformer.wte, transformer.wpe + transformer.h[0] (largest container)",
+        "stage 1 on pp rank 1: model.model.layers[1..3] (hugging face pp plan) + model.model.norm, model.lm_head",
+    ]
+    assert all(layout in result.output for layout in layouts), result.tail(60)
+    assert "could not run on fake tensors" not in result.output, result.tail(60)
+    problems = []
+    for case in cases:
+        got = load(tmp_path, case)
+        ref = load(any_reference, case)
+        found = compare(ref, got, precision_of(case)) + check_replicas(got) + check_shares(got, ref, case[:-2], 1)
+        problems += [f"{case}: {p}" for p in found]
+    assert not problems, "\n".join(problems[:40])

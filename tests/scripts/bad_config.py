@@ -72,6 +72,14 @@ class SkipAcrossStages(NanoGPT):
         return self.lm_head(self.transformer.ln_f(x + skip))
 
 
+class SkipFoundAtSetup(SkipAcrossStages):
+    """The same skip, in a module with an ``example_input_array``: found at setup, on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+
+
 class ResidualOutsideBlocks(NanoGPT):
     """The residual is added in the model's loop, not inside the block: the stage input would be overwritten."""
 
@@ -103,6 +111,7 @@ CASES = {
     "heads_not_divisible": (FiveHeads, {"tp": 2}, 2, 8),
     "skip_across_stages": (SkipAcrossStages, {"pp": 2}, 2, 8),
     "residual_outside_blocks": (ResidualOutsideBlocks, {"pp": 2}, 2, 8),
+    "skip_found_at_setup": (SkipFoundAtSetup, {"pp": 2}, 2, 8),
     "no_container": (NoContainer, {"pp": 2}, 2, 8),
     "kv_heads_not_divisible": (lambda: HFCausalLM("llama"), {"tp": 4}, 4, 8),
 }

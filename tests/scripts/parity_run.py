@@ -147,10 +147,35 @@ class Recorder(L.Callback):
             torch.save(self.rec, self.out / f"{self.case}.pt")
 
 
+# Module names around the blocks of each split model (first stage, last stage) and the blocks' prefix.
+AROUND = {
+    "nano": (["transformer.wte", "transformer.wpe"], "transformer.h", ["transformer.ln_f", "lm_head"]),
+    "llama": (["model.model.embed_tokens"], "model.model.layers", ["model.model.norm", "model.lm_head"]),
+    "gpt2": (["model.transformer.wte", "model.transformer.wpe"], "model.transformer.h",
+             ["model.transformer.ln_f", "model.lm_head"]),
+}  # fmt: skip
+
+
+def uneven_stages(model_name: str, layers: int = 4) -> list[list[str]]:
+    """``stages=`` for pp=2 that the uniform partitioner would not choose: one block on the first stage (with the
+    embeddings, named), the others on the last (with the final norm and the head, named)."""
+    before, prefix, after = AROUND[model_name.replace("tied", "")]
+    blocks = [f"{prefix}.{i}" for i in range(layers)]
+    return [[*before, blocks[0]], [*blocks[1:], *after]]
+
+
+def _hf_forward(self: L.LightningModule, ids: torch.Tensor) -> torch.Tensor:
+    return self.model(input_ids=ids, labels=ids).loss
+
+
 def run_case(args: argparse.Namespace, case: str) -> None:
     model_name, precision, steps, clip, accumulate, build = CASES[case]
     L.seed_everything(1234, verbose=False)
     model = MODELS[model_name](build=build)
+    if args.stages:  # also checked at setup on fake tensors (boundary_check.py): give the model an example input
+        if not model_name.startswith("nano"):
+            model.forward = _hf_forward.__get__(model)
+        model.example_input_array = torch.zeros(2, 8, dtype=torch.long)
     if args.ref:
         strategy, devices, batch = "auto", 1, GLOBAL_BATCH
     else:
@@ -161,7 +186,8 @@ def run_case(args: argparse.Namespace, case: str) -> None:
             micro_batches=args.micro,
             schedule=args.schedule,
             stages_per_rank=args.stages_per_rank,
-            print_layout=False,
+            stages=uneven_stages(model_name) if args.stages else None,
+            print_layout=args.stages,
         )
         devices, batch = world, GLOBAL_BATCH // args.dp
     trainer = L.Trainer(
@@ -192,6 +218,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--stages-per-rank", type=int, default=1)
+    parser.add_argument("--stages", action="store_true", help="pp=2 with stages=uneven_stages(model)")
     parser.add_argument("--cases", default=",".join(SEQUENTIAL_CASES))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
