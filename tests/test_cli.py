@@ -132,12 +132,14 @@ SMALL_JOB = [
 
 
 def test_settings_from_the_command_line_reach_the_strategy(tmp_path):
-    overrides = [*SMALL_JOB, *SETTINGS_OVERRIDES, "strategy.timeout=90.5", "++strategy.tp_plan={*.mlp.fc:colwise}"]
+    overrides = [*SMALL_JOB, *SETTINGS_OVERRIDES, "strategy.timeout=90.5", "++strategy.tp_plan={*.mlp.fc:colwise}",
+                 "++strategy.stages=[[body.0,body.1],[body.2,body.3]]"]  # fmt: skip
     trainer, _, _ = build(_resolved(tmp_path, overrides))
     s = trainer.strategy.settings
     assert (s.on_nonfinite, s.fail_fast, s.check_consistency) == ("skip", False, False)
     assert (s.timeout, s.train_timeout) == (timedelta(seconds=90.5), timedelta(seconds=120))
     assert (s.tp, s.pp, s.micro_batches, s.tp_plan) == (1, 2, 2, {"*.mlp.fc": "colwise"})
+    assert s.stages == (("body.0", "body.1"), ("body.2", "body.3"))
 
 
 @pytest.mark.parametrize(
