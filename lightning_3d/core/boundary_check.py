@@ -51,7 +51,7 @@ class _Trace:
     tags: dict[int, _Tag] = field(default_factory=dict)  # id(leaf) -> tag
     leaves: list[torch.Tensor] = field(default_factory=list)  # keeps tagged leaves alive (ids stay unique)
     next_block: int = 0
-    prev_output: torch.Tensor | None = None
+    prev_output: torch.Tensor | None = None  # None: the previous block's output had no tensor to tag (a mapping)
 
     def stage_now(self) -> int:
         """The stage whose segment of the forward is running: the stage of the next block to be called."""
@@ -188,7 +188,8 @@ def check_stage_boundaries(module: nn.Module, split: ModelSplit, example_input: 
                     output = functional_call(module, state, (inputs,))
             if trace.next_block != len(trace.blocks):
                 return f"forward(example_input_array) ran {trace.next_block} of the {len(trace.blocks)} blocks"
-            trace.refuse_foreign(output, split.num_stages - 1, "the forward's result")
+            # the first tensor of the result, as training_step would use it (a loss, logits; not extra outputs)
+            trace.refuse_foreign(_tensors(output)[:1], split.num_stages - 1, "the forward's result")
     except ValueError as err:
         if str(err).startswith("lightning_3d:"):
             raise
@@ -267,7 +268,7 @@ def _block_pre_hook(trace: _Trace, index: int) -> Any:
                 f"{BLOCKS_CONTRACT}"
             )
         key, value = found
-        if value is not trace.prev_output:
+        if trace.prev_output is not None and value is not trace.prev_output:
             trace.refuse_foreign(value, stage, f"the input of {name}")
             previous = trace.blocks[index - 1]
             raise ValueError(

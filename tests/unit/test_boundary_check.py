@@ -50,6 +50,8 @@ class Net(nn.Module):
                 x = self.mid(x)
         if self.kind == "skip":
             x = x + first
+        if self.kind == "extra_output":  # what training_step uses is the first output
+            return self.head(self.ln_f(x)), first
         return self.head(self.ln_f(x))
 
 
@@ -123,3 +125,27 @@ def test_a_forward_that_needs_real_values_leaves_the_check_to_the_first_step() -
     reason = check_stage_boundaries(model, _split(model), IDS)
     assert reason is not None and "DataDependent" in reason
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+class DictBlock(Block):
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return {"hidden": super().forward(x, scale)}
+
+
+class DictNet(Net):
+    """Blocks that return a mapping (the executor sends its first tensor): nothing to tag, nothing refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(DictBlock() for _ in range(4))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)["hidden"]
+        return self.head(self.ln_f(x))
+
+
+def test_extra_outputs_and_blocks_returning_mappings_are_not_refused() -> None:
+    assert check_stage_boundaries(Net("extra_output"), _split(Net("extra_output")), IDS) is None
+    assert check_stage_boundaries(DictNet(), _split(DictNet(), cuts=(1, 3)), IDS) is None
