@@ -113,3 +113,44 @@ def test_a_step_that_skips_the_model_is_refused() -> None:
     executor.on_chunk(0, 0)
     with pytest.raises(ValueError, match=r"returned without running the blocks of pipeline stage 0"):
         stage(torch.arange(0, 2))
+
+
+class MidNet(Net):
+    """A module with parameters registered after the blocks (the last stage's by default) but called between
+    blocks 0 and 1: ``stages=`` puts it on stage 0, where the forward runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            h = block(h, scale=0.5)
+            h = self.mid(h) if i == 0 else h
+        return self.head(h)
+
+
+def test_a_module_placed_on_an_earlier_stage_runs_there_and_is_stood_in_for_later() -> None:
+    torch.manual_seed(0)
+    model = MidNet()
+    ref = copy.deepcopy(model)
+    x, y = batch()
+    for index in (0, 1):
+        part = copy.deepcopy(model)
+        ranges = [range(0, 2), range(2, 4)]
+        split = split_model(part, find_blocks(part), pp=2, ranges=ranges, placement={"mid": 0})
+        assert split.modules_of(0) == ["embed", "blocks.0", "blocks.1", "mid"] and "mid" not in split.modules_of(1)
+        executor = StageExecutor(part, split, [index])
+        executor.prune()
+        stage = StageModule(index, {n: part.get_submodule(n) for n in split.modules_of(index)}, executor)
+        executor.begin("training_step", part.training_step, (x, y), (0,), 4, 1, 1.0, True)
+        executor.on_chunk(index, 0)
+        if index == 0:
+            got = stage(torch.arange(0, 4))
+            want = ref.blocks[1](ref.mid(ref.blocks[0](ref.embed(x), scale=0.5)), scale=0.5)
+        else:  # mid is reached before this stage's first block: stood in for, its output replaced anyway
+            received = torch.randn(4, 4)
+            got = stage(received)[0]
+            want = F.cross_entropy(ref.head(ref.blocks[3](ref.blocks[2](received, scale=0.5), scale=0.5)), y)
+        assert torch.allclose(got, want)
