@@ -248,3 +248,17 @@ def test_readme_documents_every_setting():
     table = readme.split("`ThreeDStrategy(...)` arguments:", 1)[1].split("\n\n", 2)[1]
     documented = re.findall(r"^\| `(\w+)` \|", table, re.M)
     assert documented == NAMES, "README's ThreeDStrategy argument table and ThreeDSettings differ"
+
+
+def test_stages_are_checked_and_kept_as_tuples():
+    s = ThreeDSettings(pp=2, stages=[["wte", "h.0"], ["h.1", "head"]])
+    assert s.stages == (("wte", "h.0"), ("h.1", "head"))
+    assert "must be a list of lists of module names" in _error(pp=2, stages=["h.0", "h.1"])
+    assert "must be a list of lists of module names" in _error(pp=2, stages=[["h.0"], [1]])
+    assert "stages has 2 lists but pp * stages_per_rank = 2 * 2 = 4 pipeline stages" in _error(
+        pp=2, stages_per_rank=2, schedule="interleaved1f1b", stages=[["h.0"], ["h.1"]]
+    )
+    assert "stages and body cannot be combined" in _error(pp=2, body="net", stages=[["h.0"], ["h.1"]])
+    assert "stages and partitioner='parameters' cannot be combined" in _error(
+        pp=2, partitioner="parameters", stages=[["h.0"], ["h.1"]]
+    )
