@@ -114,8 +114,10 @@ def _task(cfg: DictConfig) -> None:
         _, model_args = _model_overrides()
         accelerator = "cpu" if c.cores is not None else "gpu"
         print(f"first choice ThreeDStrategy can run (#{rank}): {strategy_call(best)}")
-        print(f"  memory {best.memory.gib:.2f} GiB per device, step {best.step_s:.4g} s, {best.tflops_per_gpu:.3g} "
-              f"TFLOP/s per device")
+        print(
+            f"  memory {best.memory.gib:.2f} GiB per device, step {best.step_s:.4g} s, {best.tflops_per_gpu:.3g} "
+            f"TFLOP/s per device"
+        )
         print(f"  {command_line(best, model_args, accelerator, c.gpus_per_node, c.nodes)}")
         print("  (or: python -m lightning_3d.train strategy=auto ..., which runs the planner's first choice)")
     if cfg.output:

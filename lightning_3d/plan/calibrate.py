@@ -137,9 +137,7 @@ def comm(timeout: float = 120.0) -> dict[str, float]:
         out = str(Path(tmp) / "comm.json")
         env = dict(os.environ, OMP_NUM_THREADS="1")
         code = "import sys; from lightning_3d.plan.calibrate import _comm_worker as w; w(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
-        procs = [
-            subprocess.Popen([sys.executable, "-c", code, str(r), str(port), out], env=env) for r in range(2)
-        ]
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), out], env=env) for r in range(2)]
         try:
             for p in procs:
                 p.wait(timeout=timeout)

@@ -69,7 +69,9 @@ class ClusterSpec:
         if self.gpus_per_node < 1 or self.nodes < 1:
             raise ValueError(f"cluster {self.name}: gpus_per_node and nodes must be >= 1.")
         if self.precision not in ("bf16-mixed", "32-true", "bf16-true"):
-            raise ValueError(f"cluster {self.name}: precision {self.precision!r}; use bf16-mixed, bf16-true or 32-true.")
+            raise ValueError(
+                f"cluster {self.name}: precision {self.precision!r}; use bf16-mixed, bf16-true or 32-true."
+            )
 
     @property
     def world(self) -> int:

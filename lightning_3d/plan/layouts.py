@@ -141,7 +141,11 @@ def min_micro_batches(schedule: str, pp: int) -> int:
 
 
 def enumerate_layouts(
-    model: ModelSpec, cluster: ClusterSpec, global_batch: int, search: Search | None = None, rejections: Rejections | None = None
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    global_batch: int,
+    search: Search | None = None,
+    rejections: Rejections | None = None,
 ) -> Iterator[Layout]:
     """Every layout of ``model`` on all of ``cluster``'s devices for ``global_batch`` samples per step.
 

@@ -175,7 +175,7 @@ def nearest_batches(model: ModelSpec, cluster: ClusterSpec, global_batch: int, s
 def _nothing_enumerated(
     model: ModelSpec, cluster: ClusterSpec, global_batch: int, search: Search, rejections: Rejections
 ) -> str:
-    reasons = ", ".join(f"{r} ({n})" for r, n in rejections.counts.most_common()) or "the search pins exclude all"
+    reasons = ", ".join(f"{r}: {n}" for r, n in rejections.counts.most_common()) or "the search pins exclude all"
     if rejections.shapes:
         near = nearest_batches(model, cluster, global_batch, search)
         if near:
@@ -196,18 +196,47 @@ def _nothing_fits(
     smallest = _min_memory(too_big)
     assert smallest is not None
     need = smallest.memory.gib
-    knobs: list[tuple[float, str]] = []
+    # (0: fits at this size / 1: fits with more nodes / 2: only lowers it, GiB, text)
+    knobs: list[tuple[int, float, str]] = []
     for name in ("activation_checkpointing", "data_parallel", "tp", "pp", "micro_batch_size", "micro_batches"):
         if getattr(search, name) is None:
             continue
         freed = search.unpinned(name)
-        best = _min_memory(evaluate(model, cluster, lay) for lay in enumerate_layouts(model, cluster, global_batch, freed))
+        best = _min_memory(
+            evaluate(model, cluster, lay) for lay in enumerate_layouts(model, cluster, global_batch, freed)
+        )
         if best is not None and best.memory.gib < need - 1e-9:
-            knobs.append((best.memory.gib, f"unpin search.{name} ({best.layout.short()}: {best.memory.gib:.1f} GiB)"))
-    more = dataclasses.replace(cluster, nodes=cluster.nodes * 2)
-    bigger = _min_memory(evaluate(model, more, lay) for lay in enumerate_layouts(model, more, global_batch, search))
-    if bigger is not None and bigger.memory.gib < need - 1e-9:
-        knobs.append((bigger.memory.gib, f"cluster.nodes={more.nodes} ({bigger.layout.short()}: {bigger.memory.gib:.1f} GiB)"))
+            rank = 0 if fits(best.memory, cluster) else 2
+            knobs.append(
+                (rank, best.memory.gib, f"unpin search.{name} ({best.layout.short()}: {best.memory.gib:.1f} GiB)")
+            )
+    nodes, first = cluster.nodes, None
+    for _ in range(16):  # more nodes, doubling: the fewest at which some layout fits
+        nodes *= 2
+        more = dataclasses.replace(cluster, nodes=nodes)
+        bigger = _min_memory(evaluate(model, more, lay) for lay in enumerate_layouts(model, more, global_batch, search))
+        if bigger is None:
+            break
+        first = first or (nodes, bigger)
+        if fits(bigger.memory, more):
+            knobs.append(
+                (
+                    1,
+                    bigger.memory.gib,
+                    f"cluster.nodes={nodes}, the fewest (doubling) at which one fits "
+                    f"({bigger.layout.short()}: {bigger.memory.gib:.1f} GiB)",
+                )
+            )
+            break
+    else:
+        if first is not None and first[1].memory.gib < need - 1e-9:
+            knobs.append(
+                (
+                    2,
+                    first[1].memory.gib,
+                    f"cluster.nodes={first[0]} ({first[1].layout.short()}: {first[1].memory.gib:.1f} GiB)",
+                )
+            )
     knobs.sort()
     parts = ", ".join(f"{k}: {v:.2f}" for k, v in smallest.memory.as_gib().items() if k != "total")
     text = (
@@ -215,7 +244,7 @@ def _nothing_fits(
         f"{need:.1f} GiB per device ({parts}) and a device has {cluster.memory_gib:g} GiB."
     )
     if knobs:
-        text += f" What helps most: {knobs[0][1]}" + (f"; then {knobs[1][1]}" if len(knobs) > 1 else "") + "."
+        text += f" What helps most: {knobs[0][2]}" + (f"; then {knobs[1][2]}" if len(knobs) > 1 else "") + "."
     else:
         text += " No single knob of the search brings it under; a larger cluster or a smaller model is needed."
     return text
