@@ -136,7 +136,10 @@ def comm(timeout: float = 120.0) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "comm.json")
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        code = "import sys; from lightning_3d.plan.calibrate import _comm_worker as w; w(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
+        code = (
+            "import sys; from lightning_3d.plan.calibrate import _comm_worker as w; "
+            "w(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
+        )
         procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), out], env=env) for r in range(2)]
         try:
             for p in procs:
@@ -186,11 +189,13 @@ def calibrate(name: str = "cpu8", processes: int = 8, directory: Path = CLUSTER_
     total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     bw = min(links["p2p_gbs"], links["allreduce_gbs"])
     lines = [
-        f"# This machine, measured by `python -m lightning_3d.plan calibrate=true` on {time.strftime('%Y-%m-%d %H:%M')}:",
+        "# This machine, measured by `python -m lightning_3d.plan calibrate=true` on "
+        f"{time.strftime('%Y-%m-%d %H:%M')}:",
         f"# {processes} CPU processes (gloo) sharing {cores} cores and {total_gib:.0f} GiB. Matmul GFLOP/s by size: "
         + ", ".join(f"{d}: {f / 1e9:.1f}" for d, f in flops.items())
         + ".",
-        f"# Tiny block forward + backward {block * 1e6:.0f} us; gloo one-way latency {links['latency_s'] * 1e6:.0f} us, "
+        f"# Tiny block forward + backward {block * 1e6:.0f} us; gloo one-way latency "
+        f"{links['latency_s'] * 1e6:.0f} us, "
         f"send/recv {links['p2p_gbs']:.2f} GB/s, all-reduce {links['allreduce_gbs']:.2f} GB/s; add {mem_bw:.1f} GB/s.",
         f"name: {name}",
         f"gpus_per_node: {processes}",

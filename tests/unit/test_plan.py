@@ -169,7 +169,7 @@ def test_unsupported_layouts_are_marked():
 def test_search_pins():
     lays = list(enumerate_layouts(TINY, IDEAL, 16, Search(tp=[2], data_parallel=["replicate"])))
     assert lays and all(lay.tp == 2 and lay.data_parallel == "replicate" for lay in lays)
-    with pytest.raises(ValueError, match="search.schedule"):
+    with pytest.raises(ValueError, match=r"search\.schedule"):
         Search(schedule=["1f2b"])
 
 
@@ -190,7 +190,7 @@ def test_a_model_that_fits_nowhere_gets_memory_needed_and_the_knob():
     # With recomputation pinned off, unpinning it is what helps most.
     long = dataclasses.replace(TINY, seq_len=32768, hidden=64, ffn=256, vocab=64)
     small = dataclasses.replace(IDEAL, memory_gib=0.2, gpus_per_node=1)
-    with pytest.raises(NoLayout, match="What helps most: unpin search.activation_checkpointing"):
+    with pytest.raises(NoLayout, match=r"What helps most: unpin search\.activation_checkpointing"):
         plan(long, small, 1, Search(activation_checkpointing=["none"]), features=frozenset())
 
 
