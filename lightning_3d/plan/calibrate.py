@@ -92,6 +92,78 @@ def memory_bandwidth_gbs(seconds: float = 0.3) -> float:
     return 3 * a.numel() * 4 / _median_time(lambda: torch.add(a, b, out=c), seconds) / 1e9
 
 
+def _framework_worker(out: str, steps: int) -> None:
+    """One process, ``ThreeDStrategy`` on one CPU device: step times of a tiny model at 1 and 4 micro-batches."""
+    import warnings
+
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_3d import ThreeDStrategy
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            loss = nn.functional.mse_loss(self.body(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+    result = {}
+    for m in (1, 4):
+        clock = Clock()
+        data = DataLoader(TensorDataset(torch.randn(4 * steps, 8), torch.randn(4 * steps, 1)), batch_size=4)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=ThreeDStrategy(micro_batches=m, print_layout=False),
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[clock],
+        )
+        trainer.fit(Tiny(), data)
+        gaps = [b - a for a, b in zip(clock.starts, clock.starts[1:])][3:]
+        result[m] = statistics.median(gaps)
+    Path(out).write_text(json.dumps(result))
+
+
+def framework_overhead(steps: int = 25, timeout: float = 180.0) -> tuple[float, float]:
+    """(seconds per step, seconds per micro-batch) that Lightning and ``ThreeDStrategy`` add, measured on a model
+    too small to compute anything (one process, one device, 1 and 4 micro-batches)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "framework.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        code = (
+            "import sys; from lightning_3d.plan.calibrate import _framework_worker as w; "
+            "w(sys.argv[1], int(sys.argv[2]))"
+        )
+        subprocess.run([sys.executable, "-c", code, out, str(steps)], env=env, timeout=timeout, check=True)
+        r = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    per_micro = max(0.0, (r[4] - r[1]) / 3)
+    return max(0.0, r[1] - per_micro), per_micro
+
+
 def _comm_worker(rank: int, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -185,6 +257,8 @@ def calibrate(name: str = "cpu8", processes: int = 8, directory: Path = CLUSTER_
     op_overhead = block / (3 * OPS_PER_LAYER)
     mem_bw = memory_bandwidth_gbs(seconds)
     links = comm()
+    step_overhead, micro_overhead = framework_overhead(10 if quick else 25)
+    background = max(0.0, os.getloadavg()[0] - 1.0)  # the calibration's own process is one of them
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     bw = min(links["p2p_gbs"], links["allreduce_gbs"])
@@ -212,10 +286,13 @@ def calibrate(name: str = "cpu8", processes: int = 8, directory: Path = CLUSTER_
         f"matmul_half_size: {half:.1f}",
         f"op_overhead_s: {op_overhead:.3e}",
         f"tp_op_overhead_s: {3 * op_overhead:.3e}   # DTensor dispatch: about 3x a plain operator (not measured)",
-        "step_overhead_s: 0.03     # Lightning's loop, logging and the optimizer's launch (not measured)",
+        f"step_overhead_s: {step_overhead:.3e}   # Lightning's loop and ThreeDStrategy's per-step work, measured",
+        f"micro_batch_overhead_s: {micro_overhead:.3e}   # ThreeDStrategy per micro-batch, measured",
         "dp_overlap: 0.0           # replicate's all-reduce runs after the schedule on gloo",
         "precision: 32-true",
         f"cores: {cores}",
+        f"background_load: {background:.1f}   # other jobs' runnable processes at calibration (1-min load average);"
+        " set 0 on a quiet machine",
     ]
     path = Path(directory) / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

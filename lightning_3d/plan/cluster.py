@@ -39,10 +39,14 @@ class ClusterSpec:
             operator of a layer's forward and backward.
         tp_op_overhead_s: extra fixed cost per operator of a tensor-parallel layer (DTensor dispatch).
         step_overhead_s: fixed cost of a training step (Lightning loop, optimizer launch, logging).
+        micro_batch_overhead_s: fixed cost of one micro-batch on one stage outside the blocks (the step function
+            run per micro-batch, the schedule's bookkeeping, the loss).
         dp_overlap: fraction of the data-parallel gradient all-reduce hidden behind the last backward.
         precision: ``"bf16-mixed"`` (fp32 weights, bf16 activations) or ``"32-true"``.
         cores: compute cores the devices share (CPU processes on fewer cores than processes); ``None`` for
             dedicated devices (GPUs).
+        background_load: runnable processes of other jobs on those cores (the load average before the job
+            starts): the job's processes get ``cores * world / (world + background_load)`` of them.
     """
 
     name: str
@@ -61,9 +65,11 @@ class ClusterSpec:
     op_overhead_s: float = 5e-6
     tp_op_overhead_s: float = 0.0
     step_overhead_s: float = 0.01
+    micro_batch_overhead_s: float = 2e-4
     dp_overlap: float = 0.8
     precision: str = "bf16-mixed"
     cores: float | None = None
+    background_load: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
@@ -77,6 +83,12 @@ class ClusterSpec:
     def world(self) -> int:
         """Devices in all."""
         return self.gpus_per_node * self.nodes
+
+    def cores_for(self, processes: int) -> float | None:
+        """Cores a job of ``processes`` processes gets (None: dedicated devices)."""
+        if self.cores is None:
+            return None
+        return self.cores * processes / (processes + max(0.0, self.background_load))
 
     @property
     def act_bytes(self) -> int:

@@ -18,7 +18,9 @@ with compute likewise. The optimizer step is memory traffic (36 bytes per local 
 ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency`` on the slowest link the group spans.
 
 When the devices share fewer cores than there are processes (``cluster.cores``: CPU), a rank waiting in the
-bubble frees its core for another: the step takes at least the whole job's busy time divided by the cores.
+bubble frees its core for another: the step takes at least the whole job's busy time (compute, communication,
+optimizer and the fixed per-step cost, all CPU work there) divided by the cores the job gets (fewer when other
+jobs run: ``cluster.background_load``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from .memory import RankShape, rank_params, rank_shapes
 from .model import ModelSpec
 
 OPS_PER_LAYER = 24  # forward operators of a block (norms, projections, views, attention, activation, adds)
-OPS_PER_MICRO_BATCH = 40  # a stage's per-micro-batch operators outside the blocks (the step, loss, schedule)
 ELEMENTWISE_PASSES = 6  # reads + writes of a block's saved activations by its element-wise ops, forward
 
 
@@ -91,7 +92,7 @@ def stage_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shape: Ra
     recompute = layer_f if layout.activation_checkpointing == "full" else 0.0
     fwd = shape.layers * layer_f
     bwd = shape.layers * (layer_b + recompute)
-    extra = OPS_PER_MICRO_BATCH * cluster.op_overhead_s * layout.stages_per_rank
+    extra = cluster.micro_batch_overhead_s * layout.stages_per_rank
     if shape.head:
         head = matmul_s(cluster, tokens, model.hidden, model.vocab / t)
         fwd, bwd = fwd + head, bwd + 2 * head
@@ -179,9 +180,11 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> StepTim
     overhead = cluster.step_overhead_s
     critical = compute + fill + tp_comm + pp_comm + dp_comm + optimizer
     wait = 0.0
-    if cluster.cores is not None and cluster.cores < layout.world:
-        # Busy time of every process: its micro-batches, its sends, its share of the collectives, its optimizer.
+    cores = cluster.cores_for(layout.world)
+    if cores is not None and cores < layout.world:
+        # Busy time of every process: its micro-batches, its sends, its share of the collectives, its optimizer
+        # and the step's fixed cost.
         work = sum(m * t + (m * p2p_per_mb if pp > 1 else 0.0) for t in per_mb) * layout.tp * layout.dp
-        work += layout.world * (dp_comm + optimizer)
-        wait = max(0.0, work / cluster.cores - critical)
+        work += layout.world * (dp_comm + optimizer + overhead)
+        wait = max(0.0, work / cores - critical - overhead)
     return StepTime(compute, fill, tp_comm, pp_comm, dp_comm, optimizer, overhead, wait)
