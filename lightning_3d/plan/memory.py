@@ -15,7 +15,8 @@ last holds the output projection and the logits). Per rank:
 - **in flight**: GPipe keeps all ``m`` micro-batches, 1F1B ``min(m, pp - rank)``, interleaved 1F1B
   ``min(m, pp) * (1 + (pp - 1) / (pp v))`` stage-equivalents (Narayanan et al. 2021), zero-bubble as 1F1B.
 - **buffers**: pipeline send/receive buffers (forward and backward, each chunk), the data-parallel gradient
-  bucket, FSDP's gathered layers; and ``cluster.reserved_gib`` the framework keeps.
+  bucket, FSDP's gathered layers (under a pipeline: the stage's gathered parameters and unsharded gradients, kept
+  across the micro-batches); and ``cluster.reserved_gib`` the framework keeps.
 """
 
 from __future__ import annotations
@@ -146,7 +147,9 @@ def rank_memory(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shape: R
     boundary = tokens * model.hidden * ab
     buffers = (4 * boundary * layout.stages_per_rank) if layout.pp > 1 else 0.0
     layer_params = (model.layer_params()) / layout.tp
-    if shard > 1:
+    if shard > 1 and layout.pp > 1:
+        buffers += params * (ab + 4)  # the stage's gathered parameters and unsharded gradients, kept for the step
+    elif shard > 1:
         buffers += 2 * layer_params * ab + layer_params * 4  # two gathered blocks, one block's unsharded gradient
     elif layout.dp > 1:
         buffers += min(params * gb, DP_BUCKET_BYTES)

@@ -13,8 +13,9 @@ slot for GPipe and 1F1B (``(m + pp - 1) t`` when balanced: a bubble of ``(pp - 1
 by ``v`` for interleaved 1F1B, and about a third of 1F1B's bubble (the forward part) for the zero-bubble schedules
 (Qi et al. 2023). Each micro-batch slot adds a send and a receive of the boundary activation. Data parallelism
 all-reduces the fp32 gradients once per step, hidden behind the last backward up to ``cluster.dp_overlap``; FSDP
-gathers each rank's parameters per micro-batch (forward and backward) and reduce-scatters gradients, overlapped
-with compute likewise. The optimizer step is memory traffic (36 bytes per local parameter). Ring collectives cost
+without a pipeline gathers the parameters per micro-batch (forward and backward) and reduce-scatters gradients,
+overlapped with compute likewise; under a pipeline it gathers once per step and keeps them (one all-gather and one
+reduce-scatter a step). The optimizer step is memory traffic (36 bytes per local parameter). Ring collectives cost
 ``2 (n - 1) / n * bytes / bandwidth + 2 (n - 1) * latency`` on the slowest link the group spans.
 
 When the devices share fewer cores than there are processes (``cluster.cores``: CPU), a rank waiting in the
@@ -167,6 +168,13 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> StepTim
     last_backward = stages[slowest].backward
     if layout.dp == 1:
         dp_comm = 0.0
+    elif layout.data_parallel == "fsdp" and pp > 1:
+        # Under a pipeline the stage's parameters stay gathered across its micro-batches (FSDP2's
+        # reshard_after_forward=False, as torchtitan runs it with PP): one all-gather and one reduce-scatter a step.
+        per_step = gather_s(grad_params * cluster.act_bytes, layout.dp, dbw, dlat) + gather_s(
+            grad_params * 4, layout.dp, dbw, dlat
+        )
+        dp_comm = max(per_step * (1 - cluster.dp_overlap), per_step - cluster.dp_overlap * last_backward)
     elif layout.data_parallel == "fsdp":
         per_micro = 2 * gather_s(grad_params * cluster.act_bytes, layout.dp, dbw, dlat) + gather_s(
             grad_params * 4, layout.dp, dbw, dlat

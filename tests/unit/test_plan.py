@@ -32,6 +32,7 @@ IDEAL = ClusterSpec(
     matmul_half_size=0.0,
     op_overhead_s=0.0,
     step_overhead_s=0.0,
+    micro_batch_overhead_s=0.0,
     dp_overlap=0.0,
     precision="32-true",
 )
