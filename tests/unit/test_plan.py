@@ -223,3 +223,37 @@ def test_entry_json_has_the_required_fields():
         "tflops_per_gpu",
     ):
         assert key in record
+
+
+def test_fsdp_under_a_pipeline_gathers_once_per_step():
+    from lightning_3d.plan.memory import rank_params, rank_shapes
+    from lightning_3d.plan.timing import gather_s
+
+    slow = dataclasses.replace(IDEAL, intra_bw_gbs=1e-3, intra_latency_s=1e-4)
+    lay = Layout(1, 2, 4, 4, 1, "1f1b", data_parallel="fsdp")
+    shapes = rank_shapes(TINY, lay)
+    # Rank 1 (a block and the head) is the slowest; its parameters are gathered (fp32 here) and its fp32
+    # gradients reduce-scattered once per step, whatever the micro-batch count.
+    params = rank_params(TINY, lay, shapes[1])
+    want = gather_s(params * 4, 4, 1e6, 1e-4) + gather_s(params * 4, 4, 1e6, 1e-4)
+    assert step_time(TINY, slow, lay).dp_comm == pytest.approx(want)
+    assert step_time(
+        TINY, slow, dataclasses.replace(lay, micro_batches=2, micro_batch_size=2)
+    ).dp_comm == pytest.approx(want)
+    # Memory: the states sharded over dp, the stage's gathered parameters and gradients kept for the step.
+    mem = layout_memory(TINY, IDEAL, lay)
+    held = rank_params(TINY, lay, shapes[mem.rank])
+    assert mem.weights == pytest.approx(held * 4 / 4) and mem.optimizer == pytest.approx(held * 8 / 4)
+    # Send/receive buffers (2 x 2 x 4 tokens x 8 fp32) and the gathered fp32 parameters and gradients.
+    assert mem.buffers == pytest.approx(4 * 4 * 8 * 4 + held * (4 + 4))
+
+
+def test_reasons_name_the_difference_and_the_part_that_wins():
+    from lightning_3d.plan.report import reason
+
+    slow_link = dataclasses.replace(IDEAL, intra_bw_gbs=1e-4)
+    a = evaluate(TINY, slow_link, Layout(1, 1, 2, 1, 4))
+    b = evaluate(TINY, slow_link, Layout(2, 1, 1, 1, 8))
+    text = reason(a, b) if a.step_s < b.step_s else reason(b, a)
+    assert "tp 1 vs 2" in text or "tp 2 vs 1" in text
+    assert "tensor-parallel all-reduces" in text or "data-parallel gradient exchange" in text
