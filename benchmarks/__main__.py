@@ -1,5 +1,7 @@
 """``python -m benchmarks ID [ID ...] [--out DIR] [--tiny] [--model NAME]``: run benchmarks and write ``DIR/ID.json``.
 
+``P1`` (the planner against measured layouts, ``benchmarks/p1_planner.py``) runs by id only, not in ``all``.
+
 ``--model hf_llama`` (or ``hf_llama_tied``) runs the benchmarks that have a Hugging Face Llama variant (a module
 listing it in ``MODELS``) on that model instead of the example GPT and writes ``DIR/ID_hf_llama.json``.
 """
@@ -15,9 +17,14 @@ import traceback
 from pathlib import Path
 from types import ModuleType
 
-from . import BENCHMARKS, RUN_ORDER
+from . import BENCHMARKS as CORE_BENCHMARKS
+from . import RUN_ORDER
 from .common import environment, fmt, report
 from .hf_llama import MODEL_NAMES
+
+# Benchmarks run by id only, never by ``all`` (minutes long): P1 checks the planner against measured layouts.
+EXTRA_BENCHMARKS: dict[str, str] = {"P1": "p1_planner"}
+BENCHMARKS: dict[str, str] = {**CORE_BENCHMARKS, **EXTRA_BENCHMARKS}
 
 
 def _module(bench_id: str) -> ModuleType:

@@ -183,6 +183,12 @@ def run(cfg: DictConfig) -> float | None:
     try:
         # Resolve now (${hydra:...}, ${model.block_size}...): children and loggers get plain values.
         cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+        if cfg.strategy.get("auto"):  # strategy=auto: the planner's first choice (lightning_3d.plan)
+            from ..plan.auto import resolve_auto
+
+            resolved, message = resolve_auto(OmegaConf.to_container(cfg))  # type: ignore[arg-type]
+            cfg = OmegaConf.create(resolved)
+            log.info("%s", message)
     except Exception as err:
         raise ConfigurationError(_one_line(err)) from err
     is_child = JOB_CONFIG_ENV in os.environ

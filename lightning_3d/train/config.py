@@ -78,6 +78,13 @@ def strategy_schema(settings: type[ThreeDSettings] = ThreeDSettings) -> type:
 
 StrategyConfig = strategy_schema()
 
+# strategy=auto (conf/strategy/auto.yaml): the same settings, the layout chosen by lightning_3d.plan.auto.
+AutoStrategyConfig = dataclasses.make_dataclass(
+    "AutoStrategyConfig",
+    [("auto", bool, field(default=True)), ("cluster", str | None, field(default=None)), ("global_batch_size", int, 32)],
+    bases=(StrategyConfig,),
+)
+
 
 @dataclass
 class GPTModelConfig:
@@ -255,6 +262,7 @@ class Config:
 SCHEMAS: dict[tuple[str | None, str], type] = {
     (None, "config_schema"): Config,
     ("strategy", "schema_3d"): StrategyConfig,
+    ("strategy", "schema_auto"): AutoStrategyConfig,
     ("model", "schema_gpt"): GPTModelConfig,
     ("model", "schema_mlp"): MLPModelConfig,
     ("model", "schema_hf_llama"): HFLlamaModelConfig,

@@ -1,0 +1,259 @@
+"""The planner's memory and time formulas against hand-computed values for a tiny model, the model description
+against the example models' real parameter counts, ranking sanity, and the messages for bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_3d.plan import ClusterSpec, Layout, ModelSpec, NoLayout, Search, evaluate, load_cluster, plan
+from lightning_3d.plan.layouts import enumerate_layouts, unsupported_reason
+from lightning_3d.plan.memory import in_flight, layout_memory
+from lightning_3d.plan.model import model_from_config
+from lightning_3d.plan.timing import allreduce_s, step_time
+
+# 2 layers, hidden 8, ffn 32, 2 heads, vocabulary 16, sequence 4, no biases.
+TINY = ModelSpec(name="t", n_layer=2, hidden=8, ffn=32, n_head=2, n_kv_head=2, vocab=16, seq_len=4)
+# An ideal machine: 1 GFLOP/s at every size, no overheads, free and instant communication.
+IDEAL = ClusterSpec(
+    name="ideal",
+    gpus_per_node=8,
+    nodes=1,
+    peak_flops=1e9,
+    memory_gib=1.0,
+    reserved_gib=0.0,
+    intra_bw_gbs=1e9,
+    inter_bw_gbs=1e9,
+    intra_latency_s=0.0,
+    inter_latency_s=0.0,
+    mem_bw_gbs=1e12,
+    matmul_eff_max=1.0,
+    matmul_half_size=0.0,
+    op_overhead_s=0.0,
+    step_overhead_s=0.0,
+    micro_batch_overhead_s=0.0,
+    dp_overlap=0.0,
+    precision="32-true",
+)
+
+
+def test_tiny_model_counts_by_hand():
+    # qkv 8x24 + out 8x8 + fc 8x32 + proj 32x8 = 768 matrix entries, two norm weights of 8.
+    assert TINY.layer_params() == 768 + 16
+    assert TINY.params() == 2 * 784 + 16 * 8 + (8 + 16 * 8)
+    # Forward per token and layer: 2 x 768 (matmuls) + 2 x 2 x seq 4 x hidden 8 (attention) = 1664; head 2 x 8 x 16.
+    assert TINY.layer_forward_flops(1) == 1664
+    assert TINY.flops_per_token() == 3 * (2 * 1664 + 256)
+
+
+def test_model_description_matches_the_example_models():
+    from lightning_3d.plan.model import GPT_PRESETS
+    from lightning_3d_examples.gpt import GPT, PRESETS
+
+    for name, shape in GPT_PRESETS.items():
+        p = PRESETS[name]
+        assert shape == dict(block_size=p.block_size, n_layer=p.n_layer, n_head=p.n_head, n_embd=p.n_embd), name
+    gpt = GPT("small", n_layer=3)
+    gpt.configure_model()
+    assert model_from_config({"preset": "small", "n_layer": 3}).params() == sum(p.numel() for p in gpt.parameters())
+
+
+def test_hugging_face_config_parameters_match_transformers():
+    transformers = pytest.importorskip("transformers")
+    fields = dict(
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=172,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    config = transformers.LlamaConfig(**fields, tie_word_embeddings=False)
+    real = sum(p.numel() for p in transformers.LlamaForCausalLM(config).parameters())
+    spec = model_from_config({**fields, "block_size": 32})
+    assert spec.gated_mlp and spec.n_kv_head == 2
+    assert spec.params() == real
+
+
+def test_memory_by_hand():
+    lay = Layout(tp=1, pp=1, dp=1, micro_batches=1, micro_batch_size=2)
+    mem = layout_memory(TINY, IDEAL, lay)
+    params = TINY.params()
+    assert (mem.weights, mem.gradients, mem.optimizer) == (4 * params, 4 * params, 8 * params)
+    # Per token and layer 4h + (2h + 2 kv + 2 ffn) = 32 + 96 = 128 fp32 elements; 8 tokens, 2 layers, one in flight;
+    # logits 8 x 16 x (4 + 4 fp32 log-probabilities) kept, and their gradient.
+    assert mem.activations == 2 * 128 * 8 * 4 + 2 * 8 * 16 * 8
+    assert mem.buffers == 0 and mem.reserved == 0
+    # Full checkpointing keeps the blocks' inputs (h per token) and one block's activations.
+    ac = layout_memory(TINY, IDEAL, dataclasses.replace(lay, activation_checkpointing="full"))
+    assert ac.activations == 2 * 8 * 8 * 4 + 128 * 8 * 4 + 2 * 8 * 16 * 8
+    # FSDP shards the states over dp.
+    fsdp = layout_memory(TINY, IDEAL, Layout(1, 1, 4, 1, 2, data_parallel="fsdp"))
+    assert fsdp.optimizer == 8 * params / 4
+
+
+def test_micro_batches_in_flight_per_schedule():
+    assert in_flight(Layout(1, 4, 1, 8, 1, "gpipe"), 0) == 8
+    assert [in_flight(Layout(1, 4, 1, 8, 1, "1f1b"), r) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight(Layout(1, 4, 1, 2, 1, "1f1b"), 0) == 2
+    # Interleaved with 2 stages per rank: pp (1 + (pp - 1) / (pp v)) = 4 x (1 + 3/8).
+    assert in_flight(Layout(1, 4, 1, 8, 1, "interleaved1f1b", 2), 0) == pytest.approx(5.5)
+
+
+def test_step_time_by_hand():
+    # At 100% efficiency and free communication one step is the model's FLOPs over the peak.
+    lay = Layout(tp=1, pp=1, dp=1, micro_batches=1, micro_batch_size=2)
+    assert step_time(TINY, IDEAL, lay).total == pytest.approx(TINY.flops_per_token() * 8 / 1e9)
+    # GPipe over 2 ranks, 4 micro-batches of 2: rank 0 = one block (3 x 13312 FLOPs), rank 1 = one block and the
+    # head (39936 + 3 x 2048): (m - 1) x slowest + sum over ranks.
+    gpipe = step_time(TINY, IDEAL, Layout(1, 2, 1, 4, 2, "gpipe"))
+    assert gpipe.total == pytest.approx((3 * 46080 + 39936 + 46080) / 1e9)
+    assert gpipe.bubble == pytest.approx(39936 / 1e9)
+    # The efficiency curve: a product whose smallest size equals matmul_half_size runs at half the rate.
+    half = dataclasses.replace(IDEAL, matmul_half_size=8.0)
+    assert half.matmul_efficiency(8) == pytest.approx(0.5)
+    # Ring all-reduce: 2 (n - 1) / n x bytes / bandwidth + 2 (n - 1) x latency.
+    assert allreduce_s(1000, 4, 100.0, 0.5) == pytest.approx(1.5 * 10 + 3.0)
+
+
+def test_tp_and_dp_communication_are_charged():
+    slow = dataclasses.replace(IDEAL, intra_bw_gbs=1e-3, intra_latency_s=1e-4)
+    tp2 = step_time(TINY, slow, Layout(2, 1, 1, 1, 2))
+    # 4 all-reduces per block of 8 tokens x 8 fp32 per micro-batch, the embedding's, and the gathered logits.
+    boundary = 8 * 8 * 4
+    expected = 2 * 4 * allreduce_s(boundary, 2, 1e6, 1e-4) + allreduce_s(boundary, 2, 1e6, 1e-4)
+    expected += 2 * (0.5 * 8 * 16 * 4 / 1e6 + 1e-4)
+    assert tp2.tp_comm == pytest.approx(expected)
+    dp2 = step_time(TINY, slow, Layout(1, 1, 2, 1, 2))
+    assert dp2.dp_comm == pytest.approx(allreduce_s(TINY.params() * 4, 2, 1e6, 1e-4))
+
+
+def test_shared_cores_make_the_step_the_total_work():
+    shared = dataclasses.replace(IDEAL, cores=1)
+    alone = step_time(TINY, IDEAL, Layout(1, 1, 2, 1, 2)).total
+    # Two replicas on one core take twice as long as on two devices.
+    assert step_time(TINY, shared, Layout(1, 1, 2, 1, 2)).total == pytest.approx(2 * alone)
+
+
+def test_ranking_sanity():
+    h100 = load_cluster("h100_80g")
+    gpt = model_from_config({"preset": "xl", "vocab_size": 50304})
+    result = plan(gpt, h100, 64, features=frozenset())
+    steps = [e.step_s for e in result.entries]
+    assert steps == sorted(steps)
+    assert all(e.memory.gib <= h100.memory_gib for e in result.entries)
+    assert 0.2 < result.best.mfu < 0.8
+    # More micro-batches shrink the bubble; interleaving shrinks it further.
+    bubbles = [
+        step_time(gpt, h100, Layout(1, 4, 2, m, 32 // m, "1f1b")).bubble
+        / step_time(gpt, h100, Layout(1, 4, 2, m, 32 // m, "1f1b")).total
+        for m in (4, 8, 16, 32)
+    ]
+    assert bubbles == sorted(bubbles, reverse=True)
+    one = step_time(gpt, h100, Layout(1, 4, 2, 8, 4, "1f1b"))
+    inter = step_time(gpt, h100, Layout(1, 4, 2, 8, 4, "interleaved1f1b", 2))
+    assert inter.bubble < one.bubble
+    # Tensor parallelism never leaves a node, and splits heads evenly.
+    assert all(e.layout.tp <= 8 and gpt.n_head % e.layout.tp == 0 for e in result.entries)
+
+
+def test_unsupported_layouts_are_marked():
+    assert unsupported_reason(Layout(1, 1, 2, 1, 1, data_parallel="fsdp"), frozenset()) is not None
+    assert unsupported_reason(Layout(1, 1, 2, 1, 1, data_parallel="fsdp"), frozenset({"data_parallel"})) is None
+    assert unsupported_reason(Layout(1, 2, 1, 2, 1, "zbvzerobubble", 2), frozenset({"data_parallel"})) is not None
+    assert unsupported_reason(Layout(1, 2, 1, 2, 1, "interleaved1f1b", 2), frozenset()) is None
+    result = plan(TINY, IDEAL, 8, features=frozenset())
+    assert result.best_runnable() is not None and result.best_runnable().runnable
+
+
+def test_search_pins():
+    lays = list(enumerate_layouts(TINY, IDEAL, 16, Search(tp=[2], data_parallel=["replicate"])))
+    assert lays and all(lay.tp == 2 and lay.data_parallel == "replicate" for lay in lays)
+    with pytest.raises(ValueError, match=r"search\.schedule"):
+        Search(schedule=["1f2b"])
+
+
+def test_a_model_that_fits_nowhere_gets_memory_needed_and_the_knob():
+    big = model_from_config(
+        {
+            "num_hidden_layers": 126,
+            "hidden_size": 16384,
+            "intermediate_size": 53248,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "block_size": 8192,
+        }
+    )
+    with pytest.raises(NoLayout, match=r"needs [\d.]+ GiB per device.*What helps most: cluster.nodes=\d+, the fewest"):
+        plan(big, load_cluster("h100_80g"), 16, features=frozenset())
+    # With recomputation pinned off, unpinning it is what helps most.
+    long = dataclasses.replace(TINY, seq_len=32768, hidden=64, ffn=256, vocab=64)
+    small = dataclasses.replace(IDEAL, memory_gib=0.2, gpus_per_node=1)
+    with pytest.raises(NoLayout, match=r"What helps most: unpin search\.activation_checkpointing"):
+        plan(long, small, 1, Search(activation_checkpointing=["none"]), features=frozenset())
+
+
+def test_unknown_cluster_lists_the_known_ones():
+    with pytest.raises(ValueError, match="known clusters: a100_80g, cpu8, h100_80g, h200"):
+        load_cluster("tpu_v5")
+
+
+def test_a_global_batch_no_layout_divides_gets_the_nearest():
+    # tp <= 2 (heads) and pp <= 2 (layers) leave dp >= 2 of 8 devices: an odd batch divides no layout.
+    with pytest.raises(NoLayout, match="nearest that work: 6 and 8"):
+        plan(TINY, IDEAL, 7, features=frozenset())
+
+
+def test_entry_json_has_the_required_fields():
+    entry = evaluate(TINY, IDEAL, Layout(1, 2, 4, 2, 1, "1f1b"))
+    record = entry.as_dict()
+    for key in (
+        "tp",
+        "pp",
+        "dp",
+        "micro_batches",
+        "micro_batch_size",
+        "schedule",
+        "data_parallel",
+        "activation_checkpointing",
+        "memory_gib",
+        "step_s",
+        "tflops_per_gpu",
+    ):
+        assert key in record
+
+
+def test_fsdp_under_a_pipeline_gathers_once_per_step():
+    from lightning_3d.plan.memory import rank_params, rank_shapes
+    from lightning_3d.plan.timing import gather_s
+
+    slow = dataclasses.replace(IDEAL, intra_bw_gbs=1e-3, intra_latency_s=1e-4)
+    lay = Layout(1, 2, 4, 4, 1, "1f1b", data_parallel="fsdp")
+    shapes = rank_shapes(TINY, lay)
+    # Rank 1 (a block and the head) is the slowest; its parameters are gathered (fp32 here) and its fp32
+    # gradients reduce-scattered once per step, whatever the micro-batch count.
+    params = rank_params(TINY, lay, shapes[1])
+    want = gather_s(params * 4, 4, 1e6, 1e-4) + gather_s(params * 4, 4, 1e6, 1e-4)
+    assert step_time(TINY, slow, lay).dp_comm == pytest.approx(want)
+    assert step_time(
+        TINY, slow, dataclasses.replace(lay, micro_batches=2, micro_batch_size=2)
+    ).dp_comm == pytest.approx(want)
+    # Memory: the states sharded over dp, the stage's gathered parameters and gradients kept for the step.
+    mem = layout_memory(TINY, IDEAL, lay)
+    held = rank_params(TINY, lay, shapes[mem.rank])
+    assert mem.weights == pytest.approx(held * 4 / 4) and mem.optimizer == pytest.approx(held * 8 / 4)
+    # Send/receive buffers (2 x 2 x 4 tokens x 8 fp32) and the gathered fp32 parameters and gradients.
+    assert mem.buffers == pytest.approx(4 * 4 * 8 * 4 + held * (4 + 4))
+
+
+def test_reasons_name_the_difference_and_the_part_that_wins():
+    from lightning_3d.plan.report import reason
+
+    slow_link = dataclasses.replace(IDEAL, intra_bw_gbs=1e-4)
+    a = evaluate(TINY, slow_link, Layout(1, 1, 2, 1, 4))
+    b = evaluate(TINY, slow_link, Layout(2, 1, 1, 1, 8))
+    text = reason(a, b) if a.step_s < b.step_s else reason(b, a)
+    assert "tp 1 vs 2" in text or "tp 2 vs 1" in text
+    assert "tensor-parallel all-reduces" in text or "data-parallel gradient exchange" in text
