@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from .core import partition
+from .core.compile import compile_kwargs
 from .core.pipeline import is_multi_stage, min_micro_batches, schedule_class
 
 NONFINITE_MODES = ("raise", "skip", "off")
@@ -69,6 +70,10 @@ class ThreeDSettings:
         fail_fast: when one rank fails, stop every rank within about a second (see ``tools/failure_watch.py``).
         process_group_backend: ``"gloo"`` / ``"nccl"``; ``None`` chooses by device.
         print_layout: rank 0 prints the mesh, the stages and the tensor-parallel plan once.
+        compile: ``torch.compile`` each block (after tensor parallelism, before data parallelism), as torchtitan
+            does: ``False`` (default), ``True`` (torch's defaults: inductor) or a mapping of ``torch.compile``
+            arguments (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``; keys ``backend``, ``mode``,
+            ``fullgraph``, ``dynamic``, ``options``), kept as a plain ``dict``.
     """
 
     tp: int = 1
@@ -90,6 +95,7 @@ class ThreeDSettings:
     fail_fast: bool = True
     process_group_backend: str | None = None
     print_layout: bool = True
+    compile: bool | Mapping[str, Any] = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -120,6 +126,9 @@ class ThreeDSettings:
             )
         for name in TIMEOUT_FIELDS:
             object.__setattr__(self, name, _check_timeout(name, getattr(self, name)))
+        kwargs = compile_kwargs(self.compile)  # unknown keys and wrong types fail here, naming what works
+        if not isinstance(self.compile, bool):
+            object.__setattr__(self, "compile", kwargs)
 
     def _check_schedule(self) -> None:
         schedule_class(self.schedule)  # unknown names fail here, with torch's list of names

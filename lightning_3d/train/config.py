@@ -36,6 +36,8 @@ _CLI_FORMS: dict[str, tuple[Any, Callable[[Any], Any]]] = {
     # {"glob": "style name"}; {} for none, because Hydra can add entries to {} but not to null:
     # ++strategy.tp_plan={*.attn.q_proj:colwise,*.attn.o_proj:rowwise}
     "tp_plan": (dict[str, str], lambda v: dict(v or {})),
+    # true / false, or torch.compile's arguments: ++strategy.compile={backend:aot_eager}
+    "compile": (Any, lambda v: v),
 }
 # Types Hydra holds as they are (alone or ``| None``).
 _PLAIN_TYPES = (int, float, bool, str)
