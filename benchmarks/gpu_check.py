@@ -419,9 +419,16 @@ def _device_id(device: Any) -> Any:
 
 
 def measure(
-    size_name: str, size: dict[str, Any], phases: Phases, device: Any, compile_kwargs: Any, runs: tuple[str, ...]
+    size_name: str,
+    size: dict[str, Any],
+    phases: Phases,
+    device: Any,
+    compile_kwargs: Any,
+    runs: tuple[str, ...],
+    deadline: float = float("inf"),
 ) -> dict[str, Any]:
-    """Every run of one size, without and with compile; each run's figures and the ratios."""
+    """Every run of one size, without and with compile; each run's figures and the ratios. Runs that would start
+    after ``deadline`` (``time.perf_counter()``) are recorded as skipped."""
     import torch
 
     out: dict[str, Any] = {"size": size_name, **size, "runs": {}}
@@ -430,6 +437,10 @@ def measure(
         for name in runs:
             key = f"{name}+compile" if compiled else name
             start = time.perf_counter()
+            if start > deadline:
+                out["runs"][key] = {"skipped": "time budget (--budget-s) spent"}
+                print(f"  {size_name} {key}: skipped (time budget spent)", flush=True)
+                continue
             with tempfile.TemporaryDirectory() as tmp:
                 fn = lightning_run if name.startswith(("lightning", "threed")) else hand_run
                 try:
@@ -501,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated runs")
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; dry run aot_eager)")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled runs")
+    parser.add_argument(
+        "--budget-s", type=float, default=270.0, help="start no run after this many seconds (default 270)"
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -536,13 +550,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for name, size in sizes.items():
         print(f"gpu_check: {name} ({size})", flush=True)
-        result = measure(name, size, phases, device, compile_kwargs, runs)
+        result = measure(name, size, phases, device, compile_kwargs, runs, start + args.budget_s)
         record["results"].append(result)
         path.write_text(json.dumps(record, indent=2, default=str))  # partial results survive a time-out
     record["seconds"] = time.perf_counter() - start
     path.write_text(json.dumps(record, indent=2, default=str))
     print(f"gpu_check: wrote {path} ({record['seconds']:.0f} s)", flush=True)
     failed = [k for r in record["results"] for k, v in r["runs"].items() if "error" in v]
+    if failed:
+        print(f"gpu_check: failed runs: {', '.join(failed)}", flush=True)
     return 1 if failed else 0
 
 

@@ -20,7 +20,6 @@ SINGLE = ["nano32", "gpt32", "llama32"]  # nn.ModuleList blocks, an nn.Sequentia
 MULTI = [
     ("nano32", "1f1b"),
     ("gpt32", "1f1b"),
-    ("llama32", "1f1b"),
     ("nano32", "gpipe"),
     ("nano32", "interleaved1f1b"),
 ]
@@ -35,7 +34,6 @@ EXPECTED_BLOCKS = {
     ("nano32", "gpipe"): ([0, 1], [2, 3]),
     ("nano32", "interleaved1f1b"): ([0, 2], [1, 3]),  # stages 0, 2 on pp rank 0; 1, 3 on pp rank 1
     ("gpt32", "1f1b"): ([1], [2]),  # body: embedding, block, block, head; only the blocks
-    ("llama32", "1f1b"): ([0, 1], [2, 3]),
 }
 
 

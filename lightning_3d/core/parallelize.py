@@ -26,7 +26,7 @@ from torchmetrics import Metric
 
 from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
-from .compile import CompiledBlocks, compile_blocks, sequential_blocks
+from .compile import CompiledBlocks, check_compilable, compile_blocks, sequential_blocks
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec
@@ -309,6 +309,7 @@ def _build_split_stages(
 ) -> BuiltStages:
     split = model.split
     assert split is not None
+    check_compilable(model.hf_plan is not None, mesh["tp"].size(), compile_kwargs)
     pp_rank = mesh["pp"].get_local_rank()
     my_stages = [s for s in range(split.num_stages) if split.stage_to_rank[s] == pp_rank]
     if split.container is None:  # pp = 1 and no container: the one stage holds the whole module

@@ -8,7 +8,14 @@ import torch
 from torch import nn
 
 from lightning_3d import ThreeDSettings
-from lightning_3d.core.compile import compile_blocks, compile_kwargs, describe_kwargs, is_compiled, sequential_blocks
+from lightning_3d.core.compile import (
+    check_compilable,
+    compile_blocks,
+    compile_kwargs,
+    describe_kwargs,
+    is_compiled,
+    sequential_blocks,
+)
 from lightning_3d.core.rng import BodyRandomness, stage_stream
 
 
@@ -37,6 +44,10 @@ def test_setting_forms_and_refusals() -> None:
     with pytest.raises(ValueError, match="bakend"):
         ThreeDSettings(compile={"bakend": "eager"})
     assert describe_kwargs({}) == "torch.compile(backend='inductor')"
+    check_compilable(hf_plan=True, tp=1, kwargs={})  # tp = 1: fine
+    check_compilable(hf_plan=True, tp=2, kwargs=None)  # not compiling: fine
+    with pytest.raises(ValueError, match="tp=2 and a Hugging Face model's own tensor-parallel plan"):
+        check_compilable(hf_plan=True, tp=2, kwargs={})
 
 
 def test_sequential_blocks_are_the_repeated_user_classes_with_parameters() -> None:
@@ -82,6 +93,7 @@ def test_compiled_forward_keeps_names_hooks_and_eager_numbers() -> None:
     for (_, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad)
     assert "blocks.0" in result.describe() and "aot_eager" in result.describe()
+    assert result.compile_seconds() > 0, "dynamo's timers saw the compile"
     report = result.first_step_report()
     assert report is not None and "compiling" in report and result.first_step_report() is None
 
