@@ -431,12 +431,15 @@ def measure(
     after ``deadline`` (``time.perf_counter()``) are recorded as skipped."""
     import torch
 
+    from lightning_3d.core.compile import is_compiled
+
     out: dict[str, Any] = {"size": size_name, **size, "runs": {}}
     for compiled in (False, True) if compile_kwargs is not None else (False,):
         kwargs = compile_kwargs if compiled else None
         for name in runs:
             key = f"{name}+compile" if compiled else name
             start = time.perf_counter()
+            before = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
             if start > deadline:
                 out["runs"][key] = {"skipped": "time budget (--budget-s) spent"}
                 print(f"  {size_name} {key}: skipped (time budget spent)", flush=True)
@@ -451,6 +454,8 @@ def measure(
                     continue
                 seq = model.config.block_size
                 result = meter.result(size["batch"] * seq, flops_per_token(model, seq))
+                result["compiled_blocks"] = sum(is_compiled(m) for m in model.modules())
+                result["memory_before_gib"] = before  # what earlier runs left allocated (a leak shows here)
             result["wall_s"] = time.perf_counter() - start
             out["runs"][key] = result
             print(f"  {size_name} {key}: {_line(result)}", flush=True)

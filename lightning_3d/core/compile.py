@@ -115,14 +115,15 @@ class CompiledBlocks:
             self.step_started = time.perf_counter()
 
     def first_step_report(self) -> str | None:
-        """After the first training step: its wall time and the seconds spent compiling (once; else ``None``)."""
+        """After the first training step: the seconds spent compiling since setup (sanity validation included)
+        and the step's wall time; once (then ``None``)."""
         if self.reported or not self.names:
             return None
         self.reported = True
         wall = ""
         if self.step_started is not None:
-            wall = f"first training step {time.perf_counter() - self.step_started:.1f} s, "
-        return f"compile: {wall}{self.compile_seconds():.1f} s of it compiling (rank 0; lazily, at the first calls)"
+            wall = f"; first training step {time.perf_counter() - self.step_started:.1f} s"
+        return f"compile: {self.compile_seconds():.1f} s compiling since setup (rank 0){wall}"
 
 
 def compile_blocks(blocks: Sequence[tuple[str, nn.Module]], kwargs: Mapping[str, Any]) -> CompiledBlocks:
