@@ -2,7 +2,7 @@
 
 Each block this rank holds (a block of the split container, or a layer of an ``nn.Sequential`` body) has its
 ``forward`` compiled in place, after tensor parallelism has sharded it and before data parallelism wraps the
-stage. Three choices, and why:
+stage. The choices, and why:
 
 * **Blocks only.** The blocks of the split container, or for an ``nn.Sequential`` body its repeated layers of a
   class of the user's (:func:`sequential_blocks`); the embedding and the head stay eager, as in torchtitan.
@@ -22,8 +22,9 @@ stage. Three choices, and why:
   streams are swapped by hooks on submodules *inside* a block: dynamo cannot trace ``get_rng_state`` /
   ``set_rng_state``, so it breaks the graph there and runs the swap eagerly, and each piece draws from the
   right stream. With ``backend="aot_eager"`` compiled dropout draws the very masks eager dropout draws;
-  inductor generates random numbers its own way (a Philox stream seeded from the default generator), so its
-  masks differ from eager's while being just as deterministic for a given seed.
+  inductor generates random numbers with its own kernels (seeded from the default generator, so from the
+  swapped-in stream), so its masks differ from eager's while being just as deterministic for a given seed.
+* **Not yet:** a Hugging Face model's own tensor-parallel plan at tp > 1 (:func:`check_compilable`).
 """
 
 from __future__ import annotations
