@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         description="lightning_3d benchmarks B0..B7 (see shared/notes/benchmarks.md). Each prints measured, "
         "baseline (same run), ideal and ratio, and writes OUT/ID.json.",
     )
-    parser.add_argument("ids", nargs="+", help=f"benchmark ids ({', '.join(BENCHMARKS)}) or 'all'")
+    parser.add_argument(
+        "ids", nargs="+", help=f"benchmark ids ({', '.join(BENCHMARKS)}), 'all', or GPU (gpu_check.py, alone)"
+    )
     parser.add_argument("--out", default="bench_out", help="folder for the JSON records (default: bench_out)")
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny model and few repetitions: checks the plumbing, times nothing"
@@ -50,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         "untied / tied embeddings), for B2..B5 (records ID_MODEL.json)",
     )
     args = parser.parse_args(argv)
+    if [i.upper() for i in args.ids] == ["GPU"]:  # the GPU check (gpu_check.py): its own table and JSON
+        from . import gpu_check
+
+        return gpu_check.main(["--out", args.out] + (["--dry-run-cpu"] if args.tiny else []))
     ids = list(RUN_ORDER) if [i.lower() for i in args.ids] == ["all"] else [i.upper() for i in args.ids]
     unknown = [i for i in ids if i not in BENCHMARKS]
     if unknown:

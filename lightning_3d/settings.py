@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from .core import partition
+from .core.compile import compile_kwargs
 from .core.pipeline import is_multi_stage, min_micro_batches, schedule_class
 
 NONFINITE_MODES = ("raise", "skip", "off")
@@ -74,6 +75,10 @@ class ThreeDSettings:
             order, and optionally modules with parameters around the blocks (embeddings, final norm, head) to put
             them on another stage than the default (the first stage before the blocks, the last after them).
             Replaces the ``partitioner``; ``None`` lets the partitioner split the blocks. Kept as a tuple of tuples.
+        compile: ``torch.compile`` each block (after tensor parallelism, before data parallelism), as torchtitan
+            does: ``False`` (default), ``True`` (torch's defaults: inductor) or a mapping of ``torch.compile``
+            arguments (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``; keys ``backend``, ``mode``,
+            ``fullgraph``, ``dynamic``, ``options``), kept as a plain ``dict``.
     """
 
     tp: int = 1
@@ -96,6 +101,7 @@ class ThreeDSettings:
     process_group_backend: str | None = None
     print_layout: bool = True
     stages: Sequence[Sequence[str]] | None = None
+    compile: bool | Mapping[str, Any] = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -126,6 +132,9 @@ class ThreeDSettings:
             )
         for name in TIMEOUT_FIELDS:
             object.__setattr__(self, name, _check_timeout(name, getattr(self, name)))
+        kwargs = compile_kwargs(self.compile)  # unknown keys and wrong types fail here, naming what works
+        if not isinstance(self.compile, bool):
+            object.__setattr__(self, "compile", kwargs)
         self._check_stages()
 
     def _check_stages(self) -> None:

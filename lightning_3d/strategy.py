@@ -56,6 +56,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .core import partition
 from .core.agreed import mark_agreed
+from .core.compile import CompiledBlocks, compile_kwargs
 from .core.grad_norm import clip_grads_, global_grad_norm
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
 from .core.parallelize import add_body_randomness, broadcast_seed, build_stages, describe_layout, plan_model
@@ -138,6 +139,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.last_grad_norm: Tensor | None = None
         self._held_grads: HeldGrads | None = None  # the last training batch's gradients, until backward()
         self._tied: TiedWeights | None = None
+        self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
 
@@ -361,7 +363,12 @@ class ThreeDStrategy(ParallelStrategy):
         # ---- reliability: the FIRST collective
         self._reliability.check_consistency(module, self.precision_plugin, model)
         seed = broadcast_seed(s.seed)
-        built = build_stages(module, model, self.device_mesh, self.root_device, self.precision_plugin, seed)
+        built = build_stages(
+            module, model, self.device_mesh, self.root_device, self.precision_plugin, seed, compile_kwargs(s.compile)
+        )
+        self._compiled = built.compiled
+        if built.compiled is not None:
+            layout += "\n" + built.compiled.describe()
         self._tied = built.tied
         self.body_randomness = add_body_randomness(model, built.stages, self.device_mesh, self.root_device, seed)
         self.runner = BatchRunner(
@@ -391,6 +398,8 @@ class ThreeDStrategy(ParallelStrategy):
         assert self.lightning_module is not None and self.runner is not None
         trainer = self.lightning_module.trainer
         accumulate = trainer.accumulate_grad_batches
+        if self._compiled is not None:
+            self._compiled.step_began()
         result = self.runner.run(
             "training_step",
             args,
@@ -401,6 +410,9 @@ class ThreeDStrategy(ParallelStrategy):
         )
         self._held_grads = result.grads  # Lightning's zero_grad runs next; backward() puts them back
         self._reliability.after_train_step()  # ---- reliability: train_timeout after the first step
+        report = self._compiled.first_step_report() if self._compiled is not None else None
+        if report is not None and self.global_rank == 0:
+            print(report, flush=True)
         logs = result.logs
         dtype = logs.loss_dtype or torch.get_default_dtype()
         return torch.tensor(logs.loss_total / max(logs.loss_weight, 1.0), dtype=dtype, device=self.root_device)

@@ -37,6 +37,7 @@ __all__ = [
     "TorchCompatError",
     "TorchDispatchMode",
     "child_modules",
+    "compile_seconds",
     "current_batch_p2p",
     "current_wait_batch_p2p",
     "default_group",
@@ -387,3 +388,25 @@ def current_wait_batch_p2p() -> Callable[..., Any]:
 def p2p_functions_are_torchs() -> bool:
     """Whether both point-to-point helpers are torch's own again (no wrapper installed by anyone)."""
     return _BATCH_P2P.is_torchs() and _WAIT_BATCH_P2P.is_torchs()
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile
+# dynamo's timers (seconds per phase, summed over the process): the whole forward compile (tracing, AOT autograd,
+# the backend) and the backward graphs, which AOT autograd compiles lazily at the first backward.
+_COMPILE_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in ``torch.compile`` so far (forward and lazily compiled backward graphs).
+
+    0.0 when dynamo has not been imported yet (nothing compiled).
+    """
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    metrics = getattr(utils, "compilation_time_metrics", None)
+    if metrics is None:
+        raise TorchCompatError("torch._dynamo.utils.compilation_time_metrics is gone")
+    return float(sum(sum(metrics.get(name, ())) for name in _COMPILE_TIMERS))

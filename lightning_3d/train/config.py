@@ -38,6 +38,8 @@ _CLI_FORMS: dict[str, tuple[Any, Callable[[Any], Any]]] = {
     "tp_plan": (dict[str, str], lambda v: dict(v or {})),
     # one list of module names per stage: '++strategy.stages=[[model.embed,model.layers.0],[model.layers.1,model.head]]'
     "stages": (list[list[str]] | None, lambda v: None if v is None else [list(names) for names in v]),
+    # true / false, or torch.compile's arguments: ++strategy.compile={backend:aot_eager}
+    "compile": (Any, lambda v: v),
 }
 # Types Hydra holds as they are (alone or ``| None``).
 _PLAIN_TYPES = (int, float, bool, str)

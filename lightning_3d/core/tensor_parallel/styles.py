@@ -81,7 +81,10 @@ class SharedInputColwiseParallel(ColwiseParallelWithInputHook):
     def convert_input(input_layouts: Any, desired_input_layouts: Any, mod: Any, inputs: Any, device_mesh: Any) -> Any:
         convert = ColwiseParallelWithInputHook.convert_input
         x = inputs[0]
-        if isinstance(x, DTensor):
+        # Under torch.compile each Linear converts its own input: the compiler merges what is shared, and a DTensor
+        # kept in this cache across a graph break would become an output of the graph before it (its backward
+        # then gets a plain gradient for a DTensor output, which AOT autograd refuses).
+        if isinstance(x, DTensor) or torch.compiler.is_compiling():
             return convert(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
         key = (id(device_mesh), tuple(input_layouts), tuple(desired_input_layouts))
         shared = _SHARED_INPUT.get(x, key)
