@@ -14,7 +14,8 @@ Formulas (b = sequences per micro-batch, s = sequence, h = hidden, m = micro-bat
 
 * pipeline p2p per step and boundary: ``2 m b s h`` elements in ``2 m`` calls;
 * TP per transformer layer per micro-batch: 2 all-reduces of ``b s h`` in forward and 2 in backward;
-* DDP: one all-reduce per step of the stage's local gradient elements (an independent count).
+* DDP: one all-reduce per gradient bucket per step (each layer the stage holds is a bucket; for the Llama, each
+  decoder layer, plus the rest of the stage), together the stage's local gradient elements (an independent count).
 
 Every measured/formula ratio is reported as it is. The embedding and LM head's TP collectives (outside the
 transformer layers) get their own lines, and so does traffic outside the schedule (the log relay).
@@ -253,10 +254,15 @@ def analyse(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
                 "TP head all-gather input elements", sum(head_fwd) / max(1, len(head_fwd)), b * s * v // TP, "b s V/tp"
             )
             check("TP head all-reduces per micro-batch (bwd)", len(head_bwd) / m, 1, "input gradient of lm_head")
-    # data parallel: one all-reduce per step of the stage's local gradients
+    # data parallel: one all-reduce per gradient bucket per step (a replicate group per body layer held)
     for r in ranks:
         ddp = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
-        check("DDP all-reduce calls per step", len(ddp), 1, "one per optimizer step, not per micro-batch")
+        check(
+            "DDP all-reduce calls per step",
+            len(ddp),
+            len(r["layers"]),
+            "one per layer held (its own bucket), per optimizer step, not per micro-batch",
+        )
         check("DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients")
     unexplained = [
         (r["rank"], x["dim"], x["op"], x["phase"], x["layer"])
@@ -579,9 +585,15 @@ def analyse_llama(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
             )
             norm = by_label["norm:LlamaRMSNorm", "fwd"] + by_label["norm:LlamaRMSNorm", "bwd"]
             check("TP final norm collectives", len(norm), 0, "RMSNorm replicated")
-        # data parallel: one all-reduce per step of the stage's local gradients
+        # data parallel: one all-reduce per gradient bucket per step: each decoder layer held, and the stage root
+        # (embedding on the first stage, final norm and head on the last) when it holds parameters
         ddp = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
-        check("DDP all-reduce calls per step", len(ddp), 1, "one per optimizer step, not per micro-batch")
+        check(
+            "DDP all-reduce calls per step",
+            len(ddp),
+            r["layers"] + int(r["first"] or r["last"]),
+            "one per decoder layer held, one for the rest of the stage, per optimizer step, not per micro-batch",
+        )
         check("DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients")
         # the tied embedding / head: one all-reduce of the local shard per step over the embedding group
         embed = [x for x in r["records"] if x["dim"] == "emb"]

@@ -16,6 +16,8 @@ Raises (exit code != 0) on any mismatch.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -118,6 +120,10 @@ def main() -> None:
     print(f"rank {rank}: dp buckets ok ({buckets} all-reduces, all inside the last backward)", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    # Skip interpreter finalization: gloo worker threads that still hold finished async work
+    # objects can abort the process there (SIGABRT, "terminate called without an active exception").
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
