@@ -37,6 +37,13 @@ MODELS: tuple[str, ...] = ("gpt", *MODEL_NAMES)
 _SKIP = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
+def _class_name(module: Any) -> str:
+    """The module's own class name (``Block``), not the ``ReplicateBlock`` class ``replicate`` gives a bucket."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
 def _counter_mode() -> Any:
     """A dispatch mode class that records communication ops (built lazily: torch imports inside)."""
     import torch
@@ -148,7 +155,7 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
             dims[dist.group.WORLD.group_name] = "world"
             mode = CommCounter(dims)
             for name, layer in strategy.body.module.named_children():
-                label = f"{name}:{type(layer).__name__}"
+                label = f"{name}:{_class_name(layer)}"
 
                 def enter(*_: Any, label: str = label) -> None:
                     mode.layer = label
@@ -421,9 +428,9 @@ def worker_llama(model: str, tiny: bool, micro_batches: int, batch: int) -> dict
             }
             mode = CommCounter(dims, emb)
             real = lambda mod: not isinstance(mod, (Elsewhere, Skipped))  # noqa: E731
-            blocks = [(f"{n}:{type(b).__name__}", b) for n, b in strategy.body.module.named_children() if real(b)]
+            blocks = [(f"{n}:{_class_name(b)}", b) for n, b in strategy.body.module.named_children() if real(b)]
             outside = [(n, pl_module.get_submodule(n)) for n in LLAMA_OUTSIDE]
-            outside = [(f"{n.rpartition('.')[2]}:{type(m).__name__}", m) for n, m in outside if real(m)]
+            outside = [(f"{n.rpartition('.')[2]}:{_class_name(m)}", m) for n, m in outside if real(m)]
             self.handles = _label_hooks(mode, blocks, prepend=True) + _label_hooks(mode, outside, prepend=False)
             self.runtime = strategy.runner.runtime
             self.observer = _InSchedule(mode)
