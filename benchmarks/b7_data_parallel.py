@@ -71,11 +71,15 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-4)
     grad_elems = sum(p.numel() for p in dp_model.parameters())
 
-    def step(model: Any, opt: Any) -> float:
-        start = time.perf_counter()
+    cpu: dict[str, list[float]] = {"single": [], "dp2": [], "dp2_whole": []}
+
+    def step(model: Any, opt: Any, key: str | None = None) -> float:
+        start, start_cpu = time.perf_counter(), time.process_time()
         gpt_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if key is not None:  # CPU seconds of the whole process (gloo's threads included): what a busy machine
+            cpu[key].append(time.process_time() - start_cpu)  # cannot inflate, unlike the wall clock
         return time.perf_counter() - start
 
     times: dict[str, list[float]] = {"single": [], "dp2": [], "dp2_whole": [], "allreduce": []}
@@ -83,15 +87,15 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     for r in range(warmup + rounds):
         dist.barrier()
         if rank == 0:
-            t = step(single, single_opt)
+            t = step(single, single_opt, "single" if r >= warmup else None)
             if r >= warmup:
                 times["single"].append(t)
         dist.barrier()
-        t = step(dp_model, dp_opt)
+        t = step(dp_model, dp_opt, "dp2" if r >= warmup else None)
         if r >= warmup:
             times["dp2"].append(t)
         dist.barrier()
-        t = step(whole, whole_opt)
+        t = step(whole, whole_opt, "dp2_whole" if r >= warmup else None)
         if r >= warmup:
             times["dp2_whole"].append(t)
         dist.barrier()
@@ -116,6 +120,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
         times[key] = [max(v) for v in zip(*(g[i] for g in gathered))]
     return {
         **times,
+        "cpu": cpu,
         "grad_bytes": grad_elems * 4,
         "buckets": gradient_buckets(dp_model.body),
         "profile_dp2_rank0": dp_parts,
@@ -136,6 +141,7 @@ def run(out: Path, tiny: bool = False) -> Record:
     per_round = sorted(s / d for s, d in zip(res["single"], res["dp2"]))
     per_round_whole = sorted(s / d for s, d in zip(res["single"], res["dp2_whole"]))
     red, red_whole = res["reduction_rank0"], res["reduction_whole_rank0"]
+    cpu_single, cpu_dp, cpu_whole = (median(res["cpu"][k]) * 1e3 for k in ("single", "dp2", "dp2_whole"))
     lines = [
         f"one process {single:.1f} ms/step, dp=2 {dp:.1f} ms/step (4 sequences per rank) -> efficiency "
         f"{single / dp:.3f} (rounds {per_round[0]:.3f}-{per_round[-1]:.3f})",
@@ -145,6 +151,9 @@ def run(out: Path, tiny: bool = False) -> Record:
         f"  un-overlapped reduction on the step's thread (profiled): {red['reduce_ms']:.1f} ms in "
         f"{red['buckets']} reductions, of which flattening copies {red['flatten_ms']:.1f} ms "
         f"(one group: {red_whole['reduce_ms']:.1f} ms, copies {red_whole['flatten_ms']:.1f} ms)",
+        f"  CPU time per step (rank 0, all its threads; a busy machine does not inflate it): one process "
+        f"{cpu_single:.1f} ms, dp=2 {cpu_dp:.1f} ms ({cpu_single / cpu_dp:.3f}), one group {cpu_whole:.1f} ms "
+        f"({cpu_single / cpu_whole:.3f})",
         f"  all-reduce of the {res['grad_bytes'] / 2**20:.1f} MB of gradients alone: {ar:.1f} ms; the rest of the "
         f"gap: {dp - single - ar:.1f} ms",
         f"  profile dp=2 rank 0: {breakdown_text(res['profile_dp2_rank0'])}",
@@ -158,6 +167,8 @@ def run(out: Path, tiny: bool = False) -> Record:
         "ratio_rounds": per_round,
         "ratio_rounds_whole": per_round_whole,
         "allreduce_ms": ar,
+        "cpu_ms": {"single": cpu_single, "dp2": cpu_dp, "dp2_whole": cpu_whole},
+        "cpu_ratio": cpu_single / cpu_dp,
         "grad_bytes": res["grad_bytes"],
         "buckets": res["buckets"],
         "unoverlapped_reduction_ms": red["reduce_ms"],
