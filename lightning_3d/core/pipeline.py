@@ -58,7 +58,9 @@ class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
     local (``defer_grad_sync``), so data parallelism all-reduces once per optimizer step, as Lightning's DDP
     does with ``no_sync``. The stage still runs its end-of-step bookkeeping (``replicate``/FSDP post-backward,
     which puts the parameters back in their sharded form and keeps the gradients accumulating), only with
-    gradient sync switched off.
+    gradient sync switched off. In the batch that syncs, the last micro-batch's backward runs with sync on, so
+    each ``replicate`` group (a gradient bucket, see ``data_parallel.py``) is all-reduced as soon as its
+    gradients are ready, during that backward.
     """
 
     defer_grad_sync: bool = False
@@ -295,7 +297,7 @@ class PipelineRuntime:
         return torch_compat.shape_inference_done(self.current)
 
     def flush_deferred_grads(self) -> None:
-        """All-reduce the gradients held back by ``defer_grad_sync`` (one all-reduce per stage module)."""
+        """All-reduce the gradients held back by ``defer_grad_sync`` (one all-reduce per gradient bucket)."""
         done: set[int] = set()
         for sched in self._cache.values():
             for stage in _stages_of(sched):
