@@ -14,7 +14,8 @@ Formulas (b = sequences per micro-batch, s = sequence, h = hidden, m = micro-bat
 
 * pipeline p2p per step and boundary: ``2 m b s h`` elements in ``2 m`` calls;
 * TP per transformer layer per micro-batch: 2 all-reduces of ``b s h`` in forward and 2 in backward;
-* DDP: one all-reduce per step of the stage's local gradient elements (an independent count).
+* DDP: one all-reduce per gradient bucket per step (each layer the stage holds is a bucket; for the Llama, each
+  decoder layer, plus the rest of the stage), together the stage's local gradient elements (an independent count).
 
 Every measured/formula ratio is reported as it is. The embedding and LM head's TP collectives (outside the
 transformer layers) get their own lines, and so does traffic outside the schedule (the log relay).
@@ -34,6 +35,13 @@ TP, PP, DEVICES = 2, 2, 8
 MODELS: tuple[str, ...] = ("gpt", *MODEL_NAMES)
 """The models this benchmark runs on (``--model``)."""
 _SKIP = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+def _class_name(module: Any) -> str:
+    """The module's own class name (``Block``), not the ``ReplicateBlock`` class ``replicate`` gives a bucket."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _counter_mode() -> Any:
@@ -147,7 +155,7 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
             dims[dist.group.WORLD.group_name] = "world"
             mode = CommCounter(dims)
             for name, layer in strategy.body.module.named_children():
-                label = f"{name}:{type(layer).__name__}"
+                label = f"{name}:{_class_name(layer)}"
 
                 def enter(*_: Any, label: str = label) -> None:
                     mode.layer = label
@@ -253,10 +261,15 @@ def analyse(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
                 "TP head all-gather input elements", sum(head_fwd) / max(1, len(head_fwd)), b * s * v // TP, "b s V/tp"
             )
             check("TP head all-reduces per micro-batch (bwd)", len(head_bwd) / m, 1, "input gradient of lm_head")
-    # data parallel: one all-reduce per step of the stage's local gradients
+    # data parallel: one all-reduce per gradient bucket per step (a replicate group per body layer held)
     for r in ranks:
         ddp = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
-        check("DDP all-reduce calls per step", len(ddp), 1, "one per optimizer step, not per micro-batch")
+        check(
+            "DDP all-reduce calls per step",
+            len(ddp),
+            len(r["layers"]),
+            "one per layer held (its own bucket), per optimizer step, not per micro-batch",
+        )
         check("DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients")
     unexplained = [
         (r["rank"], x["dim"], x["op"], x["phase"], x["layer"])
@@ -415,9 +428,9 @@ def worker_llama(model: str, tiny: bool, micro_batches: int, batch: int) -> dict
             }
             mode = CommCounter(dims, emb)
             real = lambda mod: not isinstance(mod, (Elsewhere, Skipped))  # noqa: E731
-            blocks = [(f"{n}:{type(b).__name__}", b) for n, b in strategy.body.module.named_children() if real(b)]
+            blocks = [(f"{n}:{_class_name(b)}", b) for n, b in strategy.body.module.named_children() if real(b)]
             outside = [(n, pl_module.get_submodule(n)) for n in LLAMA_OUTSIDE]
-            outside = [(f"{n.rpartition('.')[2]}:{type(m).__name__}", m) for n, m in outside if real(m)]
+            outside = [(f"{n.rpartition('.')[2]}:{_class_name(m)}", m) for n, m in outside if real(m)]
             self.handles = _label_hooks(mode, blocks, prepend=True) + _label_hooks(mode, outside, prepend=False)
             self.runtime = strategy.runner.runtime
             self.observer = _InSchedule(mode)
@@ -579,9 +592,15 @@ def analyse_llama(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
             )
             norm = by_label["norm:LlamaRMSNorm", "fwd"] + by_label["norm:LlamaRMSNorm", "bwd"]
             check("TP final norm collectives", len(norm), 0, "RMSNorm replicated")
-        # data parallel: one all-reduce per step of the stage's local gradients
+        # data parallel: one all-reduce per gradient bucket per step: each decoder layer held, and the stage root
+        # (embedding on the first stage, final norm and head on the last) when it holds parameters
         ddp = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
-        check("DDP all-reduce calls per step", len(ddp), 1, "one per optimizer step, not per micro-batch")
+        check(
+            "DDP all-reduce calls per step",
+            len(ddp),
+            r["layers"] + int(r["first"] or r["last"]),
+            "one per decoder layer held, one for the rest of the stage, per optimizer step, not per micro-batch",
+        )
         check("DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients")
         # the tied embedding / head: one all-reduce of the local shard per step over the embedding group
         embed = [x for x in r["records"] if x["dim"] == "emb"]

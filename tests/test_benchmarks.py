@@ -182,7 +182,9 @@ def _llama_step_records(
             out.append(rec("tp", "all_gather_into_tensor", head, "fwd", "lm_head:Linear"))
             out.append(rec("tp", "all_reduce", bsh, "bwd", "lm_head:Linear"))
         out.append(rec("pp", "send", bsh))
-    out.append(rec("dp", "all_reduce", grads))
+    per_layer = grads // (layers + 1)  # a bucket per decoder layer, the rest of the stage in one more
+    out += [rec("dp", "all_reduce", per_layer) for _ in range(layers)]
+    out.append(rec("dp", "all_reduce", grads - layers * per_layer))
     if tied:
         out.append(rec("emb", "allreduce", tied, inside=False))
     return out

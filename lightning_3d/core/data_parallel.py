@@ -2,30 +2,133 @@
 
 Each pipeline stage module is wrapped with ``replicate`` (DDP semantics built on FSDP2's machinery), which,
 unlike ``DistributedDataParallel``, takes tensor-parallel DTensor parameters as they are and keeps them
-visible as parameters (so optimizers, clipping and state dicts see them). ``PipelineStage`` recognises the
-wrapped module: every micro-batch's backward runs without gradient sync and the gradients are all-reduced
-once, after the last micro-batch. Across gradient-accumulation batches the pipeline defers even that sync
-(see ``pipeline.py``), so there is one all-reduce per optimizer step.
+visible as parameters (so optimizers, clipping and state dicts see them).
+
+Gradients are reduced in buckets, as DDP and torchtitan do: each block of the stage (a transformer block, or
+a layer of a ``Sequential`` body) is its own ``replicate`` parameter group, and the stage root takes what is
+left (embeddings, final norm, head, and any block that shares a parameter with a module outside it, such as
+a head tied to the embedding). A group's gradients are all-reduced in one call as soon as autograd has
+produced them, during the backward of the optimizer step's last micro-batch (``pipeline.py`` switches the
+sync on for that backward only), so on a GPU the reduction of late blocks overlaps the backward of earlier
+ones; gloo's all-reduce blocks the calling thread, so on a CPU the buckets are interleaved with the backward,
+not overlapped. Every micro-batch before it accumulates locally, and across gradient-accumulation batches
+the pipeline defers even the last one (see ``pipeline.py``), so each bucket is all-reduced once per optimizer
+step.
+
+Over a dp group ``replicate``'s "reduce-scatter" spans one rank: torch copies the flattened gradients into a
+second buffer before the all-reduce. :class:`_SameBufferReduce` hands torch the flattened input back as that
+output, so the copy is a no-op (one flattening copy per bucket remains, as in DDP).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from . import torch_compat
 
 
-def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+class _SameBufferReduce:
+    """FSDP2's reduce-scatter communication for a one-rank shard group: the output buffer is the input buffer.
+
+    ``foreach_reduce`` allocates the flattened input, then an output of the same size, and (over one rank)
+    copies one into the other before the data-parallel all-reduce. Handing back the input tensor itself turns
+    that copy into a no-op (``Tensor.copy_`` from itself returns at once). ``__call__`` is the ordinary
+    reduce-scatter (never reached over one rank).
+    """
+
+    def __init__(self) -> None:
+        self._pending: torch.Tensor | None = None
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        pending, self._pending = self._pending, None
+        if pending is not None and tuple(pending.shape) == tuple(size) and pending.dtype == dtype:
+            return pending  # the output of the reduction that just allocated its input
+        self._pending = torch.empty(size, dtype=dtype, device=device)
+        return self._pending
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any:
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def bucket_units(module: nn.Module, candidates: Sequence[nn.Module]) -> list[nn.Module]:
+    """The candidate blocks that can be their own gradient bucket: those sharing no parameter with the rest.
+
+    A parameter shared between a block and a module outside it (a tied weight) must stay in one ``replicate``
+    group, so such a block is left to the stage root, and so is a block listed twice (it runs twice per
+    forward). Blocks without parameters are left out too.
+
+    Args:
+        module: the stage module.
+        candidates: its blocks, in forward order.
+
+    Returns:
+        The blocks to wrap on their own, in the order given.
+    """
+    owners: dict[int, set[int]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(sub))
+    units = []
+    for unit in candidates:
+        if sum(c is unit for c in candidates) > 1:
+            continue  # called more than once per forward: its parameters stay with the root
+        inside = {id(m) for m in unit.modules()}
+        params = list(unit.parameters())
+        if params and all(owners.get(id(p), set()) <= inside for p in params):
+            units.append(unit)
+    return units
+
+
+def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, blocks: Sequence[nn.Module] = ()) -> nn.Module:
     """Wrap a stage module for data parallelism over ``dp_mesh`` with ``replicate`` (no-op when the dp size is 1).
+
+    Each of ``blocks`` that shares no parameter with the rest of the stage becomes its own gradient bucket
+    (``replicate`` on the block), then the stage root is wrapped and takes the remaining parameters.
 
     Args:
         module: the stage's module, already tensor-parallel.
         dp_mesh: the 1-D data-parallel sub-mesh.
+        blocks: the stage's blocks, in forward order; each must run its own ``forward`` once per forward of
+            the stage (true of a ``Sequential``'s layers and of a model's transformer blocks).
 
     Returns:
         The wrapped module (the same object: ``replicate`` works in place), or ``module`` when dp is 1.
     """
     if dp_mesh.size() == 1:
         return module
-    return torch_compat.replicate(module, mesh=dp_mesh)
+    for unit in bucket_units(module, blocks):
+        torch_compat.replicate(unit, mesh=dp_mesh)
+    torch_compat.replicate(module, mesh=dp_mesh)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_custom_reduce_scatter(_SameBufferReduce())  # type: ignore[arg-type]  # duck-typed comm
+    return module
+
+
+def gradient_buckets(module: nn.Module) -> int:
+    """How many gradient all-reduces one optimizer step issues for this stage module (0 without dp).
+
+    One per ``replicate`` group that holds parameters: each wrapped block, and the root when parameters are
+    left to it.
+    """
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            inner = {id(p) for m in sub.modules() if m is not sub and isinstance(m, FSDPModule) for p in m.parameters()}
+            if any(id(p) not in inner for p in sub.parameters()):
+                count += 1
+    return count

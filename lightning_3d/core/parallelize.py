@@ -310,13 +310,13 @@ def build_stages(
         layers = torch_compat.child_modules(body.module)
         named = [(f"{body.fqn}.{n}", layers[n]) for n in keep if n in compile_names]
         compiled = compile_blocks(named, compile_kwargs)  # type: ignore[arg-type]
-    return BuiltStages(
-        [
-            StageSpec(s, apply_data_parallel(partition.stage_container(body, stage_plan.layer_names[s]), mesh["dp"]))
-            for s in my_stages
-        ],
-        compiled=compiled,
-    )
+    stages = []
+    for s in my_stages:
+        container = partition.stage_container(body, stage_plan.layer_names[s])
+        # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
+        layers = [m for m in torch_compat.child_modules(container).values() if m is not None]
+        stages.append(StageSpec(s, apply_data_parallel(container, mesh["dp"], blocks=layers)))
+    return BuiltStages(stages, compiled=compiled)
 
 
 def _build_split_stages(
@@ -373,7 +373,10 @@ def _build_split_stages(
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
         stage_module = StageModule(s, held, executor)
-        stages.append(StageSpec(s, apply_data_parallel(stage_module, mesh["dp"])))
+        blocks = []  # the stage's transformer blocks: each a gradient bucket of its own
+        if container is not None:
+            blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
+        stages.append(StageSpec(s, apply_data_parallel(stage_module, mesh["dp"], blocks=blocks)))
     # after tensor and data parallelism have put their parameter objects in place
     tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 else None
     if tied is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -58,7 +58,9 @@ class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
     local (``defer_grad_sync``), so data parallelism all-reduces once per optimizer step, as Lightning's DDP
     does with ``no_sync``. The stage still runs its end-of-step bookkeeping (``replicate``/FSDP post-backward,
     which puts the parameters back in their sharded form and keeps the gradients accumulating), only with
-    gradient sync switched off.
+    gradient sync switched off. In the batch that syncs, the last micro-batch's backward runs with sync on, so
+    each ``replicate`` group (a gradient bucket, see ``data_parallel.py``) is all-reduced as soon as its
+    gradients are ready, during that backward.
     """
 
     defer_grad_sync: bool = False
@@ -80,18 +82,42 @@ class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
             return contextlib.nullcontext()
         return self.randomness.frozen()
 
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        module = self.submod
+        if not (last_backward and backward_type == "full" and not self.defer_grad_sync):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if not isinstance(module, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        # The optimizer step's last backward: torch turns gradient sync off for every micro-batch and reduces
+        # after the last one; keep it on for this backward instead, so each replicate group (bucket) all-reduces
+        # its gradients as soon as autograd has produced them, while the backward of earlier blocks still runs
+        # (torch's perform_reduce_grad afterwards finds nothing left to reduce). A split backward (input and
+        # weight gradients apart) keeps torch's behaviour: the weights' gradients would come after the hook.
+        with _forced(module, "set_is_last_backward", True), _forced(module, "set_reshard_after_backward", True):
+            with _forced(module, "set_requires_gradient_sync", True):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         module = self.submod
         if not (self.defer_grad_sync and isinstance(module, FSDPModule)):
             super().perform_reduce_grad(grad_scale_factor)
             return
         # torch's implementation turns gradient sync on before its post-backward; keep it off instead.
-        real = module.set_requires_gradient_sync
-        module.__dict__["set_requires_gradient_sync"] = lambda requires, **kw: real(False, **kw)
-        try:
+        with _forced(module, "set_requires_gradient_sync", False):
             super().perform_reduce_grad(grad_scale_factor)
-        finally:
-            module.__dict__.pop("set_requires_gradient_sync", None)
+
+
+@contextlib.contextmanager
+def _forced(module: nn.Module, setter: str, value: bool) -> Iterator[None]:
+    """While inside, every call of ``module.<setter>(...)`` (an FSDPModule flag setter) sets ``value`` instead."""
+    real = getattr(module, setter)
+    module.__dict__[setter] = lambda _requested, **kw: real(value, **kw)
+    try:
+        yield
+    finally:
+        module.__dict__.pop(setter, None)
 
 
 class RuntimeObserver(Protocol):
@@ -271,7 +297,7 @@ class PipelineRuntime:
         return torch_compat.shape_inference_done(self.current)
 
     def flush_deferred_grads(self) -> None:
-        """All-reduce the gradients held back by ``defer_grad_sync`` (one all-reduce per stage module)."""
+        """All-reduce the gradients held back by ``defer_grad_sync`` (one all-reduce per gradient bucket)."""
         done: set[int] = set()
         for sched in self._cache.values():
             for stage in _stages_of(sched):
