@@ -343,6 +343,7 @@ class ThreeDStrategy(ParallelStrategy):
                 blocks=s.blocks,
                 tp_plan=s.tp_plan,
                 tp_autoplan=s.tp_autoplan,
+                schedule=s.schedule,
             )
         except ValueError as err:
             # Every rank raises it alike (the consistency check below proves it): not a one-rank failure.

@@ -28,7 +28,7 @@ from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
-from .pipeline import StageSpec
+from .pipeline import StageSpec, stage_ranks
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
 from .tensor_parallel.hf_plan import HFPlan, hf_tp_plan
@@ -68,13 +68,14 @@ def plan_model(
     blocks: str | None = None,
     tp_plan: Mapping[str, Any] | None = None,
     tp_autoplan: bool = True,
+    schedule: str = "1f1b",
 ) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
 
     Args:
         module: the LightningModule (its layers may still be on the meta device).
-        tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan: the settings of the same names
-            (see ``lightning_3d.settings.ThreeDSettings``).
+        tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan, schedule: the settings of the same
+            names (see ``lightning_3d.settings.ThreeDSettings``); the schedule decides which rank runs which stage.
 
     Returns:
         The body, the stage split, the tensor-parallel plan, the whole model's tensor specs and the example input.
@@ -84,13 +85,18 @@ def plan_model(
             what would work).
     """
     partitioner = partition.get_partitioner(partitioner)
+    placement = stage_ranks(schedule, pp, stages_per_rank)
     _check_no_meta_metrics(module)
     if not uses_sequential_body(module, body, blocks):
-        return _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan)
+        plan = _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan)
+        if plan.split is not None and plan.split.container is not None:  # the schedule's placement (a V, or looping)
+            plan.split.stage_to_rank = placement
+            plan.stage_plan.stage_to_rank = list(placement)
+        return plan
     found = partition.find_body(module, body)
     partition.check_no_outside_parameters(module, found)
     full_spec = partition.full_model_spec(module)
-    stage_plan = partition.plan_stages(found, pp, partitioner, stages_per_rank)
+    stage_plan = partition.plan_stages(found, pp, partitioner, stages_per_rank, placement)
     example_input = module.example_input_array
     if example_input is not None:
         # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
@@ -334,7 +340,9 @@ def _build_split_stages(
         stage_module = StageModule(s, held, executor)
         stages.append(StageSpec(s, apply_data_parallel(stage_module, mesh["dp"])))
     # after tensor and data parallelism have put their parameter objects in place
-    tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 else None
+    # (under a V schedule the first and the last stage share a rank: a tied weight is then one tensor, nothing to sum)
+    across_ranks = split.stage_to_rank[0] != split.stage_to_rank[-1]
+    tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 and across_ranks else None
     if tied is not None:
         tied.broadcast_from_first()
     return BuiltStages(stages, executor, tied)

@@ -209,8 +209,15 @@ def checked_ranges(
     return list(ranges)
 
 
-def plan_stages(body: BodyRef, pp: int, partitioner: Partitioner, stages_per_rank: int = 1) -> StagePlan:
-    """Split ``body`` into ``pp * stages_per_rank`` stages; stage ``s`` runs on pp rank ``s % pp`` (looping)."""
+def plan_stages(
+    body: BodyRef,
+    pp: int,
+    partitioner: Partitioner,
+    stages_per_rank: int = 1,
+    placement: Sequence[int] | None = None,
+) -> StagePlan:
+    """Split ``body`` into ``pp * stages_per_rank`` stages; stage ``s`` runs on pp rank ``placement[s]`` (default
+    ``s % pp``, looping; a V schedule's placement comes from ``pipeline.stage_ranks``)."""
     layers = list(body.module.named_children())
     num_stages = pp * stages_per_rank
     if len(layers) < num_stages:
@@ -221,7 +228,8 @@ def plan_stages(body: BodyRef, pp: int, partitioner: Partitioner, stages_per_ran
         )
     ranges = checked_ranges(partitioner, layers, num_stages)
     names = [[layers[i][0] for i in r] for r in ranges]
-    return StagePlan(names, body.fqn, [s % pp for s in range(num_stages)])
+    ranks = list(placement) if placement is not None else [s % pp for s in range(num_stages)]
+    return StagePlan(names, body.fqn, ranks)
 
 
 def prune_body(body: BodyRef, keep: Sequence[str]) -> None:

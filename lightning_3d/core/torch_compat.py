@@ -20,7 +20,7 @@ wrappers of one function stack (first installed innermost) and can be removed in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +45,7 @@ __all__ = [
     "group_timeout",
     "in_backward",
     "is_view",
+    "looped_bfs_placed",
     "op_name",
     "p2p_functions_are_torchs",
     "process_groups",
@@ -223,6 +224,34 @@ class PipelineStageWithShapeInferenceHook(PipelineStage):
 
 
 # ---------------------------------------------------------------------------------------------- pipeline schedules
+def looped_bfs_placed(placement: Sequence[int]) -> type:
+    """``ScheduleLoopedBFS`` (all forwards of a rank's earlier stage first, then its later stage; backwards in
+    reverse) over stages placed by ``placement`` (``placement[s]`` is stage ``s``'s pp rank) instead of torch's
+    looping placement: forward-only evaluation (and a GPipe-order fallback) under a V schedule's placement.
+
+    torch derives the stage-to-rank map from the action list, so only the per-rank action list changes.
+    """
+    schedules = _schedules_module()
+    base = _private(schedules, "ScheduleLoopedBFS", "running breadth-first order over a V placement")
+    action = _private(schedules, "_Action", "writing a schedule's action list")
+    kinds = _private(schedules, "_ComputationType", "writing a schedule's action list")
+    ranks = tuple(int(r) for r in placement)
+
+    class PlacedLoopedBFS(base):  # type: ignore[misc,valid-type]
+        def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
+            stage_indices = [s for s, r in enumerate(ranks) if r == rank]
+            ops: list[Any] = [None] * rank
+            for stage_index in stage_indices:
+                ops.extend(action(stage_index, kinds.FORWARD, mb) for mb in range(self._n_microbatches))
+            ops.extend([None] * (2 * (self.pp_group_size - 1 - rank)))
+            for stage_index in reversed(stage_indices):
+                ops.extend(action(stage_index, kinds.FULL_BACKWARD, mb) for mb in reversed(range(self._n_microbatches)))
+            return ops
+
+    _private(base, "_calculate_single_rank_operations", "running breadth-first order over a V placement")
+    return PlacedLoopedBFS
+
+
 def schedule_stages(schedule: Any) -> list[PipelineStage]:
     """The stages a torch pipeline schedule runs on this rank (one for single-stage schedules).
 
