@@ -69,6 +69,7 @@ def plan_model(
     tp_plan: Mapping[str, Any] | None = None,
     tp_autoplan: bool = True,
     schedule: str = "1f1b",
+    dp: int = 1,
 ) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
 
@@ -76,6 +77,7 @@ def plan_model(
         module: the LightningModule (its layers may still be on the meta device).
         tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan, schedule: the settings of the same
             names (see ``lightning_3d.settings.ThreeDSettings``); the schedule decides which rank runs which stage.
+        dp: the data-parallel degree (resolved).
 
     Returns:
         The body, the stage split, the tensor-parallel plan, the whole model's tensor specs and the example input.
@@ -92,6 +94,7 @@ def plan_model(
         if plan.split is not None and plan.split.container is not None:  # the schedule's placement (a V, or looping)
             plan.split.stage_to_rank = placement
             plan.stage_plan.stage_to_rank = list(placement)
+            _check_v_tie(plan.split, schedule, tp, dp)
         return plan
     found = partition.find_body(module, body)
     partition.check_no_outside_parameters(module, found)
@@ -118,6 +121,22 @@ def plan_model(
     if is_meta:
         check_materializable(found.module, found.fqn)
     return ModelPlan(found, stage_plan, resolved, full_spec, example_input, is_meta)
+
+
+def _check_v_tie(split: blocks.ModelSplit, schedule: str, tp: int, dp: int) -> None:
+    """Refuse a weight tied across the first and the last stage when a V schedule puts both stages on one rank and
+    the rank wraps each stage separately for tensor or data parallelism: the two wrappers would each make their own
+    copy of the one weight, and the copy the embedding uses would miss the head's gradient (measured: wrong
+    gradients at dp=2). Untied models, and dp = tp = 1, run under V schedules."""
+    if not split.tied or split.stage_to_rank[0] != split.stage_to_rank[-1] or (dp == 1 and tp == 1):
+        return
+    names = "; ".join(" = ".join(group) for group in split.tied)
+    raise ValueError(
+        f"ThreeDStrategy(schedule={schedule!r}) places the first and the last pipeline stage on the same rank, and "
+        f"this model ties weights across them ({names}): with tp={tp}, dp={dp} that is not supported yet. Use "
+        "schedule='interleaved1f1b' or 'interleavedzerobubble' (first and last stage on different ranks), or untie "
+        "the weights."
+    )
 
 
 def _check_no_meta_metrics(module: nn.Module) -> None:
