@@ -283,7 +283,7 @@ class PipelineRuntime:
             # them (a V schedule's batch that falls back to GPipe, or its evaluation, keeps the V placement)
             if is_v_schedule(self.schedule_name):
                 placement = stage_ranks(self.schedule_name, self.group_size, len(self.stages))
-                cls = torch_compat.looped_bfs_placed(placement)
+                cls = torch_compat.looped_bfs_placed(placement, backward=train)
             else:
                 cls = schedule_class("loopedbfs")
         built = [_Stage(s.module, s.index, self.num_stages, self.device, group=self.group) for s in self.stages]

@@ -224,12 +224,14 @@ class PipelineStageWithShapeInferenceHook(PipelineStage):
 
 
 # ---------------------------------------------------------------------------------------------- pipeline schedules
-def looped_bfs_placed(placement: Sequence[int]) -> type:
+def looped_bfs_placed(placement: Sequence[int], backward: bool = True) -> type:
     """``ScheduleLoopedBFS`` (all forwards of a rank's earlier stage first, then its later stage; backwards in
     reverse) over stages placed by ``placement`` (``placement[s]`` is stage ``s``'s pp rank) instead of torch's
     looping placement: forward-only evaluation (and a GPipe-order fallback) under a V schedule's placement.
 
     torch derives the stage-to-rank map from the action list, so only the per-rank action list changes.
+    ``backward=False`` leaves the backward actions out (for ``eval``: torch hands a backward's gradient to the
+    previous stage on the same rank even when nothing ran backward, and fails).
     """
     schedules = _schedules_module()
     base = _private(schedules, "ScheduleLoopedBFS", "running breadth-first order over a V placement")
@@ -248,7 +250,19 @@ def looped_bfs_placed(placement: Sequence[int]) -> type:
                 ops.extend(action(stage_index, kinds.FULL_BACKWARD, mb) for mb in reversed(range(self._n_microbatches)))
             return ops
 
+        def _prepare_schedule_with_comms(self, actions: Any, format: str = "compute_only") -> None:
+            # torch checks that every stage has its backwards, so they are in the action list; forward-only drops
+            # them from what runs
+            super()._prepare_schedule_with_comms(actions, format)
+            if not backward:
+                skipped = {kinds.FULL_BACKWARD, kinds.BACKWARD_INPUT, kinds.BACKWARD_WEIGHT, kinds.SEND_B, kinds.RECV_B}
+                self.pipeline_order_with_comms = {
+                    rank: [a for a in ops if a.computation_type not in skipped]
+                    for rank, ops in self.pipeline_order_with_comms.items()
+                }
+
     _private(base, "_calculate_single_rank_operations", "running breadth-first order over a V placement")
+    _private(base, "_prepare_schedule_with_comms", "running breadth-first order over a V placement")
     return PlacedLoopedBFS
 
 
