@@ -26,6 +26,7 @@ from torchmetrics import Metric
 
 from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
+from .balance import ComputePartitioner, MemoryPartitioner
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec, stage_ranks
@@ -90,6 +91,12 @@ def plan_model(
     placement = stage_ranks(schedule, pp, stages_per_rank)
     _check_no_meta_metrics(module)
     if not uses_sequential_body(module, body, blocks):
+        if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+            raise ValueError(
+                f"partitioner={partitioner.kind!r} profiles the layers of an nn.Sequential body on the module's "
+                "example_input_array; this model is split at its block container, where that is not supported yet. "
+                "Use partitioner='uniform' or 'parameters'."
+            )
         plan = _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan)
         if plan.split is not None and plan.split.container is not None:  # the schedule's placement (a V, or looping)
             plan.split.stage_to_rank = placement
@@ -99,8 +106,10 @@ def plan_model(
     found = partition.find_body(module, body)
     partition.check_no_outside_parameters(module, found)
     full_spec = partition.full_model_spec(module)
-    stage_plan = partition.plan_stages(found, pp, partitioner, stages_per_rank, placement)
     example_input = module.example_input_array
+    if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+        partitioner = partitioner.for_input(example_input)  # profiled on the module's example (meta, no compute)
+    stage_plan = partition.plan_stages(found, pp, partitioner, stages_per_rank, placement)
     if example_input is not None:
         # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
         module._example_input_array = None

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import torch_compat
+from .balance import ComputePartitioner, MemoryPartitioner
 
 CONTRACT = (
     "lightning_3d needs the model body as ONE nn.Sequential attribute of the LightningModule (embedding layer "
@@ -160,7 +161,12 @@ class ParameterPartitioner:
         return ranges
 
 
-PARTITIONERS: dict[str, type] = {"uniform": UniformPartitioner, "parameters": ParameterPartitioner}
+PARTITIONERS: dict[str, type] = {
+    "uniform": UniformPartitioner,
+    "parameters": ParameterPartitioner,
+    "compute": ComputePartitioner,
+    "memory": MemoryPartitioner,
+}
 
 
 def get_partitioner(spec: str | Partitioner) -> Partitioner:
@@ -181,6 +187,7 @@ class StagePlan:
     layer_names: list[list[str]]
     body_fqn: str = "body"
     stage_to_rank: list[int] = field(default_factory=list)
+    estimates: list[str] = field(default_factory=list)  # each stage's cost under the partitioner (when it has one)
 
     @property
     def num_stages(self) -> int:
@@ -191,7 +198,8 @@ class StagePlan:
         lines = []
         for index, names in enumerate(self.layer_names):
             rank = f" on pp rank {self.stage_to_rank[index]}" if self.stage_to_rank else ""
-            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{', '.join(names)}]")
+            estimate = f" ({self.estimates[index]})" if self.estimates else ""
+            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{', '.join(names)}]{estimate}")
         return "\n".join(lines)
 
 
@@ -229,7 +237,10 @@ def plan_stages(
     ranges = checked_ranges(partitioner, layers, num_stages)
     names = [[layers[i][0] for i in r] for r in ranges]
     ranks = list(placement) if placement is not None else [s % pp for s in range(num_stages)]
-    return StagePlan(names, body.fqn, ranks)
+    estimates = []
+    if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+        estimates = [partitioner.describe(c) for c in partitioner.stage_costs(layers, ranges)]
+    return StagePlan(names, body.fqn, ranks, estimates)
 
 
 def prune_body(body: BodyRef, keep: Sequence[str]) -> None:

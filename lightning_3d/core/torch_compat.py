@@ -56,6 +56,7 @@ __all__ = [
     "set_group_timeout",
     "shape_inference_done",
     "tensor_version",
+    "view_base",
     "wrap_batch_p2p",
     "wrap_method",
     "wrap_schedule_loss",
@@ -156,6 +157,11 @@ def tensor_version(tensor: torch.Tensor) -> int:
 def is_view(tensor: torch.Tensor) -> bool:
     """Whether the tensor is a view of another tensor's storage (``tensor._base is not None``)."""
     return tensor._base is not None
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose storage ``tensor`` views (``tensor._base``), or ``None`` when it is not a view."""
+    return tensor._base
 
 
 def child_modules(module: nn.Module) -> dict[str, nn.Module | None]:
