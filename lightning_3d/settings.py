@@ -19,7 +19,13 @@ from typing import Any
 
 from .core import partition
 from .core.compile import compile_kwargs
-from .core.pipeline import is_multi_stage, min_micro_batches, schedule_class
+from .core.pipeline import (
+    check_schedule_name,
+    is_multi_stage,
+    is_v_schedule,
+    micro_batch_problem,
+    min_micro_batches,
+)
 
 NONFINITE_MODES = ("raise", "skip", "off")
 TIMEOUT_FIELDS = ("timeout", "train_timeout")
@@ -45,14 +51,18 @@ class ThreeDSettings:
         micro_batches: micro-batches per batch (per data-parallel replica); ``None`` means the fewest the
             schedule accepts (``pp`` for 1F1B, 1 for GPipe). More micro-batches shrink the pipeline bubble
             ``(pp - 1) / (m + pp - 1)``.
-        schedule: ``"1f1b"`` (default) or ``"gpipe"``; with ``stages_per_rank > 1`` a multi-stage schedule such
-            as ``"interleaved1f1b"``.
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``; with ``stages_per_rank > 1`` a multi-stage schedule:
+            ``"interleaved1f1b"``, ``"loopedbfs"``, ``"interleavedzerobubble"``, or a V schedule
+            (``"zbvzerobubble"``, ``"dualpipev"``: exactly ``stages_per_rank=2``, ``micro_batches >= 2 * pp``).
         stages_per_rank: pipeline stages per rank (virtual stages for interleaved schedules).
         tp_plan: explicit tensor-parallel plan ``{"glob pattern of module name": "colwise" | "rowwise" |
             "colwise_gather" | "vocab" | "sequence" | "replicate" | ParallelStyle}``; it overrides the automatic
             plan for the modules it matches. A ``tp_plan`` attribute on the LightningModule works the same.
         tp_autoplan: find the plan for standard blocks automatically from the data flow.
-        partitioner: ``"uniform"`` (layers per stage), ``"parameters"`` or a callable.
+        partitioner: ``"uniform"`` (layers per stage), ``"parameters"``, ``"compute"`` (minimise the slowest
+            stage's forward + backward FLOPs, counted on the meta device on the module's ``example_input_array``),
+            ``"memory"`` (minimise the largest stage peak: parameters, gradients, Adam states and 1F1B activations
+            in flight) or a callable; ``"compute"`` and ``"memory"`` need an ``nn.Sequential`` body.
         body: dotted name of an ``nn.Sequential`` body (the earlier contract) when the module has several.
         blocks: dotted name of the block container (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``) that
             pipeline parallelism splits; ``None`` finds it (a Hugging Face model's ``base_model_pp_plan``, else the
@@ -174,8 +184,13 @@ class ThreeDSettings:
         object.__setattr__(self, "stages", tuple(tuple(names) for names in stages))
 
     def _check_schedule(self) -> None:
-        schedule_class(self.schedule)  # unknown names fail here, with torch's list of names
+        check_schedule_name(self.schedule)  # unknown names fail here, with torch's list and the runnable ones
         multi = is_multi_stage(self.schedule)
+        if is_v_schedule(self.schedule) and self.stages_per_rank != 2:
+            raise ValueError(
+                f"ThreeDStrategy(schedule={self.schedule!r}) places exactly two stages per rank in a V (stage i and "
+                f"stage 2*pp-1-i on pp rank i); got stages_per_rank={self.stages_per_rank}. Use stages_per_rank=2."
+            )
         if self.stages_per_rank > 1 and not multi:
             raise ValueError(
                 f"ThreeDStrategy(schedule={self.schedule!r}) runs one stage per rank; with "
@@ -186,14 +201,23 @@ class ThreeDSettings:
 
     def _check_micro_batches(self, m: Any, minimum: int) -> None:
         _check_at_least_one("micro_batches", m)
-        if m >= minimum:
+        problem = micro_batch_problem(self.schedule, self.pp, m)
+        if problem is None:
             return
+        if m >= minimum:  # enough, but not in whole rounds (interleaved schedules)
+            rounds = [
+                c
+                for c in range(minimum, 4 * max(m, minimum) + 1)
+                if micro_batch_problem(self.schedule, self.pp, c) is None
+            ]
+            near = sorted(rounds, key=lambda c: (abs(c - m), c))[:2]
+            raise ValueError(
+                f"ThreeDStrategy: {problem}. Use e.g. micro_batches={' or '.join(map(str, sorted(near)))}."
+            )
         # Only schedules that keep micro-batches of every stage in flight have a minimum above 1.
         alternative = "" if is_multi_stage(self.schedule) else ", or schedule='gpipe' (any count, a larger bubble)"
         raise ValueError(
-            f"ThreeDStrategy: micro_batches={m} < pp={self.pp} under schedule={self.schedule!r}: that schedule "
-            f"keeps one micro-batch in flight per stage, so it needs micro_batches >= {minimum}. Use "
-            f"micro_batches >= {minimum} (more shrinks the bubble){alternative}."
+            f"ThreeDStrategy: {problem}. Use micro_batches >= {minimum} (more shrinks the bubble){alternative}."
         )
 
     @property

@@ -129,6 +129,28 @@ def test_interleaved_schedule_on_split_models(any_reference, tmp_path):
     assert not problems, "\n".join(problems[:40])
 
 
+@pytest.mark.slow
+def test_zero_bubble_and_v_schedules_on_split_models(any_reference, tmp_path):
+    """Every stage runs the user's step with the backward split into input- and weight-gradient actions; under the V
+    schedules rank 0 holds the first and the last stage, so a tied embedding and head are one tensor there."""
+    cases = ["nano64", "nanotied64"]
+    names = ["interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+    copy_inits(any_reference, tmp_path)
+    run_lightning(
+        "parity_run.py",
+        ["--pp", 2, "--schedules", ",".join(f"{n}:2" for n in names), "--micro", 4, "--cases", ",".join(cases),
+         "--out", tmp_path],
+        timeout=420,
+    )  # fmt: skip
+    problems = []
+    for name in names:
+        for case in cases:
+            got = load(tmp_path, f"{case}@{name}")
+            found = compare(load(any_reference, case), got, "64") + check_replicas(got)
+            problems += [f"{name} {case}: {p}" for p in found]
+    assert not problems, "\n".join(problems[:40])
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 

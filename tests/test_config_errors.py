@@ -46,6 +46,18 @@ def test_unknown_schedule_and_stage_count():
         ThreeDStrategy(pp=2, stages_per_rank=2, schedule="1f1b")
 
 
+def test_v_and_zero_bubble_schedules_refused_before_any_rank_starts():
+    """The V schedules run two stages per rank and a micro-batch per stage; refused when the Trainer is built."""
+    with pytest.raises(ValueError, match=r"places exactly two stages per rank in a V.*stages_per_rank=4"):
+        _trainer(2, pp=2, stages_per_rank=4, schedule="zbvzerobubble", micro_batches=8)
+    with pytest.raises(ValueError, match=r"micro_batches=2 < 2 \* pp = 4 under schedule='dualpipev'"):
+        _trainer(2, pp=2, stages_per_rank=2, schedule="dualpipev", micro_batches=2)
+    with pytest.raises(ValueError, match=r"2 rounds .* micro_batches=4 or 6"):
+        _trainer(2, pp=2, stages_per_rank=2, schedule="interleavedzerobubble", micro_batches=5)
+    with pytest.raises(ValueError, match="is a base class in torch, not a schedule"):
+        _trainer(2, pp=2, stages_per_rank=2, schedule="PipelineScheduleMulti")
+
+
 def test_registered_under_short_name():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="3d", logger=False)
     assert isinstance(trainer.strategy, ThreeDStrategy)

@@ -17,6 +17,8 @@ from conftest import copy_inits
 from launch import run_lightning
 
 LAYOUTS = [(2, 2, 2), (1, 4, 1)]
+# a V schedule: four stages on two ranks, the first and the last on rank 0 (evaluation runs forward-only over them)
+SCHEDULES = {(1, 2, 1): ("dualpipev", 2)}
 
 
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
@@ -24,10 +26,16 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp", "dp"), LAYOUTS, ids=[f"tp{t}-pp{p}-dp{d}" for t, p, d in LAYOUTS])
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp"),
+    [*LAYOUTS, *SCHEDULES],
+    ids=[f"tp{t}-pp{p}-dp{d}" for t, p, d in LAYOUTS] + [f"{s[0]}-pp{p}" for (_, p, _), s in SCHEDULES.items()],
+)
 def test_evaluation_matches_single_device(eval_reference, tmp_path, tp, pp, dp):
     copy_inits(eval_reference, tmp_path)
-    run_lightning("eval_run.py", ["--tp", tp, "--pp", pp, "--dp", dp, "--out", tmp_path], timeout=300)
+    schedule, stages_per_rank = SCHEDULES.get((tp, pp, dp), ("1f1b", 1))
+    args = ["--tp", tp, "--pp", pp, "--dp", dp, "--schedule", schedule, "--stages-per-rank", stages_per_rank]
+    run_lightning("eval_run.py", [*args, "--out", tmp_path], timeout=300)
     ref = torch.load(eval_reference / "eval.pt", weights_only=False)
     got = torch.load(tmp_path / "eval.pt", weights_only=False)
     assert got["sanity_ran"] == ref["sanity_ran"] == 1

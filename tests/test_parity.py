@@ -119,3 +119,30 @@ def test_other_schedules_match_single_device(parity_reference, tmp_path, schedul
         )
         problems += [f"{case}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
+
+
+# every zero-bubble and V schedule (two stages per rank), in one launch per layout
+ZERO_BUBBLE = ["interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)], ids=["pp2-dp2", "tp2-pp2-dp2"])
+def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_path, tp, dp):
+    """Backward split into input- and weight-gradient actions (the weight part deferred), and the V placement
+    (stage i and 3 - i on pp rank i), give single-device numbers: float64 step-1 gradients, float32 20 steps."""
+    copy_inits(parity_reference, tmp_path)
+    cases = ["mlp64", "gpt32"]
+    schedules = ",".join(f"{name}:2" for name in ZERO_BUBBLE)
+    run_lightning(
+        "parity_run.py",
+        ["--tp", tp, "--pp", 2, "--dp", dp, "--schedules", schedules, "--micro", 4, "--cases", ",".join(cases),
+         "--out", tmp_path],
+        timeout=900,
+    )  # fmt: skip
+    problems = []
+    for name in ZERO_BUBBLE:
+        for case in cases:
+            ref, got = load(parity_reference, case), load(tmp_path, f"{case}@{name}")
+            found = compare(ref, got, case[3:5]) + check_replicas(got) + check_shares(got, ref, case[:3], tp)
+            problems += [f"{name} {case}: {p}" for p in found]
+    assert not problems, "\n".join(problems[:40])

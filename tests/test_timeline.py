@@ -65,6 +65,29 @@ def test_timeline_of_an_interleaved_schedule(tmp_path):
     assert trace["otherData"]["bubble"]["theory"] == pytest.approx(1 / (2 * 4 + 1))
 
 
+@pytest.mark.slow
+def test_timeline_of_a_zero_bubble_v_schedule(tmp_path):
+    """ZB-V at pp=2: every stage shows F, an input-gradient I (or a whole B) and, for every I, a weight-gradient W
+    per micro-batch; the rank that runs stage 0 also runs stage 3 (the V)."""
+    args = ["--out", tmp_path, "--pp", 2, "--micro-batches", 4, "--schedule", "zbvzerobubble"]
+    run_lightning("timeline_run.py", [*args, "--stages-per-rank", 2], timeout=240)
+    trace = json.loads((tmp_path / "timeline_step1.json").read_text())
+    kinds = set()
+    for events in _events_by_rank(trace).values():
+        stages = {e["tid"] for e in events if e["tid"] >= 0}
+        assert stages in ({0, 3}, {1, 2}), stages
+        for stage in stages:
+            mine = [e for e in events if e["tid"] == stage]
+            forwards = sorted(e["name"] for e in mine if e["cat"] == "forward")
+            assert forwards == sorted(f"F{i}" for i in range(4)), (stage, forwards)
+            backs = [e["name"] for e in mine if e["cat"] == "backward"]
+            weights = sorted(e["name"][1:] for e in mine if e["cat"] == "weight")
+            assert sorted(b[1:] for b in backs) == [str(i) for i in range(4)], (stage, backs)
+            assert weights == sorted(b[1:] for b in backs if b.startswith("I")), (stage, backs, weights)
+            kinds |= {b[0] for b in backs} | ({"W"} if weights else set())
+    assert {"I", "W"} <= kinds, kinds
+
+
 def _timeline(rank: int, stage: int, events: list[tuple[str, str, int, int]]) -> tl.RankTimeline:
     evs = [tl.TimelineEvent(n, c, stage if c != "step" else None, None, s, e) for n, c, s, e in events]
     return tl.RankTimeline(rank=rank, stages=[stage], num_stages=2, pp=2, n_micro=2, schedule="X", events=evs)

@@ -27,11 +27,12 @@ from torchmetrics import Metric
 
 from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
+from .balance import ComputePartitioner, MemoryPartitioner
 from .boundary_check import check_stage_boundaries
 from .compile import CompiledBlocks, check_compilable, compile_blocks, sequential_blocks
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
-from .pipeline import StageSpec
+from .pipeline import StageSpec, stage_ranks
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
 from .tensor_parallel.hf_plan import HFPlan, hf_tp_plan
@@ -72,13 +73,17 @@ def plan_model(
     tp_plan: Mapping[str, Any] | None = None,
     tp_autoplan: bool = True,
     stages: Sequence[Sequence[str]] | None = None,
+    schedule: str = "1f1b",
+    dp: int = 1,
 ) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
 
     Args:
         module: the LightningModule (its layers may still be on the meta device).
-        tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan, stages: the settings of the same names
-            (see ``lightning_3d.settings.ThreeDSettings``).
+        tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan, stages, schedule: the settings of
+            the same names (see ``lightning_3d.settings.ThreeDSettings``); the schedule decides which rank runs which
+            stage.
+        dp: the data-parallel degree (resolved).
 
     Returns:
         The body, the stage split, the tensor-parallel plan, the whole model's tensor specs and the example input.
@@ -88,14 +93,28 @@ def plan_model(
             what would work).
     """
     partitioner = partition.get_partitioner(partitioner)
+    placement = stage_ranks(schedule, pp, stages_per_rank)
     _check_no_meta_metrics(module)
     if stages is not None or not uses_sequential_body(module, body, blocks):
-        return _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan, stages)
+        if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+            raise ValueError(
+                f"partitioner={partitioner.kind!r} profiles the layers of an nn.Sequential body on the module's "
+                "example_input_array; this model is split at its block container, where that is not supported yet. "
+                "Use partitioner='uniform' or 'parameters'."
+            )
+        plan = _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan, stages)
+        if plan.split is not None and plan.split.container is not None:  # the schedule's placement (a V, or looping)
+            plan.split.stage_to_rank = placement
+            plan.stage_plan.stage_to_rank = list(placement)
+            _check_v_tie(plan.split, schedule, tp, dp)
+        return plan
     found = partition.find_body(module, body)
     partition.check_no_outside_parameters(module, found)
     full_spec = partition.full_model_spec(module)
-    stage_plan = partition.plan_stages(found, pp, partitioner, stages_per_rank)
     example_input = module.example_input_array
+    if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+        partitioner = partitioner.for_input(example_input)  # profiled on the module's example (meta, no compute)
+    stage_plan = partition.plan_stages(found, pp, partitioner, stages_per_rank, placement)
     if example_input is not None:
         # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
         module._example_input_array = None
@@ -116,6 +135,22 @@ def plan_model(
     if is_meta:
         check_materializable(found.module, found.fqn)
     return ModelPlan(found, stage_plan, resolved, full_spec, example_input, is_meta)
+
+
+def _check_v_tie(split: blocks.ModelSplit, schedule: str, tp: int, dp: int) -> None:
+    """Refuse a weight tied across the first and the last stage when a V schedule puts both stages on one rank and
+    the rank wraps each stage separately for tensor or data parallelism: the two wrappers would each make their own
+    copy of the one weight, and the copy the embedding uses would miss the head's gradient (measured: wrong
+    gradients at dp=2). Untied models, and dp = tp = 1, run under V schedules."""
+    if not split.tied or split.stage_to_rank[0] != split.stage_to_rank[-1] or (dp == 1 and tp == 1):
+        return
+    names = "; ".join(" = ".join(group) for group in split.tied)
+    raise ValueError(
+        f"ThreeDStrategy(schedule={schedule!r}) places the first and the last pipeline stage on the same rank, and "
+        f"this model ties weights across them ({names}): with tp={tp}, dp={dp} that is not supported yet. Use "
+        "schedule='interleaved1f1b' or 'interleavedzerobubble' (first and last stage on different ranks), or untie "
+        "the weights."
+    )
 
 
 def _check_no_meta_metrics(module: nn.Module) -> None:
@@ -378,7 +413,9 @@ def _build_split_stages(
             blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
         stages.append(StageSpec(s, apply_data_parallel(stage_module, mesh["dp"], blocks=blocks)))
     # after tensor and data parallelism have put their parameter objects in place
-    tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 else None
+    # (under a V schedule the first and the last stage share a rank: a tied weight is then one tensor, nothing to sum)
+    across_ranks = split.stage_to_rank[0] != split.stage_to_rank[-1]
+    tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 and across_ranks else None
     if tied is not None:
         tied.broadcast_from_first()
     return BuiltStages(stages, executor, tied, compiled)

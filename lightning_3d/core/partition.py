@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import torch_compat
+from .balance import ComputePartitioner, MemoryPartitioner
 
 CONTRACT = (
     "lightning_3d needs the model body as ONE nn.Sequential attribute of the LightningModule (embedding layer "
@@ -160,7 +161,12 @@ class ParameterPartitioner:
         return ranges
 
 
-PARTITIONERS: dict[str, type] = {"uniform": UniformPartitioner, "parameters": ParameterPartitioner}
+PARTITIONERS: dict[str, type] = {
+    "uniform": UniformPartitioner,
+    "parameters": ParameterPartitioner,
+    "compute": ComputePartitioner,
+    "memory": MemoryPartitioner,
+}
 
 
 def get_partitioner(spec: str | Partitioner) -> Partitioner:
@@ -181,6 +187,7 @@ class StagePlan:
     layer_names: list[list[str]]
     body_fqn: str = "body"
     stage_to_rank: list[int] = field(default_factory=list)
+    estimates: list[str] = field(default_factory=list)  # each stage's cost under the partitioner (when it has one)
 
     @property
     def num_stages(self) -> int:
@@ -191,7 +198,8 @@ class StagePlan:
         lines = []
         for index, names in enumerate(self.layer_names):
             rank = f" on pp rank {self.stage_to_rank[index]}" if self.stage_to_rank else ""
-            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{', '.join(names)}]")
+            estimate = f" ({self.estimates[index]})" if self.estimates else ""
+            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{', '.join(names)}]{estimate}")
         return "\n".join(lines)
 
 
@@ -209,8 +217,15 @@ def checked_ranges(
     return list(ranges)
 
 
-def plan_stages(body: BodyRef, pp: int, partitioner: Partitioner, stages_per_rank: int = 1) -> StagePlan:
-    """Split ``body`` into ``pp * stages_per_rank`` stages; stage ``s`` runs on pp rank ``s % pp`` (looping)."""
+def plan_stages(
+    body: BodyRef,
+    pp: int,
+    partitioner: Partitioner,
+    stages_per_rank: int = 1,
+    placement: Sequence[int] | None = None,
+) -> StagePlan:
+    """Split ``body`` into ``pp * stages_per_rank`` stages; stage ``s`` runs on pp rank ``placement[s]`` (default
+    ``s % pp``, looping; a V schedule's placement comes from ``pipeline.stage_ranks``)."""
     layers = list(body.module.named_children())
     num_stages = pp * stages_per_rank
     if len(layers) < num_stages:
@@ -221,7 +236,11 @@ def plan_stages(body: BodyRef, pp: int, partitioner: Partitioner, stages_per_ran
         )
     ranges = checked_ranges(partitioner, layers, num_stages)
     names = [[layers[i][0] for i in r] for r in ranges]
-    return StagePlan(names, body.fqn, [s % pp for s in range(num_stages)])
+    ranks = list(placement) if placement is not None else [s % pp for s in range(num_stages)]
+    estimates = []
+    if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+        estimates = [partitioner.describe(c) for c in partitioner.stage_costs(layers, ranges)]
+    return StagePlan(names, body.fqn, ranks, estimates)
 
 
 def prune_body(body: BodyRef, keep: Sequence[str]) -> None:

@@ -7,9 +7,13 @@ buffers from the first micro-batch it sees.
 
 Schedules, by name: ``"1f1b"`` (default; warm-up of p - 1 - stage forwards, then one forward / one backward
 in steady state, then a cool-down of the remaining backwards), ``"gpipe"`` (all forwards, then all
-backwards), and torch's multi-stage schedules (``"interleaved1f1b"``, ``"loopedbfs"``, ...) when a rank
-holds several stages. Evaluation always runs forward-only GPipe order: with no backward there is nothing
-to interleave.
+backwards), and torch's multi-stage schedules when a rank holds several stages: ``"interleaved1f1b"``,
+``"loopedbfs"``, ``"interleavedzerobubble"`` (ZB1P: backward split into input-gradient ``I`` and deferred
+weight-gradient ``W`` actions that fill the bubble) and the V schedules ``"zbvzerobubble"`` and ``"dualpipev"``
+(exactly two stages per rank, placed in a V: stage ``i`` and stage ``2p - 1 - i`` on pp rank ``i``, so the first
+and the last stage share rank 0). :func:`stage_ranks` is the placement every part of the project uses.
+Evaluation always runs forward-only, breadth-first order over the same placement: with no backward there is
+nothing to interleave.
 """
 
 from __future__ import annotations
@@ -35,6 +39,22 @@ from . import torch_compat
 from .rng import BodyRandomness
 
 SINGLE_STAGE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+#: Every schedule this project runs (lower-case names, as the settings accept them, case-insensitively).
+RUNNABLE_SCHEDULES = (
+    "1f1b",
+    "gpipe",
+    "interleaved1f1b",
+    "loopedbfs",
+    "interleavedzerobubble",
+    "zbvzerobubble",
+    "dualpipev",
+)
+#: Schedules that place exactly two stages per rank in a V (stage i and 2p - 1 - i on rank i).
+V_SCHEDULES = frozenset({"zbvzerobubble", "dualpipev"})
+#: Schedules that split each backward into an input-gradient and a deferred weight-gradient action.
+ZERO_BUBBLE_SCHEDULES = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+#: Schedules that run micro-batches in rounds of ``max(1, m // pp)`` and need ``m`` divisible by the round count.
+_ROUND_SCHEDULES = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 
 
 def schedule_class(name: str) -> type:
@@ -42,13 +62,81 @@ def schedule_class(name: str) -> type:
     return get_schedule_class(SINGLE_STAGE_SCHEDULES.get(name.lower(), name))
 
 
+def check_schedule_name(name: str) -> None:
+    """Raise ``ValueError`` (with the list of names) unless the project runs the schedule ``name``.
+
+    torch's own list has base classes (``PipelineScheduleSingle`` / ``PipelineScheduleMulti``) that are not
+    schedules: those are refused too.
+    """
+    runnable = (
+        f"The schedules lightning_3d runs are {', '.join(repr(n) for n in RUNNABLE_SCHEDULES)} (case-insensitive)."
+    )
+    if not isinstance(name, str):
+        raise ValueError(f"ThreeDStrategy(schedule={name!r}): a schedule is a name. {runnable}")
+    try:
+        schedule_class(name)
+    except ValueError as unknown:  # torch's message names torch's list
+        raise ValueError(f"ThreeDStrategy(schedule={name!r}): {unknown}. {runnable}") from None
+    if name.lower() not in RUNNABLE_SCHEDULES:
+        raise ValueError(f"ThreeDStrategy(schedule={name!r}) is a base class in torch, not a schedule. {runnable}")
+
+
 def is_multi_stage(name: str) -> bool:
     return issubclass(schedule_class(name), PipelineScheduleMulti)
 
 
+def is_v_schedule(name: str) -> bool:
+    """Whether the schedule places its stages in a V (two per rank, the first and the last stage on rank 0)."""
+    return name.lower() in V_SCHEDULES
+
+
+def stage_ranks(name: str, pp: int, stages_per_rank: int) -> list[int]:
+    """The pp rank of every stage under the schedule ``name``: ``[rank of stage 0, rank of stage 1, ...]``.
+
+    Looping placement (stage ``s`` on rank ``s % pp``) for every schedule but the V schedules, where the stages
+    go down the ranks and back up: with ``pp = 2``, stages 0, 1, 2, 3 sit on ranks 0, 1, 1, 0. This is torch's
+    own placement for these schedules (``generate_stage_to_rank_mapping``), which the schedules' action lists
+    assume; the model is split the same way so each rank holds the layers of the stages it runs.
+    """
+    num_stages = pp * stages_per_rank
+    if not is_v_schedule(name):
+        return [s % pp for s in range(num_stages)]
+    return [s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp for s in range(num_stages)]
+
+
 def min_micro_batches(name: str, pp: int) -> int:
-    """Fewest micro-batches a schedule accepts: 1F1B-style schedules need one per stage in flight."""
-    return 1 if schedule_class(name) is ScheduleGPipe else pp
+    """Fewest micro-batches a schedule accepts: 1F1B-style schedules need one per stage in flight, V schedules
+    one per stage (``2 * pp``: two stages per rank)."""
+    if schedule_class(name) is ScheduleGPipe:
+        return 1
+    return 2 * pp if is_v_schedule(name) else pp
+
+
+def micro_batch_problem(name: str, pp: int, micro_batches: int) -> str | None:
+    """Why schedule ``name`` cannot run ``micro_batches`` micro-batches at this ``pp`` (``None``: it can).
+
+    Besides the minimum (:func:`min_micro_batches`), the interleaved schedules run micro-batches in rounds of
+    ``max(1, m // pp)`` and need ``m`` divisible by the number of rounds (torch raises in the first step
+    otherwise).
+    """
+    minimum = min_micro_batches(name, pp)
+    if micro_batches < minimum:
+        if is_v_schedule(name):
+            return (
+                f"micro_batches={micro_batches} < 2 * pp = {minimum} under schedule={name!r}: a V schedule runs two "
+                f"stages per rank and keeps one micro-batch in flight per stage, so it needs micro_batches >= {minimum}"
+            )
+        return (
+            f"micro_batches={micro_batches} < pp={pp} under schedule={name!r}: that schedule keeps one micro-batch "
+            f"in flight per stage, so it needs micro_batches >= {minimum}"
+        )
+    rounds = max(1, micro_batches // pp)
+    if name.lower() in _ROUND_SCHEDULES and micro_batches % rounds != 0:
+        return (
+            f"micro_batches={micro_batches} under schedule={name!r} at pp={pp}: that schedule runs micro-batches in "
+            f"{rounds} rounds (micro_batches // pp) and needs micro_batches divisible by them"
+        )
+    return None
 
 
 class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
@@ -183,6 +271,7 @@ class PipelineRuntime:
         self.randomness = randomness
         self.num_stages = num_stages
         self.group = group
+        self.group_size = num_stages // max(1, len(self.stages))  # pp: every rank holds as many stages
         self.device = device
         self.schedule_name = schedule
         self.loss_fn = loss_fn
@@ -216,7 +305,13 @@ class PipelineRuntime:
     def _build(self, n_micro: int, train: bool, name: str) -> Any:
         cls = schedule_class(name) if train else ScheduleGPipe
         if len(self.stages) > 1 and (cls is ScheduleGPipe or not train):
-            cls = schedule_class("loopedbfs")  # forward-only or fill-drain order over several local stages
+            # forward-only or fill-drain order over several local stages, placed as the configured schedule places
+            # them (a V schedule's batch that falls back to GPipe, or its evaluation, keeps the V placement)
+            if is_v_schedule(self.schedule_name):
+                placement = stage_ranks(self.schedule_name, self.group_size, len(self.stages))
+                cls = torch_compat.looped_bfs_placed(placement, backward=train)
+            else:
+                cls = schedule_class("loopedbfs")
         built = [_Stage(s.module, s.index, self.num_stages, self.device, group=self.group) for s in self.stages]
         for stage in built:
             stage.randomness = self.randomness

@@ -23,7 +23,7 @@ from . import metric_sync
 from .agreed import mark_agreed
 from .log_relay import StepLogs, relay, replay
 from .partition import BodyRef
-from .pipeline import PipelineRuntime, StageSpec, min_micro_batches
+from .pipeline import PipelineRuntime, StageSpec, micro_batch_problem, min_micro_batches, stage_ranks
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor
 from .step import (
@@ -107,6 +107,8 @@ class BatchRunner:
         self.randomness = randomness
         self.schedule, self.micro_batches = schedule, micro_batches
         self.pp = mesh["pp"].size()
+        # the pp rank of the last stage (pp - 1, or 0 under a V schedule): it broadcasts the logs
+        self._last_pp_rank = stage_ranks(schedule, self.pp, max(1, len(stages)))[-1]
         self.executor = executor
         if executor is not None:
             self.stepper: StageExecutor | StepAdapter = executor
@@ -152,7 +154,7 @@ class BatchRunner:
         if total % m == 0:
             return m, self.schedule
         divisors = [d for d in range(1, total + 1) if total % d == 0]
-        usable = [d for d in divisors if d >= (minimum if train else 1)]
+        usable = [d for d in divisors if not train or micro_batch_problem(self.schedule, self.pp, d) is None]
         if usable:
             return min(usable, key=lambda d: (abs(d - m), d)), self.schedule
         return min(divisors, key=lambda d: (abs(d - m), d)), "gpipe"
@@ -251,6 +253,6 @@ class BatchRunner:
             logs,
             dp_group=dp_mesh.get_group() if dp_mesh.size() > 1 else None,
             pp_group=pp_mesh.get_group() if pp_mesh.size() > 1 else None,
-            last_stage_rank=int(pp_mesh.mesh[-1]),
+            last_stage_rank=int(pp_mesh.mesh[self._last_pp_rank]),
             finish=finish,
         )

@@ -20,7 +20,7 @@ wrappers of one function stack (first installed innermost) and can be removed in
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "group_timeout",
     "in_backward",
     "is_view",
+    "looped_bfs_placed",
     "op_name",
     "p2p_functions_are_torchs",
     "process_groups",
@@ -56,6 +57,7 @@ __all__ = [
     "set_group_timeout",
     "shape_inference_done",
     "tensor_version",
+    "view_base",
     "wrap_batch_p2p",
     "wrap_method",
     "wrap_schedule_loss",
@@ -158,6 +160,11 @@ def is_view(tensor: torch.Tensor) -> bool:
     return tensor._base is not None
 
 
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose storage ``tensor`` views (``tensor._base``), or ``None`` when it is not a view."""
+    return tensor._base
+
+
 def child_modules(module: nn.Module) -> dict[str, nn.Module | None]:
     """The module's own registry of direct children (``module._modules``), live: changing it changes the module.
 
@@ -232,6 +239,48 @@ class PipelineStageWithShapeInferenceHook(PipelineStage):
 
 
 # ---------------------------------------------------------------------------------------------- pipeline schedules
+def looped_bfs_placed(placement: Sequence[int], backward: bool = True) -> type:
+    """``ScheduleLoopedBFS`` (all forwards of a rank's earlier stage first, then its later stage; backwards in
+    reverse) over stages placed by ``placement`` (``placement[s]`` is stage ``s``'s pp rank) instead of torch's
+    looping placement: forward-only evaluation (and a GPipe-order fallback) under a V schedule's placement.
+
+    torch derives the stage-to-rank map from the action list, so only the per-rank action list changes.
+    ``backward=False`` leaves the backward actions out (for ``eval``: torch hands a backward's gradient to the
+    previous stage on the same rank even when nothing ran backward, and fails).
+    """
+    schedules = _schedules_module()
+    base = _private(schedules, "ScheduleLoopedBFS", "running breadth-first order over a V placement")
+    action = _private(schedules, "_Action", "writing a schedule's action list")
+    kinds = _private(schedules, "_ComputationType", "writing a schedule's action list")
+    ranks = tuple(int(r) for r in placement)
+
+    class PlacedLoopedBFS(base):  # type: ignore[misc,valid-type]
+        def _calculate_single_rank_operations(self, rank: int) -> list[Any]:
+            stage_indices = [s for s, r in enumerate(ranks) if r == rank]
+            ops: list[Any] = [None] * rank
+            for stage_index in stage_indices:
+                ops.extend(action(stage_index, kinds.FORWARD, mb) for mb in range(self._n_microbatches))
+            ops.extend([None] * (2 * (self.pp_group_size - 1 - rank)))
+            for stage_index in reversed(stage_indices):
+                ops.extend(action(stage_index, kinds.FULL_BACKWARD, mb) for mb in reversed(range(self._n_microbatches)))
+            return ops
+
+        def _prepare_schedule_with_comms(self, actions: Any, format: str = "compute_only") -> None:
+            # torch checks that every stage has its backwards, so they are in the action list; forward-only drops
+            # them from what runs
+            super()._prepare_schedule_with_comms(actions, format)
+            if not backward:
+                skipped = {kinds.FULL_BACKWARD, kinds.BACKWARD_INPUT, kinds.BACKWARD_WEIGHT, kinds.SEND_B, kinds.RECV_B}
+                self.pipeline_order_with_comms = {
+                    rank: [a for a in ops if a.computation_type not in skipped]
+                    for rank, ops in self.pipeline_order_with_comms.items()
+                }
+
+    _private(base, "_calculate_single_rank_operations", "running breadth-first order over a V placement")
+    _private(base, "_prepare_schedule_with_comms", "running breadth-first order over a V placement")
+    return PlacedLoopedBFS
+
+
 def schedule_stages(schedule: Any) -> list[PipelineStage]:
     """The stages a torch pipeline schedule runs on this rank (one for single-stage schedules).
 

@@ -6,8 +6,10 @@ of the stages and the schedule, and the schedules' two point-to-point helpers, a
 
 ===============  ================================================================================
 ``F<i>``         ``stage.forward_one_chunk`` of micro-batch *i* (category ``forward``)
-``B<i>``         ``stage.backward_one_chunk`` (``backward``); ``W<i>`` the weight-only part of zero-bubble
-                 schedules (``weight``)
+``B<i>``         ``stage.backward_one_chunk`` (``backward``); under zero-bubble schedules
+                 (``interleavedzerobubble``, ``zbvzerobubble``, ``dualpipev``) the backward is split:
+                 ``I<i>`` the input-gradient part (``backward``) and ``W<i>`` the deferred weight-gradient
+                 part (``weight``)
 ``loss<i>``      the schedule's loss function on the last stage (``loss``; under ``ThreeDStrategy`` this
                  is the user's ``training_step`` on micro-batch *i*)
 ``post ...``     posting sends / receives (``torch_compat.wrap_batch_p2p``; category ``post``)
@@ -187,10 +189,12 @@ class ScheduleRecorder:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             mb = _first_arg(args, kwargs, arg) if arg else None
             start = self._now()
+            # a zero-bubble schedule's input-gradient half of a backward (its weight half is a later W)
+            name = "I" if prefix == "B" and kwargs.get("full_backward", True) is False else prefix
             try:
                 return fn(*args, **kwargs)
             finally:
-                self._add(f"{prefix}{'' if mb is None else mb}", cat, stage, mb, start)
+                self._add(f"{name}{'' if mb is None else mb}", cat, stage, mb, start)
 
         return wrapper
 

@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -66,7 +68,14 @@ def main() -> None:
     if args.ref:
         strategy, devices, batch = "auto", 1, GLOBAL_BATCH
     else:
-        strategy = ThreeDStrategy(tp=args.tp, pp=args.pp, micro_batches=args.micro, print_layout=False)
+        strategy = ThreeDStrategy(
+            tp=args.tp,
+            pp=args.pp,
+            micro_batches=args.micro,
+            schedule=args.schedule,
+            stages_per_rank=args.stages_per_rank,
+            print_layout=False,
+        )
         devices, batch = args.tp * args.pp * args.dp, GLOBAL_BATCH // args.dp
     recorder = Recorder(out, args.ref)
     # Callbacks read what rank 0 logs: their decisions must follow the single-device values.

@@ -79,8 +79,8 @@ def _gather_named(named: dict[str, torch.Tensor], contribute: bool) -> dict[str,
 
 
 class Recorder(L.Callback):
-    def __init__(self, out: Path, case: str, ref: bool):
-        self.out, self.case, self.ref = out, case, ref
+    def __init__(self, out: Path, case: str, ref: bool, tag: str = ""):
+        self.out, self.case, self.ref, self.tag = out, case, ref, tag
         self.rec: dict = {"logged": [], "bar": [], "loss": [], "norm": [], "batches": []}
         self.first_grads = True
 
@@ -144,7 +144,7 @@ class Recorder(L.Callback):
             self.rec["ranks"] = ranks
             self.rec["lr"] = [g["lr"] for g in trainer.optimizers[0].param_groups]
         if trainer.global_rank == 0:
-            torch.save(self.rec, self.out / f"{self.case}.pt")
+            torch.save(self.rec, self.out / f"{self.case}{self.tag}.pt")
 
 
 # Module names around the blocks of each split model (first stage, last stage) and the blocks' prefix.
@@ -204,7 +204,7 @@ def run_case(args: argparse.Namespace, case: str) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
-        callbacks=[Recorder(Path(args.out), case, args.ref)],
+        callbacks=[Recorder(Path(args.out), case, args.ref, args.tag)],
     )
     trainer.fit(model, datamodule=OrderedData(model_name, batch, n=GLOBAL_BATCH * 4))
 
@@ -220,12 +220,17 @@ def main() -> None:
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--stages", action="store_true", help="pp=2 with stages=uneven_stages(model)")
     parser.add_argument("--cases", default=",".join(SEQUENTIAL_CASES))
+    # several schedules in one launch: NAME:STAGES_PER_RANK,...; case C under schedule S writes OUT/C@S.pt
+    parser.add_argument("--schedules", default="")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
-    for case in args.cases.split(","):
-        run_case(args, case)
+    runs = [(s.split(":")[0], int(s.split(":")[1]), f"@{s.split(':')[0]}") for s in args.schedules.split(",") if s]
+    for schedule, stages_per_rank, tag in runs or [(args.schedule, args.stages_per_rank, "")]:
+        args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag
+        for case in args.cases.split(","):
+            run_case(args, case)
 
 
 if __name__ == "__main__":

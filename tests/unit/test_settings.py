@@ -102,7 +102,10 @@ def test_frozen():
         ({"schedule": "interleaved1f1b"}, "ThreeDStrategy(schedule='interleaved1f1b') needs stages_per_rank >= 2."),
         ({"micro_batches": 2.5}, "ThreeDStrategy: micro_batches must be an integer, got 2.5."),
         ({"tp_plan": ["*.q"]}, "ThreeDStrategy: tp_plan must be a mapping of module-name patterns to styles or None"),
-        ({"partitioner": "zigzag"}, "Unknown partitioner 'zigzag'; choose one of ['parameters', 'uniform']"),
+        (
+            {"partitioner": "zigzag"},
+            "Unknown partitioner 'zigzag'; choose one of ['compute', 'memory', 'parameters', 'uniform']",
+        ),
         (
             {"on_nonfinite": "ignore"},
             "ThreeDStrategy: on_nonfinite must be one of ('raise', 'skip', 'off'), got 'ignore'.",

@@ -1,0 +1,97 @@
+"""The compute and memory partitioners: the split over contiguous stages and the per-layer profiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_3d.core import balance, partition
+
+
+def _split(costs: list[float], stages: int) -> list[range]:
+    return balance.balanced_split(len(costs), stages, lambda s, i, j: sum(costs[i:j]))
+
+
+def test_split_isolates_one_heavy_layer():
+    assert _split([1, 1, 10, 1, 1, 1], 3) == [range(0, 2), range(2, 3), range(3, 6)]
+    assert _split([10, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]
+    assert _split([1, 1, 1, 1, 1, 10], 2) == [range(0, 5), range(5, 6)]
+
+
+def test_split_is_optimal_against_brute_force():
+    import itertools
+
+    costs = [3, 1, 4, 1, 5, 9, 2, 6]
+    best = min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+        for cuts in itertools.combinations(range(1, len(costs)), 3)
+    )
+    got = _split(costs, 4)
+    assert [i for r in got for i in r] == list(range(len(costs))) and all(len(r) for r in got)
+    assert max(sum(costs[r.start : r.stop]) for r in got) == best
+
+
+def test_split_can_depend_on_the_stage():
+    # stage 0 pays double (as under 1F1B, where the first stage keeps the most micro-batches in flight)
+    got = balance.balanced_split(4, 2, lambda s, i, j: (2 if s == 0 else 1) * (j - i))
+    assert got == [range(0, 1), range(1, 4)]
+
+
+def test_compute_partitioner_gives_the_heavy_layer_a_stage_of_its_own():
+    body = [
+        ("0", nn.Linear(16, 16)),
+        ("1", nn.Linear(16, 16)),
+        ("2", nn.Linear(16, 512)),  # heavy: 32 times the others' products, and the next one's too
+        ("3", nn.Linear(512, 16)),
+        ("4", nn.Linear(16, 16)),
+        ("5", nn.Linear(16, 16)),
+    ]
+    ranges = balance.ComputePartitioner(torch.zeros(8, 16))(body, 4)
+    assert ranges == [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]
+
+
+def test_profiles_count_flops_and_bytes_on_meta():
+    flops, static, act = balance.layer_profiles([("0", nn.Linear(8, 16))], torch.zeros(4, 8))[0]
+    assert flops == 3 * 2 * 4 * 8 * 16  # forward, input gradient, weight gradient
+    assert static == (8 * 16 + 16) * 4 * (2 + balance.OPTIMIZER_STATES)
+    assert act == 4 * 8 * 4  # the input, saved for the weight gradient (the weight itself is static)
+
+
+def test_memory_estimate_matches_measured_bytes():
+    """Static bytes against a real Adam step, activation bytes against the tensors autograd really saves."""
+    layer = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    x = torch.randn(16, 32, requires_grad=True)  # a later stage's input (needs its gradient)
+    _, static, act = balance.layer_profiles([("0", layer)], x)[0]
+    saved: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:  # memory the step holds for this micro-batch
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    out.sum().backward()
+    opt = torch.optim.Adam(layer.parameters())
+    opt.step()
+    measured_static = sum(p.numel() * p.element_size() for p in layer.parameters()) * 2 + sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0
+    )
+    assert abs(static - measured_static) <= 0.1 * measured_static
+    assert abs(act - sum(saved.values())) <= 0.1 * sum(saved.values())
+
+
+def test_compute_partitioner_without_example_says_what_to_do():
+    with pytest.raises(ValueError, match="example_input_array"):
+        balance.ComputePartitioner()([("0", nn.Linear(2, 2)), ("1", nn.Linear(2, 2))], 2)
+
+
+def test_layout_print_out_shows_each_stages_estimate():
+    body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    ref = partition.BodyRef(parent=nn.Module(), attr="body", fqn="body", module=body)
+    plan = partition.plan_stages(ref, 2, partition.get_partitioner("memory").for_input(torch.zeros(2, 8)))
+    text = plan.describe()
+    assert text.count("MiB peak") == 2 and "stage 1 on pp rank 1" in text
+    assert partition.get_partitioner("compute").kind == "compute"

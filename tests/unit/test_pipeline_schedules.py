@@ -1,0 +1,125 @@
+"""Schedules by name: which the project runs, where each places its stages, and how many micro-batches each needs."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_3d.core import pipeline
+from lightning_3d.settings import ThreeDSettings
+
+
+def _error(**kwargs) -> str:
+    with pytest.raises(ValueError) as err:
+        ThreeDSettings(**kwargs)
+    return str(err.value)
+
+
+def test_v_placement_puts_stage_i_and_its_mirror_on_rank_i():
+    # written out by hand: down the ranks, then back up
+    assert pipeline.stage_ranks("zbvzerobubble", 2, 2) == [0, 1, 1, 0]
+    assert pipeline.stage_ranks("DualPipeV", 4, 2) == [0, 1, 2, 3, 3, 2, 1, 0]
+    for pp in (1, 2, 3, 4):
+        ranks = pipeline.stage_ranks("dualpipev", pp, 2)
+        assert all(ranks[i] == ranks[2 * pp - 1 - i] == i for i in range(pp))
+
+
+def test_other_schedules_loop_over_the_ranks():
+    assert pipeline.stage_ranks("interleaved1f1b", 2, 2) == [0, 1, 0, 1]
+    assert pipeline.stage_ranks("interleavedzerobubble", 3, 2) == [0, 1, 2, 0, 1, 2]
+    assert pipeline.stage_ranks("1f1b", 4, 1) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["InterleavedZeroBubble", "zbvzerobubble", "DUALPIPEV", "loopedbfs"])
+def test_new_schedules_are_accepted_with_two_stages_per_rank(name):
+    s = ThreeDSettings(pp=2, stages_per_rank=2, schedule=name, micro_batches=4)
+    assert s.schedule == name and s.micro_batches == 4
+
+
+def test_v_schedules_default_to_two_micro_batches_per_rank():
+    assert ThreeDSettings(pp=2, stages_per_rank=2, schedule="zbvzerobubble").micro_batches == 4
+    assert ThreeDSettings(pp=4, stages_per_rank=2, schedule="dualpipev").micro_batches == 8
+    assert ThreeDSettings(pp=2, stages_per_rank=2, schedule="interleavedzerobubble").micro_batches == 2
+
+
+@pytest.mark.parametrize("name", ["zbvzerobubble", "dualpipev"])
+@pytest.mark.parametrize("stages_per_rank", [1, 3])
+def test_v_schedule_needs_exactly_two_stages_per_rank(name, stages_per_rank):
+    text = _error(pp=2, stages_per_rank=stages_per_rank, schedule=name, micro_batches=8)
+    assert "places exactly two stages per rank in a V" in text
+    assert f"got stages_per_rank={stages_per_rank}. Use stages_per_rank=2." in text
+
+
+@pytest.mark.parametrize("name", ["zbvzerobubble", "dualpipev"])
+def test_v_schedule_needs_a_micro_batch_per_stage(name):
+    text = _error(pp=2, stages_per_rank=2, schedule=name, micro_batches=3)
+    assert "micro_batches=3 < 2 * pp = 4" in text and "micro_batches >= 4" in text
+    assert "gpipe" not in text
+
+
+@pytest.mark.parametrize("name", ["interleaved1f1b", "interleavedzerobubble"])
+def test_interleaved_schedules_need_whole_rounds(name):
+    # pp=2, m=5: torch runs 5 // 2 = 2 rounds and refuses 5 % 2 != 0 in the first step; refused here instead
+    text = _error(pp=2, stages_per_rank=2, schedule=name, micro_batches=5)
+    assert "runs micro-batches in 2 rounds" in text and "micro_batches=4 or 6" in text
+    assert ThreeDSettings(pp=2, stages_per_rank=2, schedule=name, micro_batches=6).micro_batches == 6
+
+
+def test_micro_batch_problem_matches_torchs_round_rule():
+    for pp in (2, 3, 4):
+        for m in range(pp, 4 * pp):
+            rounds = max(1, m // pp)
+            ok = pipeline.micro_batch_problem("interleavedzerobubble", pp, m) is None
+            assert ok == (m % rounds == 0), (pp, m)
+
+
+@pytest.mark.parametrize("name", ["PipelineScheduleMulti", "pipelineschedulesingle"])
+def test_torch_base_classes_are_not_schedules(name):
+    text = _error(pp=2, stages_per_rank=2, schedule=name)
+    assert "is a base class in torch, not a schedule" in text and "'dualpipev'" in text
+
+
+def test_unknown_name_lists_runnable_schedules():
+    text = _error(schedule="zigzag")
+    assert "Unknown schedule name 'zigzag'" in text
+    assert all(repr(n) in text for n in pipeline.RUNNABLE_SCHEDULES)
+
+
+def _nano(tie: bool):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from models import MODELS
+
+    return MODELS["nanotied" if tie else "nano"](build="init")
+
+
+def test_split_model_follows_the_v_placement():
+    from lightning_3d.core.parallelize import plan_model
+
+    plan = plan_model(_nano(tie=False), tp=1, pp=2, stages_per_rank=2, schedule="zbvzerobubble", dp=2)
+    assert plan.split.stage_to_rank == [0, 1, 1, 0] and plan.stage_plan.stage_to_rank == [0, 1, 1, 0]
+    plan = plan_model(_nano(tie=False), tp=1, pp=2, stages_per_rank=2, schedule="interleavedzerobubble", dp=2)
+    assert plan.split.stage_to_rank == [0, 1, 0, 1]
+
+
+def test_v_schedule_with_weights_tied_across_ends_refused_under_data_parallelism():
+    """Embedding and head tied, both on rank 0 under a V: refused at planning (no communication) when dp > 1."""
+    from lightning_3d.core.parallelize import plan_model
+
+    with pytest.raises(ValueError, match=r"same rank, and this model ties weights across them .*tp=1, dp=2"):
+        plan_model(_nano(tie=True), tp=1, pp=2, stages_per_rank=2, schedule="dualpipev", dp=2)
+    plan = plan_model(_nano(tie=True), tp=1, pp=2, stages_per_rank=2, schedule="dualpipev", dp=1)
+    assert plan.split.tied and plan.split.stage_to_rank[0] == plan.split.stage_to_rank[-1] == 0
+
+
+def test_sequential_body_follows_the_v_placement():
+    from torch import nn
+
+    from lightning_3d.core import partition
+
+    body = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    ref = partition.BodyRef(parent=nn.Module(), attr="body", fqn="body", module=body)
+    placement = pipeline.stage_ranks("dualpipev", 2, 2)
+    plan = partition.plan_stages(ref, 2, partition.UniformPartitioner(), 2, placement)
+    assert plan.stage_to_rank == [0, 1, 1, 0] and plan.layer_names == [["0"], ["1"], ["2"], ["3"]]
