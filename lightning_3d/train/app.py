@@ -35,6 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..checkpoint.resume import elastic_ckpt_path, elastic_store_problem
 from ..core.agreed import is_agreed
 from ..core.runner import micro_batch_mismatch
 from ..settings import ThreeDSettings
@@ -193,6 +194,9 @@ def run(cfg: DictConfig) -> float | None:
         raise ConfigurationError(_one_line(err)) from err
     is_child = JOB_CONFIG_ENV in os.environ
     environ = dict(os.environ)
+    store_problem = elastic_store_problem()
+    if store_problem and _external_rank() == 0:
+        log.warning("%s", store_problem)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
         trainer, model, data = build(cfg)
@@ -217,7 +221,8 @@ def run(cfg: DictConfig) -> float | None:
             if launches:
                 os.environ[JOB_CONFIG_ENV] = str(job_file)
         try:
-            trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+            # After a torchrun restart: resume from the run's last complete checkpoint (checkpoint/resume.py).
+            trainer.fit(model, datamodule=data, ckpt_path=elastic_ckpt_path(cfg.ckpt_path))
         except Exception as err:
             if is_agreed(err) and not trainer.is_global_zero:
                 # Every rank raised this same error at the same point: rank 0 prints its traceback, the other
