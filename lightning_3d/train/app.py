@@ -13,6 +13,10 @@ of the current job to ``<run_dir>/job.yaml`` and points the children at it throu
 so every rank trains exactly the same job, sweeps included. Under torchrun or SLURM (processes created
 externally) each process composes the config itself from the same command line.
 
+Elastic restart: when torchrun (``--max-restarts N``) restarts the group (``TORCHELASTIC_RESTART_COUNT > 0``)
+and no ``ckpt_path`` is given, the job resumes with ``ckpt_path="last"``, the newest complete checkpoint in
+``<run_dir>/checkpoints`` (``lightning_3d.checkpoint.resume.elastic_ckpt_path``); give a fixed ``hydra.run.dir``.
+
 Between the jobs of a sweep the launching process destroys its process group and restores its environment
 (``MASTER_PORT``, ``LOCAL_RANK``... that the launcher sets), so the next job starts its own processes on a
 fresh port instead of joining the previous job's group.
