@@ -154,3 +154,14 @@ def _run(cmds: list[list[str]], envs: list[dict[str, str]], *, timeout: float, c
     if check and returncode != 0:
         raise AssertionError(f"job failed with exit code {returncode}; output tail:\n" + output[-8000:])
     return result
+
+
+def run_commands(
+    cmds: list[list[str]], envs: list[dict[str, str]], *, timeout: float = 240, check: bool = True
+) -> JobResult:
+    """Start several commands at once (e.g. two torchrun "nodes"), each in its own session, with one time limit.
+
+    ``envs`` are complete environments (start from :func:`base_env`). The output is every command's log in
+    turn, headed ``----- rank i -----`` where ``i`` is the command's index.
+    """
+    return _run(cmds, envs, timeout=timeout, check=check)

@@ -21,8 +21,10 @@ Otherwise the position is rounded down to whole new global batches, with a warni
 
 from __future__ import annotations
 
+import os
 import random
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -213,3 +215,51 @@ class ResumePosition(pl.Callback):
     def _restore_rng(self) -> None:
         if self.rng is not None:
             set_rng_state(self.rng, self.device, self.randomness)
+
+
+# ------------------------------------------------------------------------------------------- elastic restart
+ELASTIC_RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def elastic_ckpt_path(ckpt_path: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The checkpoint ``trainer.fit`` resumes from: ``"last"`` when torchrun restarted the group, else ``ckpt_path``.
+
+    torchrun (``--max-restarts N``) sets ``TORCHELASTIC_RESTART_COUNT`` to the attempt number (0 first). On a
+    restart, with no explicit ``ckpt_path``, Lightning's ``ckpt_path="last"`` picks the newest complete
+    checkpoint of the run's ``ModelCheckpoint`` folder (partial saves have dot-names it does not see); if there
+    is none yet, Lightning warns and training starts from scratch. An explicit ``ckpt_path`` always wins.
+
+    Args:
+        ckpt_path: the path the user asked for (``None``: start fresh).
+        environ: the process environment.
+
+    Returns:
+        The value for ``trainer.fit(ckpt_path=...)``.
+    """
+    if ckpt_path is None and environ.get(ELASTIC_RESTART_ENV, "0").strip() not in ("", "0"):
+        return "last"
+    return ckpt_path
+
+
+def elastic_store_problem(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why a torchrun restart may fail to form its process group, or ``None``.
+
+    By default torchrun's c10d rendezvous shares its agent's TCPStore with the workers, and (torch 2.13) keeps
+    that store across restarts without a per-attempt prefix: a restarted rank can read the address a rank of the
+    previous attempt published and fail to connect (pytorch/pytorch#135712, #167288). With
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment, rank 0 hosts a fresh store each attempt.
+
+    Args:
+        environ: the process environment.
+
+    Returns:
+        A one-line warning on a restarted attempt that uses the shared store, else ``None``.
+    """
+    restarted = environ.get(ELASTIC_RESTART_ENV, "0").strip() not in ("", "0")
+    if restarted and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (
+            "lightning_3d: torchrun restarted the group with its shared rendezvous store, which still holds the "
+            "previous attempt's addresses; if the process group fails to connect, launch torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch/pytorch#135712)."
+        )
+    return None

@@ -13,6 +13,10 @@ of the current job to ``<run_dir>/job.yaml`` and points the children at it throu
 so every rank trains exactly the same job, sweeps included. Under torchrun or SLURM (processes created
 externally) each process composes the config itself from the same command line.
 
+Elastic restart: when torchrun (``--max-restarts N``) restarts the group (``TORCHELASTIC_RESTART_COUNT > 0``)
+and no ``ckpt_path`` is given, the job resumes with ``ckpt_path="last"``, the newest complete checkpoint in
+``<run_dir>/checkpoints`` (``lightning_3d.checkpoint.resume.elastic_ckpt_path``); give a fixed ``hydra.run.dir``.
+
 Between the jobs of a sweep the launching process destroys its process group and restores its environment
 (``MASTER_PORT``, ``LOCAL_RANK``... that the launcher sets), so the next job starts its own processes on a
 fresh port instead of joining the previous job's group.
@@ -35,6 +39,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..checkpoint.resume import elastic_ckpt_path, elastic_store_problem
 from ..core.agreed import is_agreed
 from ..core.runner import micro_batch_mismatch
 from ..settings import ThreeDSettings
@@ -193,6 +198,9 @@ def run(cfg: DictConfig) -> float | None:
         raise ConfigurationError(_one_line(err)) from err
     is_child = JOB_CONFIG_ENV in os.environ
     environ = dict(os.environ)
+    store_problem = elastic_store_problem()
+    if store_problem and _external_rank() == 0:
+        log.warning("%s", store_problem)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     try:
         trainer, model, data = build(cfg)
@@ -217,7 +225,8 @@ def run(cfg: DictConfig) -> float | None:
             if launches:
                 os.environ[JOB_CONFIG_ENV] = str(job_file)
         try:
-            trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+            # After a torchrun restart: resume from the run's last complete checkpoint (checkpoint/resume.py).
+            trainer.fit(model, datamodule=data, ckpt_path=elastic_ckpt_path(cfg.ckpt_path))
         except Exception as err:
             if is_agreed(err) and not trainer.is_global_zero:
                 # Every rank raised this same error at the same point: rank 0 prints its traceback, the other

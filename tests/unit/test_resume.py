@@ -9,7 +9,14 @@ import random
 import numpy as np
 import torch
 
-from lightning_3d.checkpoint.resume import _skip_for_layout, rng_state, set_rng_state, source_rank
+from lightning_3d.checkpoint.resume import (
+    _skip_for_layout,
+    elastic_ckpt_path,
+    elastic_store_problem,
+    rng_state,
+    set_rng_state,
+    source_rank,
+)
 from lightning_3d.core.topology import Topology
 
 
@@ -111,3 +118,18 @@ def test_rng_state_round_trip_through_a_weights_only_load() -> None:
 def test_rng_state_without_cuda_or_streams() -> None:
     state = rng_state()
     assert set(state) == {"torch", "python", "numpy"}
+
+
+def test_elastic_restart_resumes_from_last_unless_a_path_is_given():
+    assert elastic_ckpt_path(None, {}) is None  # not under torchrun
+    assert elastic_ckpt_path(None, {"TORCHELASTIC_RESTART_COUNT": "0"}) is None  # first attempt
+    assert elastic_ckpt_path(None, {"TORCHELASTIC_RESTART_COUNT": "2"}) == "last"
+    assert elastic_ckpt_path("a/b.ckpt", {"TORCHELASTIC_RESTART_COUNT": "1"}) == "a/b.ckpt"  # explicit wins
+
+
+def test_elastic_store_problem_only_on_a_restart_with_the_shared_store():
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert elastic_store_problem({**shared, "TORCHELASTIC_RESTART_COUNT": "0"}) is None
+    assert elastic_store_problem({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_RESTART_COUNT": "1"}) is None
+    message = elastic_store_problem({**shared, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert message is not None and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in message
