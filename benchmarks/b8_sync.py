@@ -14,11 +14,13 @@ calls are made, so they are counted here without a GPU (:class:`SyncCounter`):
 The window of one training step is from ``on_train_batch_start`` to ``on_train_batch_end`` of a callback placed
 first (Lightning's ``training_step``, ``zero_grad``, ``backward``, gradient clipping and the optimizer step, all
 inside the optimizer-step closure); Lightning's own logging bookkeeping after ``on_train_batch_end`` is outside,
-for both sides alike. Each counted call is recorded with a short summary of its Python stack (the innermost frames
-outside torch), so the record says where every synchronisation comes from.
+for both sides alike. ``torch.optim``'s own calls (optimizers read their per-parameter step counters, host tensors
+unless ``capturable``) are listed but not counted: the same optimizer code runs on both sides. Each counted call is
+recorded with a short summary of its Python stack (the innermost frames outside torch), so the record says where
+every synchronisation comes from.
 
 Layouts (the tiny example GPT, 2 warm-up steps then 3 counted steps; counts do not depend on the model's size):
-``tp1 pp1`` (1 process, m=1), ``tp2 x pp2 x dp2`` (8 processes, 1F1B, m=4; rank 0's count) and one rank with two
+``tp1 pp1`` (1 process, m=1), ``tp2 x pp2 x dp2`` (8 processes, 1F1B, m=4; the rank with the most) and one rank with two
 interleaved stages (``pp1 stages_per_rank=2``, interleaved 1F1B, m=4). Baseline: plain Lightning
 (``strategy="auto"``, 1 process) training the same module on the same batches.
 
@@ -60,23 +62,30 @@ MICRO_BATCH_FRAMES = ("run_stage", "forward_one_chunk", "backward_one_chunk", "_
 MICRO_BATCH_CALLERS = ("StepAdapter.__call__",)
 
 
-def _stack_summary(depth: int = 4) -> tuple[str, bool]:
-    """The innermost ``depth`` frames outside torch and this module, and whether a micro-batch frame is among all."""
+def _stack_summary(depth: int = 4) -> tuple[str, bool, bool]:
+    """The innermost ``depth`` frames outside torch and this module, whether a micro-batch frame is among all, and
+    whether the call comes from ``torch.optim`` (an optimizer's own step counters)."""
     frame = sys._getframe(2)
     kept: list[str] = []
-    in_micro = False
+    in_micro = in_optim = False
+    leading = True  # the torch frames between the call and the first frame outside torch
     while frame is not None:
         code = frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if leading and not path.endswith("b8_sync.py"):
+            if "/torch/" in path:
+                in_optim = in_optim or "/torch/optim/" in path
+            else:
+                leading = False
         name = code.co_qualname if hasattr(code, "co_qualname") else code.co_name
         if code.co_name in MICRO_BATCH_FRAMES or name in MICRO_BATCH_CALLERS:
             in_micro = True
-        path = code.co_filename.replace("\\", "/")
         outside = "/torch/" not in path and not path.endswith("b8_sync.py") and "/contextlib.py" not in path
         if outside and len(kept) < depth:
             short = "/".join(path.split("/")[-2:])
             kept.append(f"{short}:{frame.f_lineno} {name}")
         frame = frame.f_back
-    return " <- ".join(kept), in_micro
+    return " <- ".join(kept), in_micro, in_optim
 
 
 class SyncCounter:
@@ -105,8 +114,8 @@ class SyncCounter:
             return
         self.active = False  # nothing the summary does is counted
         try:
-            where, in_micro = _stack_summary()
-            self.steps[-1][(kind, where, in_micro)] += 1
+            where, in_micro, in_optim = _stack_summary()
+            self.steps[-1][("optimizer " + kind if in_optim else kind, where, in_micro)] += 1
         finally:
             self.active = True
 
@@ -148,12 +157,14 @@ class SyncCounter:
 
     # ------------------------------------------------------------------ results
     def per_step(self, skip: int = 0) -> list[int]:
-        """Calls per counted window, after the first ``skip`` windows."""
-        return [sum(c.values()) for c in self.steps[skip:]]
+        """Calls per counted window after the first ``skip`` windows (``torch.optim``'s own not counted)."""
+        return [_count(c) for c in self.steps[skip:]]
 
     def summary(self, skip: int = 0) -> dict[str, Any]:
         """Per-step figures over the windows after ``skip``: the most calls in one step, the most inside
-        micro-batches, and every source with its calls per step (the most over the steps)."""
+        micro-batches, the optimizer's own (``torch.optim`` reads its per-parameter step counters, which live on
+        the host unless ``capturable``: the same optimizer code on both sides, not counted in ``per_step``), and
+        every source with its calls per step (the most over the steps)."""
         steps = self.steps[skip:]
         sources: dict[str, int] = {}
         for step in steps:
@@ -163,11 +174,16 @@ class SyncCounter:
             for key, n in per.items():
                 sources[key] = max(sources.get(key, 0), n)
         return {
-            "per_step": max((sum(s.values()) for s in steps), default=0),
-            "in_micro_batches_per_step": max((sum(n for (_, _, m), n in s.items() if m) for s in steps), default=0),
-            "steps": [sum(s.values()) for s in steps],
+            "per_step": max((_count(s) for s in steps), default=0),
+            "in_micro_batches_per_step": max((_count(s, micro=True) for s in steps), default=0),
+            "optimizer_per_step": max((sum(s.values()) - _count(s) for s in steps), default=0),
+            "steps": [_count(s) for s in steps],
             "sources": dict(sorted(sources.items(), key=lambda kv: -kv[1])),
         }
+
+
+def _count(step: Counter[tuple[str, str, bool]], micro: bool = False) -> int:
+    return sum(n for (kind, _, m), n in step.items() if not kind.startswith("optimizer ") and (m or not micro))
 
 
 def _to_host_string(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -190,7 +206,7 @@ def _callback(counter: SyncCounter) -> Any:
 
 
 def worker(layout: str | None, tiny: bool) -> dict[str, Any]:
-    """One fit (every rank); returns rank 0's counts. ``layout=None``: plain Lightning, one process."""
+    """One fit (every rank); returns the counts of the rank with the most. ``layout=None``: plain Lightning."""
     import os
 
     from .common import model_config
@@ -210,6 +226,13 @@ def worker(layout: str | None, tiny: bool) -> dict[str, Any]:
             fit_3d(config, callback, batch=BATCH, steps=steps, devices=devices, **kwargs)
     result = counter.summary(skip=WARMUP)
     result["rank"] = int(os.environ.get("RANK", "0"))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, result)  # the rank with the most synchronisations is reported
+        result = max(everyone, key=lambda r: (r["per_step"], r["in_micro_batches_per_step"], -r["rank"]))
+        result["per_rank"] = [r["per_step"] for r in everyone]
     return result
 
 
