@@ -43,6 +43,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .core import torch_compat
 from .core.agreed import is_agreed, mark_agreed
@@ -351,6 +352,7 @@ class Reliability:
         self._stages: list[StageSpec] | None = None
         self._num_stages = 0
         self._stage_of: dict[int, int] = {}  # id(parameter) -> the pipeline stage holding it
+        self._stage_index_cache: tuple[tuple[Any, ...], Tensor] | None = None
 
     @property
     def setup_timeout(self) -> timedelta | None:
@@ -473,37 +475,54 @@ class Reliability:
     def local_flags(self, held: Any, logs: Any) -> Tensor:
         """This rank's non-finite flags for one batch, on the device, without reading it.
 
-        One fused norm per stage (``torch._foreach_norm``, 1-norm: a NaN or inf in any element makes it non-finite,
-        as the per-tensor float32 sum did) of this batch's gradients, and the last stage's loss.
+        One fused 1-norm per gradient (``torch._foreach_norm``: a NaN or inf in any element makes it non-finite, as
+        the per-tensor float32 sum did) of this batch's gradients, summed into their stages' flags with one
+        ``index_add_``, and the last stage's loss.
 
         Args:
             held: the batch's ``HeldGrads`` (``None``: no gradients).
             logs: this rank's ``StepLogs`` (last stage) or ``None``.
 
         Returns:
-            ``n_flags`` numbers, each 0.0 or 1.0: ``[stage 0 bad, ..., stage n-1 bad, loss bad]``.
+            ``n_flags`` numbers: ``[non-finite gradients of stage 0, ..., of stage n-1, loss non-finite]`` (0: none).
         """
         num_stages = self._num_stages
-        flags = torch.zeros(num_stages + 1, dtype=torch.float64, device=self._device())
-        by_stage: dict[int, list[Tensor]] = {}
+        device = self._device()
+        flags = torch.zeros(num_stages + 1, dtype=torch.float64, device=device)
         if held is not None:
-            for p, g in zip(held.params, held.grads, strict=True):
-                if g is not None:
-                    by_stage.setdefault(self._stage_of.get(id(p), num_stages - 1), []).append(_local(g).detach())
-        for stage, grads in sorted(by_stage.items()):
-            bad = None
-            for same in _by_dtype(grads):
-                total = torch.stack(torch_compat.foreach_norm(same, 1.0)).to(torch.float64).sum()
-                worse = ~torch.isfinite(total)
-                bad = worse if bad is None else bad | worse
-            assert bad is not None
-            flags[stage] = bad.to(flags.device, torch.float64)
+            present = [(p, g) for p, g in zip(held.params, held.grads, strict=True) if g is not None]
+            if present:
+                locals_ = [(p, _local(g).detach()) for p, g in present]
+                stage_index = self._stage_index([(p, g.dtype) for p, g in locals_], device)
+                groups: dict[torch.dtype, list[Tensor]] = {}
+                for _, g in locals_:
+                    groups.setdefault(g.dtype, []).append(g)
+                # one fused 1-norm per dtype; gradients listed by dtype (``_stage_index`` lists stages the same way)
+                norms = torch.cat(
+                    [torch.stack(torch_compat.foreach_norm(same, 1.0)).to(torch.float64) for same in groups.values()]
+                )
+                bad = (~torch.isfinite(norms)).to(device, torch.float64)
+                flags.index_add_(0, stage_index, bad)
         loss_total = getattr(logs, "loss_total", None) if logs is not None else None
         if isinstance(loss_total, Tensor):
             flags[num_stages] = (~torch.isfinite(loss_total)).to(flags.device, torch.float64)
         elif isinstance(loss_total, float) and not math.isfinite(loss_total):
             flags[num_stages] = 1.0
         return flags
+
+    def _stage_index(self, params: list[tuple[Tensor, torch.dtype]], device: torch.device) -> Tensor:
+        """The pipeline stage of each parameter, listed by its gradient's dtype as ``local_flags`` lists the
+        gradients (a device tensor, built once per list of parameters and gradient dtypes)."""
+        key = tuple((id(p), dtype) for p, dtype in params)
+        cached = self._stage_index_cache
+        if cached is None or cached[0] != key:
+            last = self._num_stages - 1
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for p, dtype in params:
+                by_dtype.setdefault(dtype, []).append(self._stage_of.get(id(p), last))
+            order = [stage for stages in by_dtype.values() for stage in stages]
+            cached = self._stage_index_cache = (key, torch.tensor(order, dtype=torch.long, device=device))
+        return cached[1]
 
     def after_backward(self, loss: Tensor, flags: list[float] | None = None) -> None:
         """In ``backward``, after the schedule's gradients are back on the parameters.
@@ -595,8 +614,6 @@ class Reliability:
 
 
 def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 

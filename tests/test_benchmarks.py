@@ -263,7 +263,7 @@ def test_b8_no_host_synchronisation_per_micro_batch():
     baseline = common.launch("b8_sync:worker", 1, {"layout": None, "tiny": True}, timeout=240)
     name = "one_rank_two_stages_interleaved_m4"
     layout = common.launch("b8_sync:worker", 1, {"layout": name, "tiny": True}, timeout=240)
-    measured, per_micro, rows = b8.added({name: layout}, baseline)
+    measured, per_micro, _ = b8.added({name: layout}, baseline)
     assert layout["in_micro_batches_per_step"] == 0 and per_micro == 0, layout["sources"]
     assert measured <= 1, layout["sources"]
     assert layout["optimizer_per_step"] == baseline["optimizer_per_step"] > 0  # the same optimizer on both sides

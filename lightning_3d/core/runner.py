@@ -251,7 +251,10 @@ class BatchRunner:
         local_outputs = merge_outputs(step_outputs, sizes) if last and not train else None
         local_logs = replace(step_logs, metric_batch=metric_batch) if last else None
         logs, flag_values = self._exchange(hook, local_logs, held, flags)
-        if logs is None:  # the object relay: metrics, predictions, a new set of logged keys
+        if logs is None and not self._needs_relay() and not self.metrics:
+            assert local_logs is not None  # every rank holds the last stage of the only replica
+            logs, broadcast_outputs = local_logs, None
+        elif logs is None:  # the object relay: metrics, predictions, a new set of logged keys
             logs, extra = self._relay(local_logs, hook, local_outputs)
             exported, values, broadcast_outputs, schema = extra
             if self._needs_relay():
@@ -301,7 +304,8 @@ class BatchRunner:
             values = metric_sync.step_values(self.metrics, batch_states)
             exported = metric_sync.export_states(self.metrics, sorted(logs.metric_batch)) if logs else {}
             # Predictions go to every stage (rank 0 returns them, as under DDP); other outputs stay put.
-            return exported, values, outputs if hook == "predict_step" else None, common_schema(parts)
+            schema = common_schema(parts) if self._needs_relay() else None
+            return exported, values, outputs if hook == "predict_step" else None, schema
 
         return relay(
             logs.to_host() if logs is not None and self._needs_relay() else logs,
