@@ -345,8 +345,8 @@ class PackedRelay:
 
 def common_schema(parts: list[StepLogs]) -> Schema | None:
     """The schema all replicas' logs share, or ``None``."""
-    schemas = {schema_of(p) for p in parts}
-    return schemas.pop() if len(schemas) == 1 else None
+    first = schema_of(parts[0]) if parts else None
+    return first if all(schema_of(p) == first for p in parts[1:]) else None  # compared, never hashed
 
 
 def replay(module: LightningModule, logs: StepLogs, metrics: dict[str, Metric]) -> None:

@@ -285,3 +285,11 @@ def test_packed_exchange_alone_and_on_a_schema_change(gloo_world: dist.ProcessGr
     other = logs_of([("m", torch.tensor(2.0), {}, 2), ("new", 1.0, {}, 2)])
     out, _ = relay_.exchange("training_step", other, None, contributor=True, **kwargs)
     assert out is None  # a new key: the object relay for this batch
+
+
+def test_common_schema_of_replicas() -> None:
+    from lightning_3d.core.log_relay import common_schema, schema_of
+
+    a, b = logs_of([("m", torch.tensor(1.0), {"x": [1]}, 2)]), logs_of([("m", torch.tensor(3.0), {"x": [1]}, 2)])
+    assert common_schema([a, b]) == schema_of(a)  # unhashable keyword values are fine
+    assert common_schema([a, logs_of([("m", torch.tensor(1.0), {"x": [1]}, 1)])]) is None
