@@ -302,7 +302,8 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
             {"tp": 2, "pp": 1, "m": 1, "batch": 4, "rounds": 1, "check_off": False},
         ]
     steps, warmup = (3, 1) if tiny else (8, 2)
-    res = launch("b2_overhead:worker", 2, {"variants": variants, "steps": steps, "warmup": warmup, "tiny": tiny})
+    kwargs = {"variants": variants, "steps": steps, "warmup": warmup, "tiny": tiny}
+    res = launch("b2_overhead:worker", 2, kwargs, timeout=420)  # about 150 s on a quiet machine
     lines, table = [], {}
     for name, r in res.items():
         hand = {k: median(v) * 1e3 for k, v in r["hand"].items() if k != "round_medians_ms"}
