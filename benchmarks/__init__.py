@@ -14,6 +14,7 @@ B4  state bytes per rank (parameters + gradients + optimizer) at dp2 x pp2 x tp2
 B5  communication audit of one dp2 x pp2 x tp2 step against the formulas
 B6  tp=2 on 2 processes against one process with 2 threads, hidden 256 and 1024
 B7  dp=2 weak scaling against one process
+B8  host synchronisations per training step added over plain Lightning (counted on CPU; per step, per micro-batch)
 ==  ====================================================================================================
 """
 
@@ -28,10 +29,11 @@ BENCHMARKS: dict[str, str] = {
     "B5": "b5_comm",
     "B6": "b6_tensor_parallel",
     "B7": "b7_data_parallel",
+    "B8": "b8_sync",
 }
 """Benchmark id -> module of this package (each has ``ID``, ``TITLE`` and ``run(out, tiny) -> Record``)."""
 
-RUN_ORDER: tuple[str, ...] = ("B0", "B1", "B2", "B6", "B7", "B3", "B4", "B5")
+RUN_ORDER: tuple[str, ...] = ("B0", "B1", "B2", "B6", "B7", "B3", "B4", "B5", "B8")
 """Order of ``all``: the timed benchmarks first, then the ones that only count (B4 and B5 start 8 processes,
 which raise the load average for a minute or two after them)."""
 

@@ -24,7 +24,17 @@ splits into its parts.
 Where ``ThreeDStrategy`` checks every step's loss and gradients for NaN/inf (``on_nonfinite``, on by default),
 the strategy also runs a third time with ``on_nonfinite="off"`` to show what that check costs.
 
-Ratio = strategy step (defaults) / hand-loop step (ideal 1.00).
+Ratio = strategy step (defaults) / hand-loop step (ideal 1.00), the ratio of the pooled medians. Its spread: each
+strategy round's median over the mean of the two hand rounds around it (``ratio_min`` / ``ratio_max``), so a load
+change during the run moves both sides of each per-round ratio.
+
+The strategy's fixed cost around the schedule: per step, its ``training_step`` and ``backward`` less the schedule's
+step (the batch runner, the log exchange, the non-finite flags, handing the gradients over), on rank 0, in wall
+clock and in the CPU time of the thread (``time.thread_time``: what the strategy's own code costs, whatever the
+other processes on the machine do). Measured at pp=2 with m=8 and m=4, the straight line through the two splits it
+into a part per step and a part per micro-batch (``fixed_per_step_ms``, ``fixed_per_micro_batch_ms`` and their
+``_cpu`` twins; goals <= 1 ms and <= 0.2 ms). It includes the one real ``self.log`` call per logged key that a plain
+Lightning step makes as well.
 
 ``--model hf_llama`` (record ``B2_hf_llama``, pp=2 only): the Hugging Face Llama of ``hf_llama.py``. The strategy
 splits it at its block container and runs the example's unchanged ``training_step`` (the whole Hugging Face
@@ -152,20 +162,34 @@ def _strategy_run(
 
         def __init__(self) -> None:
             self.starts: list[float] = []
-            self.times: dict[str, list[float]] = {"schedule": [], "runner": [], "relay": [], "optimizer": []}
+            self.times: dict[str, list[float]] = {
+                "schedule": [],
+                "runner": [],
+                "relay": [],
+                "exchange": [],
+                "optimizer": [],
+                "training_step": [],
+                "backward": [],
+                "schedule_cpu": [],
+                "training_step_cpu": [],
+                "backward_cpu": [],
+            }
             self._before_opt = 0.0
             self.losses: list[float] = []
 
         def _wrap(self, obj: Any, name: str, key: str) -> None:
             real = getattr(obj, name)
             times = self.times[key]
+            cpu = self.times.get(f"{key}_cpu")  # this thread's CPU time too: robust to other processes' load
 
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.thread_time()
                 try:
                     return real(*args, **kwargs)
                 finally:
                     times.append(time.perf_counter() - t)
+                    if cpu is not None:
+                        cpu.append(time.thread_time() - c)
 
             obj.__dict__[name] = wrapper
 
@@ -174,6 +198,9 @@ def _strategy_run(
             self._wrap(runner.runtime, "run", "schedule")
             self._wrap(runner, "run", "runner")
             self._wrap(runner, "_relay", "relay")
+            self._wrap(runner, "_exchange", "exchange")
+            self._wrap(trainer.strategy, "training_step", "training_step")  # the strategy's code, schedule included
+            self._wrap(trainer.strategy, "backward", "backward")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.starts.append(time.perf_counter())
@@ -202,6 +229,10 @@ def _strategy_run(
     )
     s = clock.starts
     out = {"steps": [b - a for a, b in itertools.pairwise(s)], **{k: v[:-1] for k, v in clock.times.items()}}
+    # the strategy's own CPU time around the schedule: its training_step and backward, less the schedule's step
+    for suffix in ("", "_cpu"):
+        parts = (out[f"training_step{suffix}"], out[f"backward{suffix}"], out[f"schedule{suffix}"])
+        out[f"fixed{suffix}"] = [t + b - x for t, b, x in zip(*parts, strict=False)]
     if module is not None:  # the loss of every batch (on the last stage), to compare with the hand loop's
         out["losses"] = clock.losses[:-1]
     return out
@@ -234,7 +265,7 @@ def worker(variants: list[dict[str, int]], steps: int, warmup: int, tiny: bool) 
         runs = [(kind, fn(*args)) for kind, fn in phases]
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, runs)
-        out[f"tp{v['tp']}_pp{v['pp']}"] = {"variant": v, **_pool(runs, gathered, warmup)}
+        out[v.get("key", f"tp{v['tp']}_pp{v['pp']}")] = {"variant": v, **_pool(runs, gathered, warmup)}
     return out
 
 
@@ -261,15 +292,18 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
 
     variants = [
         {"tp": 1, "pp": 2, "m": 8, "batch": 8, "rounds": 3, "check_off": True},
+        {"tp": 1, "pp": 2, "m": 4, "batch": 8, "rounds": 1, "check_off": False, "key": "tp1_pp2_m4"},
         {"tp": 2, "pp": 1, "m": 1, "batch": 8, "rounds": 1, "check_off": False},
     ]
     if tiny:
         variants = [
-            {"tp": 1, "pp": 2, "m": 2, "batch": 4, "rounds": 1, "check_off": True},
+            {"tp": 1, "pp": 2, "m": 4, "batch": 4, "rounds": 1, "check_off": True},
+            {"tp": 1, "pp": 2, "m": 2, "batch": 4, "rounds": 1, "check_off": False, "key": "tp1_pp2_m4"},
             {"tp": 2, "pp": 1, "m": 1, "batch": 4, "rounds": 1, "check_off": False},
         ]
     steps, warmup = (3, 1) if tiny else (8, 2)
-    res = launch("b2_overhead:worker", 2, {"variants": variants, "steps": steps, "warmup": warmup, "tiny": tiny})
+    kwargs = {"variants": variants, "steps": steps, "warmup": warmup, "tiny": tiny}
+    res = launch("b2_overhead:worker", 2, kwargs, timeout=420)  # about 150 s on a quiet machine
     lines, table = [], {}
     for name, r in res.items():
         hand = {k: median(v) * 1e3 for k, v in r["hand"].items() if k != "round_medians_ms"}
@@ -278,7 +312,13 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         strat["runner_extra"] = strat["runner"] - strat["schedule"]
         strat["other"] = strat["steps"] - strat["runner"] - strat["optimizer"]
         ratio = strat["steps"] / hand["steps"]
+        rounds = round_ratios(r["strategy"]["round_medians_ms"], r["hand"]["round_medians_ms"])
         table[name] = {
+            "round_ratios": rounds,
+            "round_ratio_min": min(rounds) if rounds else None,
+            "round_ratio_max": max(rounds) if rounds else None,
+            "fixed_ms": strat.get("fixed"),
+            "fixed_cpu_ms": strat.get("fixed_cpu"),
             "variant": r["variant"],
             "hand_ms": hand,
             "strategy_ms": strat,
@@ -296,7 +336,8 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         )
         lines.append(
             f"{name} (m={v['m']}, batch {v['batch']}): strategy {strat['steps']:.1f} ms/step vs hand loop "
-            f"{hand['steps']:.1f} -> ratio {ratio:.3f} (phase medians: {rounds_text} ms)"
+            f"{hand['steps']:.1f} -> ratio {ratio:.3f}, per round {min(rounds):.3f}-{max(rounds):.3f} "
+            f"(phase medians: {rounds_text} ms); strategy's own time around the schedule {strat['fixed']:.2f} ms/step"
         )
         if "strategy_no_nonfinite_check" in r:
             off = {k: median(v) * 1e3 for k, v in r["strategy_no_nonfinite_check"].items() if k != "round_medians_ms"}
@@ -304,18 +345,47 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
             table[name]["ratio_no_nonfinite_check"] = off["steps"] / hand["steps"]
             lines.append(
                 f"   with on_nonfinite='off' (no per-step NaN/inf check of every gradient): {off['steps']:.1f} ms/step "
-                f"-> ratio {off['steps'] / hand['steps']:.3f}"
+                f"-> ratio {off['steps'] / hand['steps']:.3f}; strategy's own time around the schedule "
+                f"{off.get('fixed', float('nan')):.2f} ms/step ({off.get('fixed_cpu', float('nan')):.2f} ms CPU)"
             )
         lines.append(
             f"   schedule {strat['schedule']:.1f} vs {hand['schedule']:.1f} ms; optimizer {strat['optimizer']:.1f} vs "
-            f"{hand['optimizer']:.1f}; strategy's runner around the schedule {strat['runner_extra']:.1f} (log relay "
-            f"{strat['relay']:.1f}); rest of the loop {strat['other']:.1f} vs {hand['other']:.1f} ms"
+            f"{hand['optimizer']:.1f}; strategy's runner around the schedule {strat['runner_extra']:.1f} (log exchange "
+            f"{strat.get('exchange', float('nan')):.1f}, object relay {strat['relay']:.1f}); rest of the loop "
+            f"{strat['other']:.1f} vs {hand['other']:.1f} ms"
         )
     main = table["tp1_pp2"]
+    pp2 = ("tp1_pp2", "tp1_pp2_m4")
+    fixed, fixed_cpu = (
+        fixed_cost({table[k]["variant"]["m"]: table[k][key] for k in pp2 if table[k][key]})
+        for key in ("fixed_ms", "fixed_cpu_ms")
+    )
+    for what, f in (("wall clock", fixed), ("CPU time of the thread", fixed_cpu)):
+        if f is not None:
+            lines.append(
+                f"strategy's fixed cost around the schedule (training_step + backward - schedule step, pp=2 rank 0, "
+                f"m={'/'.join(str(k) for k in sorted(f['at']))}, {what}): {f['per_step_ms']:.2f} ms per step + "
+                f"{f['per_micro_batch_ms']:.3f} ms per micro-batch (goals <= 1 and <= 0.2)"
+            )
     details = {
+        "fixed_cost": fixed,
+        "fixed_cost_cpu": fixed_cpu,
+        "ratio_spread": {
+            "min": main["round_ratio_min"],
+            "max": main["round_ratio_max"],
+            "rounds": main["round_ratios"],
+        },
         "table": table,
-        "layout": "2 processes, 1 thread each; pp=2 (1F1B) and tp=2 (pp=1) variants",
+        "layout": "2 processes, 1 thread each; pp=2 (1F1B, m=8 and m=4) and tp=2 (pp=1) variants",
         "steps": {"warmup": warmup, "timed": steps, "statistic": "median of start-to-start, slower rank"},
+    }
+    extra = {
+        "ratio_min": main["round_ratio_min"],
+        "ratio_max": main["round_ratio_max"],
+        "fixed_per_step_ms": fixed["per_step_ms"] if fixed else None,
+        "fixed_per_micro_batch_ms": fixed["per_micro_batch_ms"] if fixed else None,
+        "fixed_cpu_per_step_ms": fixed_cpu["per_step_ms"] if fixed_cpu else None,
+        "fixed_cpu_per_micro_batch_ms": fixed_cpu["per_micro_batch_ms"] if fixed_cpu else None,
     }
     return Record(
         ID,
@@ -327,7 +397,29 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         "ms per step (pp=2)",
         details,
         lines,
+        extra=extra,
     )
+
+
+def round_ratios(strategy_ms: list[float], hand_ms: list[float]) -> list[float]:
+    """Each strategy round's median over the mean of the hand rounds just before and after it (the rounds
+    alternate hand / strategy / hand / ...), so a load change during the run moves both sides of a ratio."""
+    out = []
+    for i, s in enumerate(strategy_ms):
+        around = hand_ms[i : i + 2]
+        if around:
+            out.append(s / (sum(around) / len(around)))
+    return out
+
+
+def fixed_cost(by_m: dict[int, float]) -> dict[str, Any] | None:
+    """Split the strategy's time around the schedule, measured at two micro-batch counts, into a part per step
+    and a part per micro-batch (a straight line through the two points); ``None`` without two counts."""
+    if len(by_m) < 2:
+        return None
+    (m1, f1), (m2, f2) = sorted(by_m.items())[:2]
+    per_micro = (f2 - f1) / (m2 - m1)
+    return {"per_step_ms": f1 - m1 * per_micro, "per_micro_batch_ms": per_micro, "at": by_m}
 
 
 # ---------------------------------------------------------------------- the Hugging Face Llama (--model hf_llama)

@@ -138,9 +138,11 @@ class Record:
     details: dict[str, Any] | None = None
     lines: Sequence[str] = ()
     baseline_unit: str | None = None
+    extra: dict[str, Any] | None = None  # more top-level keys of the JSON record (e.g. B8's per_micro_batch)
 
     def to_json(self, env: dict[str, Any], seconds: float) -> dict[str, Any]:
         return {
+            **(self.extra or {}),
             "id": self.id,
             "title": self.title,
             "measured": self.measured,

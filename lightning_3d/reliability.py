@@ -13,7 +13,9 @@ each call handing over what that hook needs (it never sees the strategy itself):
 ``on_model_ready``          the module and this rank's stages, for ``after_backward``
 ``after_train_step``        after the first training step: a barrier, then the shorter ``train_timeout`` on every
                             process group (the mesh's sub-groups included) and on pipeline receives (gloo)
-``after_backward``          non-finite loss or gradients, agreed by all ranks with one tiny all-reduce per batch;
+``local_flags``             per batch, inside the training step: a non-finite flag per stage and for the loss,
+                            summed over all ranks in the step's one exchange (``BatchRunner.run(flags=...)``)
+``after_backward``          non-finite loss or gradients, agreed by all ranks from those flags (read once per batch);
                             ``on_nonfinite="raise"``: every rank raises ``NonFiniteError`` at the same step,
                             ``"skip"``: every rank drops the gradients of that optimizer step
 ``on_exception``            fail fast (``failure_watch.py``)
@@ -28,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import re
 import subprocess
 import time
@@ -40,6 +43,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .core import torch_compat
 from .core.agreed import is_agreed, mark_agreed
@@ -347,6 +351,8 @@ class Reliability:
         self._module: LightningModule | None = None
         self._stages: list[StageSpec] | None = None
         self._num_stages = 0
+        self._stage_of: dict[int, int] = {}  # id(parameter) -> the pipeline stage holding it
+        self._stage_index_cache: tuple[tuple[Any, ...], Tensor] | None = None
 
     @property
     def setup_timeout(self) -> timedelta | None:
@@ -442,6 +448,7 @@ class Reliability:
             num_stages: stages in the whole pipeline.
         """
         self._module, self._stages, self._num_stages = module, list(stages), num_stages
+        self._stage_of = {id(p): spec.index for spec in stages for p in spec.module.parameters()}
 
     # ------------------------------------------------------------------ steps
     def after_train_step(self) -> None:
@@ -454,48 +461,104 @@ class Reliability:
         if dist.get_backend() == "gloo":
             _P2PTimeout.install(self.train_timeout)
 
-    def after_backward(self, loss: Tensor) -> None:
+    @property
+    def n_flags(self) -> int:
+        """How many numbers ``local_flags`` returns: one per pipeline stage, then the loss."""
+        return self._num_stages + 1
+
+    def flags_request(self) -> tuple[int, Callable[[Any, Any], Tensor]] | None:
+        """What the training step adds to the batch's one exchange (``BatchRunner.run(flags=...)``), or ``None``."""
+        if self.on_nonfinite == "off":
+            return None
+        return self.n_flags, self.local_flags
+
+    def local_flags(self, held: Any, logs: Any) -> Tensor:
+        """This rank's non-finite flags for one batch, on the device, without reading it.
+
+        One number per gradient of this batch (``_sums``: a fused 1-norm on an accelerator, a float32 sum on CPU; a
+        NaN or inf in any element makes it non-finite), counted into their stages' flags with one ``index_add_``,
+        and the last stage's loss.
+
+        Args:
+            held: the batch's ``HeldGrads`` (``None``: no gradients).
+            logs: this rank's ``StepLogs`` (last stage) or ``None``.
+
+        Returns:
+            ``n_flags`` numbers: ``[non-finite gradients of stage 0, ..., of stage n-1, loss non-finite]`` (0: none).
+        """
+        num_stages = self._num_stages
+        device = self._device()
+        flags = torch.zeros(num_stages + 1, dtype=torch.float64, device=device)
+        if held is not None:
+            present = [(p, g) for p, g in zip(held.params, held.grads, strict=True) if g is not None]
+            if present:
+                locals_ = [(p, _local(g).detach()) for p, g in present]
+                stage_index = self._stage_index([(p, g.dtype) for p, g in locals_], device)
+                groups: dict[torch.dtype, list[Tensor]] = {}
+                for _, g in locals_:
+                    groups.setdefault(g.dtype, []).append(g)
+                # gradients listed by dtype (``_stage_index`` lists their stages the same way)
+                norms = torch.cat([_sums(same).to(torch.float64) for same in groups.values()])
+                bad = (~torch.isfinite(norms)).to(device, torch.float64)
+                flags.index_add_(0, stage_index, bad)
+        loss_total = getattr(logs, "loss_total", None) if logs is not None else None
+        if isinstance(loss_total, Tensor):
+            flags[num_stages] = (~torch.isfinite(loss_total)).to(flags.device, torch.float64)
+        elif isinstance(loss_total, float) and not math.isfinite(loss_total):
+            flags[num_stages] = 1.0
+        return flags
+
+    def _stage_index(self, params: list[tuple[Tensor, torch.dtype]], device: torch.device) -> Tensor:
+        """The pipeline stage of each parameter, listed by its gradient's dtype as ``local_flags`` lists the
+        gradients (a device tensor, built once per list of parameters and gradient dtypes)."""
+        key = tuple((id(p), dtype) for p, dtype in params)
+        cached = self._stage_index_cache
+        if cached is None or cached[0] != key:
+            last = self._num_stages - 1
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for p, dtype in params:
+                by_dtype.setdefault(dtype, []).append(self._stage_of.get(id(p), last))
+            order = [stage for stages in by_dtype.values() for stage in stages]
+            cached = self._stage_index_cache = (key, torch.tensor(order, dtype=torch.long, device=device))
+        return cached[1]
+
+    def after_backward(self, loss: Tensor, flags: list[float] | None = None) -> None:
         """In ``backward``, after the schedule's gradients are back on the parameters.
 
-        All ranks agree on non-finite numbers: the loss is already the same on every rank (relayed from the
-        last stage), the gradients' status per stage is combined with one all-reduce (MAX) of a tiny tensor.
+        All ranks agree on non-finite numbers: ``flags`` are the batch's ``local_flags`` summed over every rank
+        in the training step's one exchange (already read on the host: no further synchronisation here). Only when
+        one says something is wrong are the offending parameters looked up (by reading each gradient).
+
+        Args:
+            loss: the batch's loss (the same on every rank).
+            flags: the summed flags (``None``: computed and all-reduced here, from the gradients on the parameters).
         """
         self.step_skipped = False
         if self.on_nonfinite == "off":
             return
-        module, stages = self._module, self._stages
-        assert module is not None and stages is not None, "on_model_ready comes first"
+        module = self._module
+        assert module is not None and self._stages is not None, "on_model_ready comes first"
         trainer = module.trainer
         num_stages = self._num_stages
-        stage_of: dict[int, int] = {}
-        for spec in stages:
-            for p in spec.module.parameters():
-                stage_of[id(p)] = spec.index
-        named = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
-        device = self._device()
-        flags = torch.zeros(num_stages + 1, dtype=torch.float32, device=device)
-        bad: Tensor | None = None
-        if named:  # no host synchronisation until the all-reduce has run
-            # A sum is non-finite iff an element is (or the float32 sum overflows past 3e38: no useful gradient
-            # does); one vectorised reduction per tensor is ~15x cheaper than isfinite(g).all().
-            sums = torch.stack([_local(p.grad).sum(dtype=torch.float32) for _, p in named])
-            bad = (~torch.isfinite(sums)).to(device)
-            stages = torch.tensor([stage_of.get(id(p), num_stages - 1) for _, p in named], device=device)
-            flags.index_put_((stages,), bad.float(), accumulate=True)
-        flags[num_stages] = (~torch.isfinite(loss.detach())).float().to(device).reshape(())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        flags_list = flags.tolist()
+        if flags is None:  # not through the training step's exchange: agree here
+            params = [p for p in module.parameters() if p.grad is not None]
+            held = _Held(params, [p.grad for p in params])
+            local = self.local_flags(held, None)
+            local[num_stages] = (~torch.isfinite(loss.detach())).to(local.device, torch.float64).reshape(())
+            dist.all_reduce(local, op=dist.ReduceOp.SUM)
+            flags = local.tolist()
         accumulating = trainer.fit_loop.epoch_loop._should_accumulate()
-        if any(flags_list):
-            stages_bad = [i for i in range(num_stages) if flags_list[i]]
+        if any(flags):
+            stages_bad = [i for i in range(num_stages) if flags[i]]
             parts = []
-            if flags_list[num_stages]:
+            if flags[num_stages]:
                 parts.append(f"the loss is {float(loss.detach().float().cpu())}")
             if stages_bad:
                 parts.append(f"gradients of pipeline stage(s) {stages_bad} (of {num_stages}) are not finite")
             where = f"at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch {_batch_idx(trainer)})"
             summary = f"ThreeDStrategy: non-finite numbers {where}: " + "; ".join(parts) + "."
-            bad_names = [n for (n, _), b in zip(named, bad.tolist()) if b] if bad is not None else []
+            named = [(n, p.grad) for n, p in module.named_parameters() if p.grad is not None]
+            bad_names = [n for n, g in named if not bool(_local(g).isfinite().all())]
             if bad_names:
                 shown = ", ".join(bad_names[:8]) + (f" and {len(bad_names) - 8} more" if len(bad_names) > 8 else "")
                 log.warning(f"[rank {self._global_rank}] non-finite gradients in: {shown}")
@@ -549,9 +612,32 @@ class Reliability:
 
 
 def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclasses.dataclass
+class _Held:
+    params: list[Any]
+    grads: list[Any]
+
+
+def _sums(grads: list[Tensor]) -> Tensor:
+    """One number per gradient that is non-finite iff the gradient holds a NaN or inf (or overflows float32).
+
+    On an accelerator one fused 1-norm over the list (``torch._foreach_norm``: one kernel, not one per tensor); on CPU,
+    where that runs tensor by tensor and costs about 10x a plain sum, the float32 sum of each.
+    """
+    if grads[0].device.type == "cpu":
+        return torch.stack([g.sum(dtype=torch.float32) for g in grads])
+    return torch.stack(torch_compat.foreach_norm(grads, 1.0))
+
+
+def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` grouped by dtype (a fused norm and a stack need one dtype)."""
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
 
 
 def _batch_idx(trainer: Any) -> int:

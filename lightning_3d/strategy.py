@@ -138,6 +138,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._layout = ""
         self.last_grad_norm: Tensor | None = None
         self._held_grads: HeldGrads | None = None  # the last training batch's gradients, until backward()
+        self._step_flags: list[float] | None = None  # the last training batch's non-finite flags, until backward()
         self._tied: TiedWeights | None = None
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
@@ -409,15 +410,15 @@ class ThreeDStrategy(ParallelStrategy):
             train=True,
             scale=1.0 / accumulate,
             defer_grad_sync=accumulate > 1 and trainer.fit_loop.epoch_loop._should_accumulate(),
+            flags=self._reliability.flags_request(),  # ---- reliability: non-finite flags in the step's exchange
         )
         self._held_grads = result.grads  # Lightning's zero_grad runs next; backward() puts them back
+        self._step_flags = result.flags
         self._reliability.after_train_step()  # ---- reliability: train_timeout after the first step
         report = self._compiled.first_step_report() if self._compiled is not None else None
         if report is not None and self.global_rank == 0:
             print(report, flush=True)
-        logs = result.logs
-        dtype = logs.loss_dtype or torch.get_default_dtype()
-        return torch.tensor(logs.loss_total / max(logs.loss_weight, 1.0), dtype=dtype, device=self.root_device)
+        return result.logs.loss(self.root_device)  # a device tensor: no host synchronisation
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -434,7 +435,8 @@ class ThreeDStrategy(ParallelStrategy):
             if self._tied is not None:  # this batch's gradients of weights tied across stages: summed once
                 self._tied.sum_grads(held.params, held.grads)
             held.restore()
-        self._reliability.after_backward(closure_loss)  # ---- reliability: non-finite loss / gradients
+        flags, self._step_flags = self._step_flags, None
+        self._reliability.after_backward(closure_loss, flags)  # ---- reliability: non-finite loss / gradients
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -88,7 +88,7 @@ def test_b3_saved_bytes_follow_the_schedules(tmp_path):
 
 def test_every_benchmark_module_has_the_interface():
     benchmarks = _import("benchmarks")
-    assert list(benchmarks.BENCHMARKS) == [f"B{i}" for i in range(8)]
+    assert list(benchmarks.BENCHMARKS)[:9] == [f"B{i}" for i in range(9)]
     for bench_id, name in benchmarks.BENCHMARKS.items():
         module = _import(f"benchmarks.{name}")
         assert module.ID == bench_id and module.TITLE and callable(module.run) and module.__doc__
@@ -254,3 +254,18 @@ def test_cli_model_option_is_refused_where_there_is_no_variant():
         with pytest.raises(SystemExit):
             main([*argv, "--out", "/nonexistent"])
     assert _import("benchmarks.b4_state").MODELS == ("gpt", "hf_llama", "hf_llama_tied")
+
+
+@pytest.mark.slow
+def test_b8_no_host_synchronisation_per_micro_batch():
+    """B8's counter over a real fit: one rank with two interleaved stages (m=4) adds at most one host
+    synchronisation per step over plain Lightning, none inside micro-batches (each run in a fresh process)."""
+    common = _import("benchmarks.common")
+    b8 = _import("benchmarks.b8_sync")
+    baseline = common.launch("b8_sync:worker", 1, {"layout": None, "tiny": True}, timeout=240)
+    name = "one_rank_two_stages_interleaved_m4"
+    layout = common.launch("b8_sync:worker", 1, {"layout": name, "tiny": True}, timeout=240)
+    measured, per_micro, _ = b8.added({name: layout}, baseline)
+    assert layout["in_micro_batches_per_step"] == 0 and per_micro == 0, layout["sources"]
+    assert measured <= 1, layout["sources"]
+    assert layout["optimizer_per_step"] == baseline["optimizer_per_step"] > 0  # the same optimizer on both sides

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,14 +32,33 @@ _REDUCE_FX = {"mean", "sum", "max", "min"}
 _DROPPED_KWARGS = {"sync_dist", "sync_dist_group", "batch_size"}
 
 
+Number = float | torch.Tensor  # a logged value: a Python number, or a float64 scalar tensor on the step's device
+
+
 @dataclass
 class _Entry:
     reduce_fx: str
     kwargs: dict[str, Any]
     dtype: torch.dtype | None
-    total: float = 0.0  # weighted sum (mean), sum, or extreme
+    total: Number = 0.0  # weighted sum (mean), sum, or extreme; a device tensor for tensor values (never read here)
     weight: float = 0.0
     metric: str | None = None  # attribute path of a Metric, for metric entries
+
+
+def _combine(reduce_fx: str, a: Number, b: Number) -> Number:
+    """``a`` and ``b`` combined by ``reduce_fx`` (``"mean"`` adds weighted sums), without reading a tensor."""
+    if reduce_fx in ("mean", "sum"):
+        return a + b
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        like = a if isinstance(a, torch.Tensor) else b
+        assert isinstance(like, torch.Tensor)
+        ta, tb = (torch.as_tensor(v, dtype=torch.float64, device=like.device) for v in (a, b))
+        return torch.maximum(ta, tb) if reduce_fx == "max" else torch.minimum(ta, tb)
+    return max(a, b) if reduce_fx == "max" else min(a, b)
+
+
+def _host(value: Number) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def _reduce_name(reduce_fx: Any) -> str:
@@ -57,12 +77,17 @@ class StepLogs:
     """The ``self.log`` calls of one batch on the last stage, combined over its micro-batches."""
 
     entries: dict[str, _Entry] = field(default_factory=dict)
-    loss_total: float = 0.0
+    loss_total: Number = 0.0  # sum of the micro-batches' losses times their samples (a device tensor once recorded)
     loss_weight: float = 0.0
     loss_dtype: torch.dtype | None = None
     metric_batch: dict[str, Any] = field(default_factory=dict)  # batch states of updated metrics
 
     def add(self, name: str, value: Any, kwargs: dict[str, Any], samples: int, metric_path: str | None) -> None:
+        """Record one ``self.log`` call of one micro-batch (``samples`` samples).
+
+        A tensor value stays a tensor on its device (a float64 scalar): combining it with earlier micro-batches
+        is tensor arithmetic, so recording never waits for the device.
+        """
         reduce_fx = _reduce_name(kwargs.get("reduce_fx", "mean"))
         weight = float(kwargs.get("batch_size") or samples)
         clean = {k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}
@@ -70,39 +95,47 @@ class StepLogs:
             self.entries.setdefault(name, _Entry(reduce_fx, clean, None, metric=metric_path))
             self.entries[name].weight += weight
             return
+        number: Number
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars.")
-            dtype, number = value.dtype, float(value.detach().double().item())
+            dtype, number = value.dtype, value.detach().reshape(()).to(torch.float64)
         else:
             dtype, number = None, float(value)
+        if reduce_fx == "mean":
+            number = number * weight
         entry = self.entries.get(name)
         if entry is None:
-            entry = self.entries[name] = _Entry(reduce_fx, clean, dtype)
-            entry.total = number * weight if reduce_fx == "mean" else number
-            entry.weight = weight
+            self.entries[name] = _Entry(reduce_fx, clean, dtype, number, weight)
             return
         entry.weight += weight
-        if reduce_fx == "mean":
-            entry.total += number * weight
-        elif reduce_fx == "sum":
-            entry.total += number
-        elif reduce_fx == "max":
-            entry.total = max(entry.total, number)
-        else:
-            entry.total = min(entry.total, number)
+        entry.total = _combine(reduce_fx, entry.total, number)
 
     def add_loss(self, loss: torch.Tensor, samples: int) -> None:
-        self.loss_total += float(loss.detach().double().item()) * samples
+        """Record one micro-batch's loss (weighted by its samples; kept on the device)."""
+        self.loss_total = self.loss_total + loss.detach().reshape(()).to(torch.float64) * samples
         self.loss_weight += samples
         self.loss_dtype = loss.dtype
+
+    def loss(self, device: torch.device) -> torch.Tensor:
+        """The batch's mean loss as a tensor on ``device`` in the loss's dtype (no host synchronisation)."""
+        dtype = self.loss_dtype or torch.get_default_dtype()
+        mean = self.loss_total / max(self.loss_weight, 1.0)
+        if isinstance(mean, torch.Tensor):
+            return mean.to(device=device, dtype=dtype)
+        return torch.tensor(mean, dtype=dtype, device=device)
+
+    def to_host(self) -> StepLogs:
+        """A copy with every value a Python number (for the object relay: pickled tensors would keep their device)."""
+        entries = {n: dataclasses.replace(e, total=_host(e.total)) for n, e in self.entries.items()}
+        return dataclasses.replace(self, entries=entries, loss_total=_host(self.loss_total))
 
 
 def merge(parts: list[StepLogs]) -> StepLogs:
     """Combine the logs of several data-parallel replicas (in replica order)."""
     out = StepLogs()
     for part in parts:
-        out.loss_total += part.loss_total
+        out.loss_total = out.loss_total + part.loss_total
         out.loss_weight += part.loss_weight
         out.loss_dtype = out.loss_dtype or part.loss_dtype
         for name, entry in part.entries.items():
@@ -111,12 +144,7 @@ def merge(parts: list[StepLogs]) -> StepLogs:
                 out.entries[name] = copy.copy(entry)
                 continue
             mine.weight += entry.weight
-            if entry.reduce_fx in ("mean", "sum"):
-                mine.total += entry.total
-            elif entry.reduce_fx == "max":
-                mine.total = max(mine.total, entry.total)
-            else:
-                mine.total = min(mine.total, entry.total)
+            mine.total = _combine(entry.reduce_fx, mine.total, entry.total)
     return out
 
 
@@ -194,8 +222,136 @@ def relay(
     return logs, extra
 
 
+# ---------------------------------------------------------------------------------------------- tensor relay
+@dataclass(frozen=True)
+class Schema:
+    """Everything about one replica's logs of a batch except the values: keys, their settings and weights.
+
+    While it stays the same from batch to batch (the usual case: the same ``self.log`` calls every step), the
+    values alone cross ranks, as one tensor (``pack`` / ``unpack``).
+    """
+
+    entries: tuple[tuple[str, str, tuple[tuple[str, Any], ...], torch.dtype | None, float], ...]
+    loss_weight: float
+    loss_dtype: torch.dtype | None
+
+    @property
+    def width(self) -> int:
+        """Values per replica: the loss, then one per entry."""
+        return 1 + len(self.entries)
+
+
+def schema_of(logs: StepLogs) -> Schema | None:
+    """The schema of one replica's logs (``None`` when metrics were logged: those go by state, not value)."""
+    if any(e.metric is not None for e in logs.entries.values()):
+        return None
+    return Schema(
+        tuple((n, e.reduce_fx, tuple(e.kwargs.items()), e.dtype, e.weight) for n, e in logs.entries.items()),
+        logs.loss_weight,
+        logs.loss_dtype,
+    )
+
+
+def pack(logs: StepLogs, device: torch.device) -> torch.Tensor:
+    """The values of ``logs`` as one float64 vector on ``device`` (loss first, then the entries in order)."""
+    values = [logs.loss_total, *(e.total for e in logs.entries.values())]
+    out = torch.empty(len(values), dtype=torch.float64, device=device)
+    for i, value in enumerate(values):
+        # a tensor: a device-side copy; a Python number: a fill (never a host-to-device copy, which waits on CUDA)
+        out[i] = value.to(device) if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def unpack(rows: torch.Tensor, schema: Schema) -> StepLogs:
+    """The logs of every replica combined, from their packed values (``rows``: one row per replica)."""
+    replicas = rows.shape[0]
+    out = StepLogs(loss_total=rows[:, 0].sum(), loss_weight=schema.loss_weight * replicas, loss_dtype=schema.loss_dtype)
+    for i, (name, reduce_fx, kwargs, dtype, weight) in enumerate(schema.entries, start=1):
+        column = rows[:, i]
+        total = column.sum() if reduce_fx in ("mean", "sum") else column.amax() if reduce_fx == "max" else column.amin()
+        out.entries[name] = _Entry(reduce_fx, dict(kwargs), dtype, total, weight * replicas)
+    return out
+
+
+@dataclass
+class PackedRelay:
+    """``self.log`` values (and a few flags) to every rank with ONE all-reduce per batch and one read of its head.
+
+    Every rank contributes a vector ``[changed, flags..., replica 0's values, replica 1's values, ...]`` to a
+    SUM all-reduce over all ranks: one rank per data-parallel replica (the last stage's tensor-parallel rank 0)
+    writes its replica's values in its row, every other entry is zero, so the sum is a gather. The layout of a
+    row is the schema cached from an earlier batch (``schemas``, the same on every rank); a contributor whose logs
+    do not fit it sets ``changed`` and the caller falls back to the object relay for that batch (``relay``), then
+    caches the new schema. The flags (e.g. per-stage non-finite gradients) are summed over every rank.
+
+    Reading ``[changed, flags...]`` is the batch's one host synchronisation; the values stay on the device.
+    """
+
+    schemas: dict[str, Schema | None] = field(default_factory=dict)
+
+    def exchange(
+        self,
+        key: str,
+        logs: StepLogs | None,
+        flags: torch.Tensor | None,
+        *,
+        contributor: bool,
+        replica: int,
+        replicas: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        n_flags: int,
+    ) -> tuple[StepLogs | None, list[float]]:
+        """One batch's exchange.
+
+        Args:
+            key: which cached schema to use (the hook's name).
+            logs: this rank's logs (last stage) or ``None``.
+            flags: this rank's ``n_flags`` flags (summed over ranks) or ``None`` (zeros).
+            contributor: whether this rank writes its replica's values.
+            replica: this rank's data-parallel index; replicas: the data-parallel size.
+            group: the group of every rank (``None``: this rank alone, no communication).
+            device: where the vector lives (the group's device).
+            n_flags: number of flags (the same on every rank).
+
+        Returns:
+            The combined logs (``None`` when the schema changed: use the object relay and ``remember``) and the
+            summed flags, read on the host.
+        """
+        schema = self.schemas.get(key)
+        width = schema.width if schema is not None else 0
+        head = 1 + n_flags
+        vector = torch.zeros(head + replicas * width, dtype=torch.float64, device=device)
+        if flags is not None:
+            vector[1:head] = flags.to(device=device, dtype=torch.float64)
+        if contributor:
+            assert logs is not None
+            if schema is not None and schema_of(logs) == schema:
+                start = head + replica * width
+                vector[start : start + width] = pack(logs, device)
+            else:
+                vector[0] = 1.0
+        if group is not None:
+            dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
+        head_values = vector[:head].tolist()  # the one host synchronisation of the batch
+        if head_values[0] or schema is None:
+            return None, head_values[1:]
+        return unpack(vector[head:].view(replicas, width), schema), head_values[1:]
+
+    def remember(self, key: str, parts_schema: Schema | None) -> None:
+        """After an object relay: the schema every replica had (``None``: they differed, or metrics)."""
+        self.schemas[key] = parts_schema
+
+
+def common_schema(parts: list[StepLogs]) -> Schema | None:
+    """The schema all replicas' logs share, or ``None``."""
+    first = schema_of(parts[0]) if parts else None
+    return first if all(schema_of(p) == first for p in parts[1:]) else None  # compared, never hashed
+
+
 def replay(module: LightningModule, logs: StepLogs, metrics: dict[str, Metric]) -> None:
-    """Log the combined values through the real ``LightningModule.log`` (no further syncing)."""
+    """Log the combined values through the real ``LightningModule.log`` (no further syncing; tensors stay on
+    the device until Lightning reads them)."""
     for name, entry in logs.entries.items():
         kwargs = dict(entry.kwargs)
         kwargs["reduce_fx"] = entry.reduce_fx
@@ -206,7 +362,10 @@ def replay(module: LightningModule, logs: StepLogs, metrics: dict[str, Metric]) 
             LightningModule.log(module, name, metrics[entry.metric], **kwargs)
             continue
         value = entry.total / entry.weight if entry.reduce_fx == "mean" else entry.total
-        if entry.dtype is None:
+        if isinstance(value, torch.Tensor):
+            dtype = entry.dtype or torch.get_default_dtype()
+            LightningModule.log(module, name, value.to(device=module.device, dtype=dtype), **kwargs)
+        elif entry.dtype is None:
             LightningModule.log(module, name, value, **kwargs)
         else:
             LightningModule.log(module, name, torch.tensor(value, dtype=entry.dtype, device=module.device), **kwargs)

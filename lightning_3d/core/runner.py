@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.device_mesh import DeviceMesh
@@ -21,7 +22,7 @@ from torchmetrics import Metric
 
 from . import metric_sync
 from .agreed import mark_agreed
-from .log_relay import StepLogs, relay, replay
+from .log_relay import PackedRelay, StepLogs, common_schema, relay, replay
 from .partition import BodyRef
 from .pipeline import PipelineRuntime, StageSpec, micro_batch_problem, min_micro_batches, stage_ranks
 from .rng import BodyRandomness
@@ -54,11 +55,19 @@ class BatchResult:
         outputs: the step's outputs joined over micro-batches: on the last stage for validation / test, on every
             stage for predict, ``None`` otherwise.
         grads: the batch's gradients, held away from the parameters until Lightning's backward (training only).
+        flags: the ``flags`` the caller asked for, summed over every rank (``None`` when none were asked for).
     """
 
     logs: StepLogs
     outputs: Any
     grads: HeldGrads | None
+    flags: list[float] | None = None
+
+
+# What a caller adds to the batch's one exchange: ``(n_flags, fn)``; ``fn(grads, logs)`` gets the batch's gradients
+# (training) and this rank's logs (last stage, else ``None``) and returns ``n_flags`` non-negative numbers, summed
+# over every rank (e.g. non-finite gradients per stage).
+FlagsFn = Callable[[HeldGrads | None, StepLogs | None], torch.Tensor]
 
 
 def micro_batch_mismatch(total: int, micro_batches: int, minimum: int) -> str:
@@ -134,6 +143,13 @@ class BatchRunner:
         metric_sync.use_group(self.metrics, mesh["dp"].get_group())
         self._batch_metrics = metric_sync.BatchMetrics(self.metrics)
         self._checked_first_train_batch = False
+        self._packed = PackedRelay()  # the logs' layout, cached per hook (the same on every rank)
+        # The mesh's coordinates and groups, read once (DeviceMesh slicing reads its rank tensor on the host).
+        dp_mesh, pp_mesh = mesh["dp"], mesh["pp"]
+        self.dp, self.dp_rank, self.tp_rank = dp_mesh.size(), dp_mesh.get_local_rank(), mesh["tp"].get_local_rank()
+        self._dp_group = dp_mesh.get_group() if self.dp > 1 else None
+        self._pp_group = pp_mesh.get_group() if self.pp > 1 else None
+        self._last_stage_rank = int(pp_mesh.mesh[self._last_pp_rank])
 
     # ------------------------------------------------------------------ micro-batching
     def micro_batches_for(self, total: int, train: bool) -> tuple[int, str]:
@@ -169,6 +185,7 @@ class BatchRunner:
         train: bool,
         scale: float = 1.0,
         defer_grad_sync: bool = False,
+        flags: tuple[int, FlagsFn] | None = None,
     ) -> BatchResult:
         """Run ``hook`` over one batch through the pipeline.
 
@@ -183,6 +200,7 @@ class BatchRunner:
             train: forward and backward, or forward only.
             scale: loss multiplier in training (1 / accumulate_grad_batches).
             defer_grad_sync: keep data-parallel gradients local (not the last batch of an accumulation window).
+            flags: ``(n_flags, fn)``: numbers to sum over every rank in the batch's one exchange (``FlagsFn``).
 
         Returns:
             The logs as every rank replayed them, the step's outputs and, in training, the batch's gradients.
@@ -210,6 +228,8 @@ class BatchRunner:
                     stage_input = capture_body_input(module, self.body, step_fn, args, hook)
                 else:
                     stage_input = None
+                if isinstance(self.stepper, StepAdapter):
+                    self.stepper.index = sample_index
                 self.stepper.begin(hook, step_fn, batch, rest, total, n_micro, scale, train)
                 if runtime.has_last:
                     self._batch_metrics.begin()
@@ -231,28 +251,68 @@ class BatchRunner:
         last = runtime.has_last
         sizes = [total // n_micro] * n_micro
         local_outputs = merge_outputs(step_outputs, sizes) if last and not train else None
-        logs, extra = self._relay(replace(step_logs, metric_batch=metric_batch) if last else None, hook, local_outputs)
-        exported, values, broadcast_outputs = extra
-        if not last:
-            metric_sync.import_states(self.metrics, exported)
-        metric_sync.set_step_values(self.metrics, values)
+        local_logs = replace(step_logs, metric_batch=metric_batch) if last else None
+        logs, flag_values = self._exchange(hook, local_logs, held, flags)
+        if logs is None and not self._needs_relay() and not self.metrics:
+            assert local_logs is not None  # every rank holds the last stage of the only replica
+            logs, broadcast_outputs = local_logs, None
+        elif logs is None:  # the object relay: metrics, predictions, a new set of logged keys
+            logs, extra = self._relay(local_logs, hook, local_outputs)
+            exported, values, broadcast_outputs, schema = extra
+            if self._needs_relay():
+                self._packed.remember(hook, schema)
+            if not last:
+                metric_sync.import_states(self.metrics, exported)
+            metric_sync.set_step_values(self.metrics, values)
+        else:
+            broadcast_outputs = None
         replay(module, logs, self.metrics)
-        return BatchResult(logs, local_outputs if last else broadcast_outputs, held)
+        return BatchResult(logs, local_outputs if last else broadcast_outputs, held, flag_values)
+
+    def _needs_relay(self) -> bool:
+        """Whether the logs must cross ranks: the last stage is elsewhere, or other replicas logged too."""
+        return self.pp > 1 or self.dp > 1
+
+    def _exchange(
+        self, hook: str, logs: StepLogs | None, held: HeldGrads | None, flags: tuple[int, FlagsFn] | None
+    ) -> tuple[StepLogs | None, list[float] | None]:
+        """The batch's one tensor exchange (``PackedRelay``): the logs' values and the caller's flags.
+
+        Returns the combined logs (``None``: the object relay is needed) and the flags summed over every rank.
+        """
+        by_value = self._needs_relay() and not self.metrics and hook != "predict_step"
+        if not by_value and flags is None:
+            return None, None
+        n_flags, flags_fn = flags if flags is not None else (0, None)
+        local_flags = flags_fn(held, logs) if flags_fn is not None else None
+        world = dist.get_world_size()
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        combined, flag_values = self._packed.exchange(
+            hook if by_value else "",
+            logs if by_value else None,
+            local_flags,
+            contributor=by_value and logs is not None and self.tp_rank == 0,
+            replica=self.dp_rank,
+            replicas=self.dp,
+            group=dist.group.WORLD if world > 1 else None,
+            device=device,
+            n_flags=n_flags,
+        )
+        return (combined if by_value else None), (flag_values if flags is not None else None)
 
     def _relay(self, logs: StepLogs | None, hook: str, outputs: Any) -> tuple[StepLogs, Any]:
-        pp_mesh, dp_mesh = self.mesh["pp"], self.mesh["dp"]
-
         def finish(parts: list[StepLogs]) -> tuple[Any, Any, Any]:
             batch_states = [p.metric_batch for p in parts]
             values = metric_sync.step_values(self.metrics, batch_states)
             exported = metric_sync.export_states(self.metrics, sorted(logs.metric_batch)) if logs else {}
             # Predictions go to every stage (rank 0 returns them, as under DDP); other outputs stay put.
-            return exported, values, outputs if hook == "predict_step" else None
+            schema = common_schema(parts) if self._needs_relay() else None
+            return exported, values, outputs if hook == "predict_step" else None, schema
 
         return relay(
-            logs,
-            dp_group=dp_mesh.get_group() if dp_mesh.size() > 1 else None,
-            pp_group=pp_mesh.get_group() if pp_mesh.size() > 1 else None,
-            last_stage_rank=int(pp_mesh.mesh[self._last_pp_rank]),
+            logs.to_host() if logs is not None and self._needs_relay() else logs,
+            dp_group=self._dp_group,
+            pp_group=self._pp_group,
+            last_stage_rank=self._last_stage_rank,
             finish=finish,
         )

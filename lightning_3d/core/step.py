@@ -196,6 +196,7 @@ class StepAdapter:
         self._scale = 1.0
         self._train = True
         self._hook = "training_step"
+        self.index: torch.Tensor | None = None  # the batch's sample index (``BatchRunner.run`` sets it)
 
     def begin(
         self,
@@ -228,7 +229,7 @@ class StepAdapter:
             # torch's shape inference for a new schedule: a loss that depends on the output, nothing else.
             return torch.stack([o.float().sum() * 0.0 for o in _as_tuple(output)]).sum()
         assert self._step_fn is not None
-        start, length = int(target[0]), int(target.numel())
+        start, length = self._start_of(target), int(target.numel())
         micro_batch = slice_batch(self._batch, start, length, self._total)
         called = []
         watch = self._watch_random and self._train and self._watched < 16  # draws show up in the first steps
@@ -254,6 +255,22 @@ class StepAdapter:
             result, self._hook, self._train, self.logs, self.outputs, length, length / self._total * self._scale
         )
         return torch.zeros(()) if loss is None else loss
+
+    def _start_of(self, target: torch.Tensor) -> int:
+        """The first sample of the micro-batch whose slice of the sample index is ``target``.
+
+        The schedule splits the index into views, so the offset into its storage says it without reading the
+        device (``int(target[0])`` would wait for the device once per micro-batch); a copy is read instead.
+        """
+        index = self.index
+        if (
+            index is not None
+            and target.dim() == 1
+            and (target.numel() <= 1 or target.stride(0) == 1)
+            and target.untyped_storage().data_ptr() == index.untyped_storage().data_ptr()
+        ):
+            return target.storage_offset() - index.storage_offset()
+        return int(target[0])
 
 
 def micro_batch_loss(

@@ -213,3 +213,83 @@ def test_replay_logs_the_combined_values(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls[1][1] == pytest.approx(3.0) and not isinstance(calls[1][1], torch.Tensor)
     _, v, kw = calls[2]
     assert v is module.metric and kw["metric_attribute"] == "metric" and kw["batch_size"] == 4
+
+
+# ------------------------------------------------------------------------------------ device tensors, packed relay
+def test_tensor_values_stay_tensors_without_a_host_read() -> None:
+    from benchmarks.b8_sync import SyncCounter
+
+    logs = StepLogs()
+    counter = SyncCounter()
+    with counter:
+        counter.begin()
+        for v, n in ((1.0, 3), (5.0, 1)):
+            logs.add("m", torch.tensor(v), {}, n, None)
+            logs.add("hi", torch.tensor(v), {"reduce_fx": "max"}, n, None)
+            logs.add_loss(torch.tensor(v, requires_grad=True) * 1.0, n)
+        counter.end()
+    assert counter.per_step() == [0]
+    assert isinstance(logs.entries["m"].total, torch.Tensor) and isinstance(logs.loss_total, torch.Tensor)
+    assert float(logs.entries["m"].total / logs.entries["m"].weight) == pytest.approx(2.0)
+    assert float(logs.entries["hi"].total) == 5.0
+    assert float(logs.loss(torch.device("cpu"))) == pytest.approx(2.0) and not logs.loss_total.requires_grad
+
+
+def test_pack_unpack_equals_merge_over_replicas() -> None:
+    from lightning_3d.core.log_relay import pack, schema_of, unpack
+
+    def replica(a: float, b: float, hi: float) -> StepLogs:
+        logs = logs_of([("m", torch.tensor(a), {"prog_bar": True}, 2), ("n", b, {"reduce_fx": "sum"}, 2)])
+        logs.add("hi", torch.tensor(hi), {"reduce_fx": "max"}, 2, None)
+        logs.add_loss(torch.tensor(a + b), 2)
+        return logs
+
+    parts = [replica(1.0, 2.0, 7.0), replica(3.0, 0.5, 9.0), replica(-1.0, 1.0, 8.0)]
+    schema = schema_of(parts[0])
+    assert schema is not None and all(schema_of(p) == schema for p in parts)
+    rows = torch.stack([pack(p, torch.device("cpu")) for p in parts])
+    out, reference = unpack(rows, schema), merge(parts)
+    assert list(out.entries) == list(reference.entries)
+    for name in out.entries:
+        assert float(value(out, name)) == pytest.approx(float(value(reference, name)))
+        assert out.entries[name].weight == reference.entries[name].weight
+        assert out.entries[name].kwargs == reference.entries[name].kwargs
+    assert float(out.loss_total) == pytest.approx(float(reference.loss_total))
+    assert out.loss_weight == reference.loss_weight == 6
+
+
+def test_schema_changes_with_keys_and_weights_and_not_with_values() -> None:
+    from lightning_3d.core.log_relay import schema_of
+
+    a = logs_of([("m", torch.tensor(1.0), {}, 2)])
+    assert schema_of(a) == schema_of(logs_of([("m", torch.tensor(5.0), {}, 2)]))
+    assert schema_of(a) != schema_of(logs_of([("m", torch.tensor(1.0), {}, 3)]))
+    assert schema_of(a) != schema_of(logs_of([("x", torch.tensor(1.0), {}, 2)]))
+    metric = StepLogs()
+    metric.add("metric", None, {}, 1, "metric")
+    assert schema_of(metric) is None  # metrics go by state, through the object relay
+
+
+def test_packed_exchange_alone_and_on_a_schema_change(gloo_world: dist.ProcessGroup) -> None:
+    from lightning_3d.core.log_relay import PackedRelay, schema_of
+
+    relay_ = PackedRelay()
+    logs = logs_of([("m", torch.tensor(2.0), {}, 2)])
+    kwargs = {"replica": 0, "replicas": 1, "group": gloo_world, "device": torch.device("cpu"), "n_flags": 2}
+    flags = torch.tensor([0.0, 1.0])
+    out, got = relay_.exchange("training_step", logs, flags, contributor=True, **kwargs)
+    assert out is None and got == [0.0, 1.0]  # nothing cached yet: the object relay, and the flags came through
+    relay_.remember("training_step", schema_of(logs))
+    out, got = relay_.exchange("training_step", logs, None, contributor=True, **kwargs)
+    assert out is not None and float(value(out, "m")) == pytest.approx(2.0) and got == [0.0, 0.0]
+    other = logs_of([("m", torch.tensor(2.0), {}, 2), ("new", 1.0, {}, 2)])
+    out, _ = relay_.exchange("training_step", other, None, contributor=True, **kwargs)
+    assert out is None  # a new key: the object relay for this batch
+
+
+def test_common_schema_of_replicas() -> None:
+    from lightning_3d.core.log_relay import common_schema, schema_of
+
+    a, b = logs_of([("m", torch.tensor(1.0), {"x": [1]}, 2)]), logs_of([("m", torch.tensor(3.0), {"x": [1]}, 2)])
+    assert common_schema([a, b]) == schema_of(a)  # unhashable keyword values are fine
+    assert common_schema([a, logs_of([("m", torch.tensor(1.0), {"x": [1]}, 1)])]) is None

@@ -132,3 +132,51 @@ def test_many_differences_are_cut(monkeypatch: pytest.MonkeyPatch) -> None:
     lines = str(info.value).split("Differences:\n")[1].split("\nCheck that")[0].splitlines()
     assert lines == ["  k00: 0 on rank 0; 1 on rank 1", "  k01: 0 on rank 0; 1 on rank 1",
                      "  k02: 0 on rank 0; 1 on rank 1", "  ... and 2 more"]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- non-finite flags
+def _reliability_with_stages(**settings: object):
+    from types import SimpleNamespace
+
+    from lightning_3d.core.log_relay import StepLogs
+    from lightning_3d.core.step import HeldGrads
+    from lightning_3d.reliability import Reliability
+    from lightning_3d.settings import ThreeDSettings
+
+    stages = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to(torch.float64)]
+    rel = Reliability(ThreeDSettings(**settings))
+    rel.on_model_ready(torch.nn.Module(), [SimpleNamespace(index=i, module=m) for i, m in enumerate(stages)], 2)
+    params = [p for m in stages for p in m.parameters()]
+    return rel, params, HeldGrads, StepLogs
+
+
+def test_local_flags_name_the_stage_and_the_loss_without_reading_the_device(gloo_world: dist.ProcessGroup) -> None:
+    from benchmarks.b8_sync import SyncCounter
+
+    rel, params, HeldGrads, StepLogs = _reliability_with_stages()
+    grads = [torch.ones_like(p) for p in params]
+    grads[2] = grads[2].clone()
+    grads[2][0, 1] = float("nan")  # stage 1's weight (float64)
+    logs = StepLogs()
+    counter = SyncCounter()
+    with counter:
+        counter.begin()
+        fine = rel.local_flags(HeldGrads(params, [torch.ones_like(p) for p in params]), None)
+        bad = rel.local_flags(HeldGrads(params, grads), logs)
+        logs.add_loss(torch.tensor(float("inf")), 1)
+        loss_bad = rel.local_flags(HeldGrads(params, [None] * len(params)), logs)
+        counter.end()
+    assert counter.per_step() == [0]
+    assert fine.tolist() == [0.0, 0.0, 0.0]
+    assert bad.tolist() == [0.0, 1.0, 0.0]
+    assert loss_bad.tolist() == [0.0, 0.0, 1.0]
+    grads[0] = torch.full_like(params[0], float("inf"))  # stage 0 too; large finite values are no NaN
+    big = [torch.full_like(p, 1e30) for p in params]
+    assert [v > 0 for v in rel.local_flags(HeldGrads(params, grads), None).tolist()] == [True, True, False]
+    assert rel.local_flags(HeldGrads(params, big), None).tolist() == [0.0, 0.0, 0.0]
+    assert rel.flags_request() is not None and rel.n_flags == 3
+
+
+def test_no_flags_requested_when_the_check_is_off() -> None:
+    rel, *_ = _reliability_with_stages(on_nonfinite="off")
+    assert rel.flags_request() is None
