@@ -34,7 +34,7 @@ def _module(bench_id: str) -> ModuleType:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="lightning_3d benchmarks B0..B7 (see shared/notes/benchmarks.md). Each prints measured, "
+        description="lightning_3d benchmarks B0..B8 (see shared/notes/benchmarks.md). Each prints measured, "
         "baseline (same run), ideal and ratio, and writes OUT/ID.json.",
     )
     parser.add_argument(
