@@ -110,7 +110,7 @@ class CheckpointedBlocks:
     def describe(self) -> str:
         """The setup line rank 0 prints after the layout."""
         named = {"full": "full", "selective": "selective: matmul outputs kept"}
-        what = named.get(str(self.mode), f"every {self.mode}th block")
+        what = named.get(str(self.mode), f"1 block in {self.mode}")
         if not self.names:
             return f"activation checkpointing ({what}): no block on this rank"
         return f"activation checkpointing ({what}): {len(self.names)} blocks on this rank ({self.names[0]}, ...)"
