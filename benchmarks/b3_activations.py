@@ -25,6 +25,7 @@ interleaved run.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -132,7 +133,40 @@ class SavedTensorTracker:
                 remove()
 
 
-def worker(m: int, tiny: bool) -> dict[str, Any]:
+def _checkpoint_stage_blocks(model: Any, stages: list[tuple[int, Any]], x: Any, clock: dict[str, float]) -> int:
+    """Checkpoint the blocks of this rank's stages; returns the bytes of the blocks' inputs per micro-batch (one
+    ``(1, T, n_embd)`` activation per block, the theory of full checkpointing). The blocks' own forwards add their
+    wall time to ``clock["forward"]``, or to ``clock["recompute"]`` when they run inside the backward."""
+    from lightning_3d.core import partition, torch_compat
+    from lightning_3d.core.blocks import sequential_blocks
+    from lightning_3d.core.checkpointing import checkpoint_blocks
+
+    # which layers are blocks is decided over the whole body (a stage may hold one block only)
+    names = {n for n, _ in sequential_blocks(list(partition.find_body(model).module.named_children()))}
+    total = 0
+    for _, container in stages:
+        blocks = [(n, layer) for n, layer in container.named_children() if n in names]
+        for _, block in blocks:
+            block.forward = _timed(block.forward, clock, torch_compat.in_backward)
+        checkpoint_blocks(blocks, "full")
+        for _, block in blocks:
+            width = next(p for n, p in block.named_parameters() if p.dim() == 1).numel()  # a norm's n_embd
+            total += x.shape[1] * width * 4  # float32, one sequence per micro-batch
+    return total
+
+
+def _timed(forward: Callable[..., Any], clock: dict[str, float], in_backward: Callable[[], bool]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            clock["recompute" if in_backward() else "forward"] += time.perf_counter() - started
+
+    return run
+
+
+def worker(m: int, tiny: bool, steps: int = 2) -> dict[str, Any]:
     """Runs on both ranks: one tracked step per schedule; returns every rank's peaks (bytes)."""
     import copy
     import gc
@@ -154,13 +188,18 @@ def worker(m: int, tiny: bool) -> dict[str, Any]:
     model = build_gpt(config)
     x, y = token_batch(config, m)
     result: dict[str, Any] = {}
-    for name, per_rank in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2)):
+    runs = (("gpipe", 1, False), ("1f1b", 1, False), ("interleaved1f1b", 2, False), ("gpipe_ac", 1, True))
+    for name, per_rank, checkpointed in runs:
+        schedule_name = name.removesuffix("_ac")
         piece = copy.deepcopy(model)
         stages = stage_modules(piece, world, rank, per_rank)
+        block_input, clock = 0, {"forward": 0.0, "recompute": 0.0}
+        if checkpointed:  # full activation checkpointing of this rank's blocks, as the strategy applies it
+            block_input = _checkpoint_stage_blocks(piece, stages, x, clock)
         num_stages = world * per_rank
         first = any(s == 0 for s, _ in stages)
         last = any(s == num_stages - 1 for s, _ in stages)
-        sched = build_schedule(name, stages, num_stages, m)
+        sched = build_schedule(schedule_name, stages, num_stages, m)
         params = {p.untyped_storage().data_ptr() for p in piece.parameters()}
         pipeline_step(sched, first, last, x, y)  # shapes are exchanged on the first step
         for p in piece.parameters():
@@ -171,12 +210,23 @@ def worker(m: int, tiny: bool) -> dict[str, Any]:
         with tracker.track(sched):
             pipeline_step(sched, first, last, x, y)
         gc.collect()
+        dist.barrier()
+        clock.update(forward=0.0, recompute=0.0)
+        started = time.perf_counter()  # untracked steps: the tracker's hooks would weigh on the time
+        for _ in range(steps):
+            pipeline_step(sched, first, last, x, y)
+        dist.barrier()
+        step_s = (time.perf_counter() - started) / steps
         mine = {
             "stages": [s for s, _ in stages],
             "peak_per_stage": {str(s): tracker.peak[s] for s, _ in stages},
             "rank_peak": tracker.rank_peak,
             "unattributed_peak": tracker.peak.get(-1, 0),
             "left_after_step": tracker.rank_live,
+            "step_s": step_s,
+            "blocks_forward_s": clock["forward"] / steps,
+            "blocks_recompute_s": clock["recompute"] / steps,
+            "block_input_bytes_per_microbatch": block_input,
         }
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine)
@@ -220,6 +270,8 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         + ")"
     )
     per_mb = {str(s): per_stage["gpipe"][s] / m for s in range(p)}
+    ac = _checkpointing_summary(res, per_stage, m, p)
+    lines += ac.pop("lines")
     details = {
         "raw": res,
         "per_stage_bytes": {k: {str(s): v for s, v in d.items()} for k, d in per_stage.items()},
@@ -228,6 +280,7 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         "gpipe_bytes_per_microbatch": per_mb,
         "ratios_per_stage": ratios,
         "layout": f"pp=2 on 2 processes, m={m}, micro-batch 1 sequence; interleaved: 2 stages per rank",
+        "activation_checkpointing": ac,
     }
     return Record(
         ID,
@@ -241,6 +294,42 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         lines,
         "MB (1F1B peak per stage)",
     )
+
+
+def _checkpointing_summary(res: dict[str, Any], per_stage: dict[str, Any], m: int, p: int) -> dict[str, Any]:
+    """GPipe with every block checkpointed: saved bytes per micro-batch against the blocks' inputs (what full
+    checkpointing keeps of the blocks), and the step time it adds against the GPipe step without it."""
+    out: dict[str, Any] = {"per_stage": {}, "lines": []}
+    for s in range(p):
+        ranks = [r for r in res["gpipe_ac"] if s in r["stages"]]
+        theory = ranks[0]["block_input_bytes_per_microbatch"]
+        got = per_stage["gpipe_ac"][s] / m
+        plain = per_stage["gpipe"][s] / m
+        out["per_stage"][str(s)] = {
+            "bytes_per_microbatch": got,
+            "without_checkpointing": plain,
+            "blocks_input_bytes": theory,
+            "over_blocks_input": got / theory if theory else None,
+            "saved_fraction": got / plain,
+        }
+        out["lines"].append(
+            f"full activation checkpointing, stage {s}: {got / 2**20:.3f} MB per micro-batch in flight (without: "
+            f"{plain / 2**20:.3f}); blocks' inputs {theory / 2**20:.3f} MB: ratio {got / theory if theory else 0:.2f} "
+            "(the rest: embedding, head and loss, not checkpointed)"
+        )
+    plain_s = max(r["step_s"] for r in res["gpipe"])
+    ac_s = max(r["step_s"] for r in res["gpipe_ac"])
+    # the blocks' forwards timed in the forward and again inside the backward (the recomputation), per step, on
+    # the slowest rank: full checkpointing recomputes every block once, so the ideal is 1
+    forward = max(r["blocks_forward_s"] for r in res["gpipe_ac"])
+    recompute = max(r["blocks_recompute_s"] for r in res["gpipe_ac"])
+    out["step_s"] = {"gpipe": plain_s, "gpipe_ac": ac_s, "blocks_forward": forward, "blocks_recompute": recompute}
+    out["recompute_over_forward"] = recompute / forward if forward else None
+    out["lines"].append(
+        f"recompute per step {recompute:.3f} s = {recompute / forward if forward else 0:.2f} x the blocks' forward "
+        f"({forward:.3f} s; ideal 1); step time GPipe {plain_s:.3f} s, with full checkpointing {ac_s:.3f} s"
+    )
+    return out
 
 
 def worker_llama(model: str, m: int, tiny: bool) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from .core import partition
+from .core.checkpointing import checkpoint_every
 from .core.compile import compile_kwargs
 from .core.pipeline import (
     check_schedule_name,
@@ -89,6 +90,11 @@ class ThreeDSettings:
             does: ``False`` (default), ``True`` (torch's defaults: inductor) or a mapping of ``torch.compile``
             arguments (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``; keys ``backend``, ``mode``,
             ``fullgraph``, ``dynamic``, ``options``), kept as a plain ``dict``.
+        activation_checkpointing: recompute blocks' activations in the backward instead of keeping them (after
+            tensor parallelism, per block of the pipeline split, see ``core/checkpointing.py``): ``None`` or
+            ``False`` (default: off), ``"full"`` (every block), ``"selective"`` (every block, keeping the outputs
+            of matrix multiplications, attention and tensor-parallel collectives) or an integer N (every N-th block
+            of the model; 1 is kept as ``"full"``).
     """
 
     tp: int = 1
@@ -112,6 +118,7 @@ class ThreeDSettings:
     print_layout: bool = True
     stages: Sequence[Sequence[str]] | None = None
     compile: bool | Mapping[str, Any] = False
+    activation_checkpointing: str | int | bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -146,6 +153,12 @@ class ThreeDSettings:
         if not isinstance(self.compile, bool):
             object.__setattr__(self, "compile", kwargs)
         self._check_stages()
+        object.__setattr__(self, "activation_checkpointing", checkpoint_every(self.activation_checkpointing))
+        if self.activation_checkpointing is not None and self.compile is not False:
+            raise ValueError(
+                "ThreeDStrategy: activation_checkpointing and compile cannot be combined yet (the checkpointed "
+                "forward's random-stream replay is not traced by torch.compile); choose one."
+            )
 
     def _check_stages(self) -> None:
         if self.stages is None:

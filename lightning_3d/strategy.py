@@ -367,13 +367,23 @@ class ThreeDStrategy(ParallelStrategy):
         self._reliability.check_consistency(module, self.precision_plugin, model)
         seed = broadcast_seed(s.seed)
         built = build_stages(
-            module, model, self.device_mesh, self.root_device, self.precision_plugin, seed, compile_kwargs(s.compile)
+            module,
+            model,
+            self.device_mesh,
+            self.root_device,
+            self.precision_plugin,
+            seed,
+            compile_kwargs(s.compile),
+            s.activation_checkpointing,
         )
         self._compiled = built.compiled
         if built.compiled is not None:
             layout += "\n" + built.compiled.describe()
         self._tied = built.tied
         self.body_randomness = add_body_randomness(model, built.stages, self.device_mesh, self.root_device, seed)
+        if built.checkpointed is not None:  # recomputations replay the region streams (core/checkpointing.py)
+            built.checkpointed.randomness = self.body_randomness
+            layout += "\n" + built.checkpointed.describe()
         self.runner = BatchRunner(
             module,
             model.body if built.executor is None else None,

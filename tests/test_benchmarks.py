@@ -84,6 +84,9 @@ def test_b3_saved_bytes_follow_the_schedules(tmp_path):
     # that all micro-batches share (counted once)
     for stage, ratio in record["details"]["ratios_per_stage"].items():
         assert 0.98 <= ratio <= 1.0, (stage, ratio)
+    # full activation checkpointing: stage 0 (embedding + blocks) keeps about the blocks' inputs per micro-batch
+    ac = record["details"]["activation_checkpointing"]["per_stage"]["0"]
+    assert 1.0 <= ac["over_blocks_input"] <= 1.5 and ac["saved_fraction"] < 0.5, ac
 
 
 def test_every_benchmark_module_has_the_interface():

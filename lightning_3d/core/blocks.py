@@ -370,3 +370,22 @@ def _unknown_name(root: nn.Module, container: BlockContainer, name: str, placeab
         f"{where}, {why}.{hint} Names are relative to the LightningModule: the blocks of {container.fqn!r} "
         f"({_shown([container.block_fqn(b) for b in container.names])}) and the modules with parameters around them."
     )
+
+
+def sequential_blocks(layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The blocks among an ``nn.Sequential`` body's layers: those of a class of the user's (not ``torch.nn``'s)
+    that occurs more than once and has parameters, as the transformer blocks between an embedding and a head.
+
+    The layers around the blocks (embedding, head) stay eager, as torchtitan leaves them: a vocabulary-parallel
+    or gathered head returns DTensors from hooks that compiled code handles badly, and they run once per step.
+    """
+    counts: dict[type, int] = {}
+    for _, layer in layers:
+        counts[type(layer)] = counts.get(type(layer), 0) + 1
+    return [
+        (name, layer)
+        for name, layer in layers
+        if counts[type(layer)] > 1
+        and not type(layer).__module__.startswith("torch.")
+        and any(True for _ in layer.parameters())
+    ]

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from . import torch_compat
+from .blocks import sequential_blocks  # noqa: F401  (kept importable from here; compile and checkpointing share it)
 
 # The keyword arguments of ``torch.compile`` the setting accepts (``compile={"backend": ..., "mode": ...}``).
 COMPILE_KWARGS = ("backend", "mode", "fullgraph", "dynamic", "options")
@@ -161,25 +162,6 @@ def check_compilable(hf_plan: bool, tp: int, kwargs: Mapping[str, Any] | None) -
             "supported yet (its DTensor styles fail in the compiled blocks' backward). Use tp=1 with compile, "
             "compile=False, or your own tp_plan (the automatic plan's styles compile)."
         )
-
-
-def sequential_blocks(layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """The blocks among an ``nn.Sequential`` body's layers: those of a class of the user's (not ``torch.nn``'s)
-    that occurs more than once and has parameters, as the transformer blocks between an embedding and a head.
-
-    The layers around the blocks (embedding, head) stay eager, as torchtitan leaves them: a vocabulary-parallel
-    or gathered head returns DTensors from hooks that compiled code handles badly, and they run once per step.
-    """
-    counts: dict[type, int] = {}
-    for _, layer in layers:
-        counts[type(layer)] = counts.get(type(layer), 0) + 1
-    return [
-        (name, layer)
-        for name, layer in layers
-        if counts[type(layer)] > 1
-        and not type(layer).__module__.startswith("torch.")
-        and any(True for _ in layer.parameters())
-    ]
 
 
 def is_compiled(block: nn.Module) -> bool:

@@ -28,8 +28,10 @@ from torchmetrics import Metric
 from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
 from .balance import ComputePartitioner, MemoryPartitioner
+from .blocks import sequential_blocks
 from .boundary_check import check_stage_boundaries
-from .compile import CompiledBlocks, check_compilable, compile_blocks, sequential_blocks
+from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
+from .compile import CompiledBlocks, check_compilable, compile_blocks
 from .data_parallel import apply_data_parallel
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec, stage_ranks
@@ -289,12 +291,14 @@ class BuiltStages:
         executor: runs the user's step on each stage (split models only; ``None`` for a Sequential body).
         tied: this rank's copies of weights tied across the first and last stage (``None`` when there are none).
         compiled: the blocks compiled with ``torch.compile`` (``None`` when the ``compile`` setting is off).
+        checkpointed: the blocks under activation checkpointing (``None`` when the setting is off).
     """
 
     stages: list[StageSpec]
     executor: StageExecutor | None = None
     tied: TiedWeights | None = None
     compiled: CompiledBlocks | None = None
+    checkpointed: CheckpointedBlocks | None = None
 
 
 def broadcast_seed(seed: int | None) -> int:
@@ -312,18 +316,20 @@ def build_stages(
     precision: Precision,
     seed: int,
     compile_kwargs: Mapping[str, Any] | None = None,
+    checkpointing: int | str | None = None,
 ) -> BuiltStages:
-    """Prune, materialise, tensor-shard, compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``)
-    and data-parallel-wrap this rank's stages (in that order)."""
+    """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
+    ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
+    data-parallel-wrap this rank's stages (in that order)."""
     if model.split is not None:
-        return _build_split_stages(module, model, mesh, device, precision, seed, compile_kwargs)
+        return _build_split_stages(module, model, mesh, device, precision, seed, compile_kwargs, checkpointing)
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
     my_stages = [s for s in range(stage_plan.num_stages) if stage_plan.stage_to_rank[s] == pp_rank]
     keep = [name for s in my_stages for name in stage_plan.layer_names[s]]
     # which layers are blocks is decided over the whole body, before pruning (a rank may hold one block only)
     layers_now = [(n, m) for n, m in torch_compat.child_modules(body.module).items() if m is not None]
-    compile_names = [n for n, _ in sequential_blocks(layers_now)]
+    block_names = [n for n, _ in sequential_blocks(layers_now)]
     partition.prune_body(body, keep)
     precision.convert_module(module)
     tp = mesh["tp"].size()
@@ -340,18 +346,37 @@ def build_stages(
     if not model.is_meta:
         sync_replicas(body.module, mesh)
     module.to(device)  # anything outside the body (metric states, buffers)
-    compiled = None
-    if compile_kwargs is not None:  # after tensor parallelism, before data parallelism
-        layers = torch_compat.child_modules(body.module)
-        named = [(f"{body.fqn}.{n}", layers[n]) for n in keep if n in compile_names]
-        compiled = compile_blocks(named, compile_kwargs)  # type: ignore[arg-type]
+    layers = torch_compat.child_modules(body.module)
+    checkpointed, compiled = _checkpoint_and_compile(
+        [f"{body.fqn}.{n}" for n in block_names],
+        {f"{body.fqn}.{n}": layers[n] for n in keep if n in block_names},  # type: ignore[misc]
+        checkpointing,
+        compile_kwargs,
+    )
     stages = []
     for s in my_stages:
         container = partition.stage_container(body, stage_plan.layer_names[s])
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
-        layers = [m for m in torch_compat.child_modules(container).values() if m is not None]
-        stages.append(StageSpec(s, apply_data_parallel(container, mesh["dp"], blocks=layers)))
-    return BuiltStages(stages, compiled=compiled)
+        held = [m for m in torch_compat.child_modules(container).values() if m is not None]
+        stages.append(StageSpec(s, apply_data_parallel(container, mesh["dp"], blocks=held)))
+    return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
+
+
+def _checkpoint_and_compile(
+    all_blocks: list[str],
+    held: dict[str, nn.Module],
+    checkpointing: int | str | None,
+    compile_kwargs: Mapping[str, Any] | None,
+) -> tuple[CheckpointedBlocks | None, CompiledBlocks | None]:
+    """After tensor parallelism, before data parallelism: checkpoint the chosen blocks' activations, then compile
+    each held block (torchtitan's order). ``all_blocks``: the whole model's blocks in order; ``held``: this rank's."""
+    checkpointed = compiled = None
+    if checkpointing is not None:
+        chosen = [(n, held[n]) for n in chosen_blocks(all_blocks, checkpointing) if n in held]
+        checkpointed = checkpoint_blocks(chosen, checkpointing)
+    if compile_kwargs is not None:
+        compiled = compile_blocks(list(held.items()), compile_kwargs)
+    return checkpointed, compiled
 
 
 def _build_split_stages(
@@ -362,6 +387,7 @@ def _build_split_stages(
     precision: Precision,
     seed: int,
     compile_kwargs: Mapping[str, Any] | None = None,
+    checkpointing: int | str | None = None,
 ) -> BuiltStages:
     split = model.split
     assert split is not None
@@ -400,10 +426,12 @@ def _build_split_stages(
     if not model.is_meta:
         sync_replicas(module, mesh)
     install_alias_hooks(module, split.aliases)
-    compiled = None
-    if compile_kwargs is not None:  # after tensor parallelism, before data parallelism
-        held_blocks = [n for n in held_names if n in blocks_of]
-        compiled = compile_blocks([(n, module.get_submodule(n)) for n in held_blocks], compile_kwargs)
+    checkpointed, compiled = _checkpoint_and_compile(
+        list(blocks_of),
+        {n: module.get_submodule(n) for n in held_names if n in blocks_of},
+        checkpointing,
+        compile_kwargs,
+    )
     stages = []
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
@@ -418,7 +446,7 @@ def _build_split_stages(
     tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 and across_ranks else None
     if tied is not None:
         tied.broadcast_from_first()
-    return BuiltStages(stages, executor, tied, compiled)
+    return BuiltStages(stages, executor, tied, compiled, checkpointed)
 
 
 def add_body_randomness(

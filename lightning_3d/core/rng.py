@@ -115,6 +115,20 @@ class BodyRandomness:
         finally:
             self._frozen -= 1
 
+    @contextlib.contextmanager
+    def replaying(self, snapshot: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """Run on a copy of ``snapshot`` (states taken by ``state_dict`` at a checkpointed block's forward), then
+        put the streams back as they were: an activation-checkpointing recomputation draws the masks the forward
+        drew and leaves the streams where the forward left them (``checkpointing.py``)."""
+        kept, depth = self.states, len(self._stack)
+        self.states = {k: v.clone() for k, v in snapshot.items()}
+        try:
+            yield
+        finally:
+            while len(self._stack) > depth:  # a region the block's own end hook would have closed
+                self.exit()
+            self.states = kept
+
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}

@@ -51,6 +51,7 @@ __all__ = [
     "p2p_functions_are_torchs",
     "process_groups",
     "replicate",
+    "saved_attention_and_collective_ops",
     "schedule_has_loss",
     "schedule_micro_batches",
     "schedule_stages",
@@ -459,3 +460,30 @@ def compile_seconds() -> float:
     if metrics is None:
         raise TorchCompatError("torch._dynamo.utils.compilation_time_metrics is gone")
     return float(sum(sum(metrics.get(name, ())) for name in _COMPILE_TIMERS))
+
+
+# ------------------------------------------------------------------------------------ activation checkpointing
+_SAVED_ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+_SAVED_COLLECTIVE_OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+
+def saved_attention_and_collective_ops() -> list[Any]:
+    """The aten attention kernels and functional collectives (``torch.ops._c10d_functional``) whose outputs
+    selective activation checkpointing keeps, as torchtitan's policy does: attention is costly to recompute, and a
+    collective recomputed in the backward would communicate again. Ops this torch lacks are left out."""
+    ops = []
+    for name in _SAVED_ATTENTION_OPS:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            ops.append(packet.default)
+    funcol = torch.ops._c10d_functional
+    for name in _SAVED_COLLECTIVE_OPS:
+        packet = getattr(funcol, name, None)
+        if packet is not None:
+            ops.append(packet.default)
+    return ops

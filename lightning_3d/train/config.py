@@ -40,6 +40,8 @@ _CLI_FORMS: dict[str, tuple[Any, Callable[[Any], Any]]] = {
     "stages": (list[list[str]] | None, lambda v: None if v is None else [list(names) for names in v]),
     # true / false, or torch.compile's arguments: ++strategy.compile={backend:aot_eager}
     "compile": (Any, lambda v: v),
+    # null, full, selective or N: ++strategy.activation_checkpointing=2
+    "activation_checkpointing": (Any, lambda v: v),
 }
 # Types Hydra holds as they are (alone or ``| None``).
 _PLAIN_TYPES = (int, float, bool, str)
