@@ -215,8 +215,8 @@ def _inner(
 
 def unsupported_reason(layout: Layout, features: frozenset[str]) -> str | None:
     """Why ``ThreeDStrategy`` cannot run ``layout`` yet (None when it can); ``features`` are the settings it has."""
-    if layout.schedule in ZERO_BUBBLE and layout.pp > 1:
-        return "zero-bubble schedules are not tested under ThreeDStrategy (split weight-gradient backward)"
+    if layout.schedule in ZERO_BUBBLE and layout.pp > 1 and f"schedule:{layout.schedule}" not in features:
+        return f"ThreeDStrategy does not run schedule {layout.schedule!r} yet"
     if layout.data_parallel == "fsdp" and "data_parallel" not in features:
         return "ThreeDStrategy has no FSDP (sharded) data parallelism yet"
     if layout.activation_checkpointing == "full" and "activation_checkpointing" not in features:

@@ -95,12 +95,15 @@ class Plan:
 
 
 def strategy_features() -> frozenset[str]:
-    """The settings ``ThreeDStrategy`` has (its ``ThreeDSettings`` fields); empty when it cannot be imported."""
+    """The settings ``ThreeDStrategy`` has (its ``ThreeDSettings`` fields, and ``schedule:NAME`` for each schedule it
+    runs); empty when it cannot be imported."""
     try:
+        from ..core.pipeline import RUNNABLE_SCHEDULES
         from ..settings import ThreeDSettings
     except Exception:  # the planner itself needs no torch
         return frozenset()
-    return frozenset(f.name for f in dataclasses.fields(ThreeDSettings))
+    schedules = {f"schedule:{name}" for name in RUNNABLE_SCHEDULES}
+    return frozenset(f.name for f in dataclasses.fields(ThreeDSettings)) | schedules
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, layout: Layout, features: frozenset[str] = frozenset()) -> Entry:
