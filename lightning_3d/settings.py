@@ -22,6 +22,7 @@ from .core.compile import compile_kwargs
 from .core.pipeline import is_multi_stage, min_micro_batches, schedule_class
 
 NONFINITE_MODES = ("raise", "skip", "off")
+DATA_PARALLEL_MODES = ("replicate", "fsdp")
 TIMEOUT_FIELDS = ("timeout", "train_timeout")
 
 
@@ -79,6 +80,10 @@ class ThreeDSettings:
             does: ``False`` (default), ``True`` (torch's defaults: inductor) or a mapping of ``torch.compile``
             arguments (``{"backend": "aot_eager"}``, ``{"mode": "max-autotune"}``; keys ``backend``, ``mode``,
             ``fullgraph``, ``dynamic``, ``options``), kept as a plain ``dict``.
+        data_parallel: how the dp ranks hold the model: ``"replicate"`` (default: every dp rank holds its stage's
+            parameters, gradients and optimizer states whole, gradients all-reduced once per optimizer step) or
+            ``"fsdp"`` (FSDP2 ``fully_shard`` over the dp dimension: parameters, gradients and optimizer states
+            sharded over dp, one reduce-scatter per optimizer step; needs dp > 1). See ``core/fsdp.py``.
     """
 
     tp: int = 1
@@ -102,6 +107,7 @@ class ThreeDSettings:
     print_layout: bool = True
     stages: Sequence[Sequence[str]] | None = None
     compile: bool | Mapping[str, Any] = False
+    data_parallel: str = "replicate"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -136,6 +142,17 @@ class ThreeDSettings:
         if not isinstance(self.compile, bool):
             object.__setattr__(self, "compile", kwargs)
         self._check_stages()
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(
+                f"ThreeDStrategy: data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
+                + (" (HSDP is not built yet: use 'fsdp')." if self.data_parallel == "hsdp" else ".")
+            )
+        if self.data_parallel == "fsdp" and self.dp == 1:
+            raise ValueError(
+                "ThreeDStrategy(data_parallel='fsdp') shards over the data-parallel ranks, but dp=1: there is "
+                "nothing to shard over. Use data_parallel='replicate' at dp=1, or more processes (dp = world // "
+                "(tp * pp) > 1)."
+            )
 
     def _check_stages(self) -> None:
         if self.stages is None:

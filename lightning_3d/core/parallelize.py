@@ -30,6 +30,7 @@ from . import tensor_parallel as tpmod
 from .boundary_check import check_stage_boundaries
 from .compile import CompiledBlocks, check_compilable, compile_blocks, sequential_blocks
 from .data_parallel import apply_data_parallel
+from .fsdp import apply_fsdp
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec
 from .rng import BodyRandomness
@@ -277,11 +278,13 @@ def build_stages(
     precision: Precision,
     seed: int,
     compile_kwargs: Mapping[str, Any] | None = None,
+    data_parallel: str = "replicate",
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``)
-    and data-parallel-wrap this rank's stages (in that order)."""
+    and data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``,
+    FSDP2 sharding over dp (``fsdp.py``)."""
     if model.split is not None:
-        return _build_split_stages(module, model, mesh, device, precision, seed, compile_kwargs)
+        return _build_split_stages(module, model, mesh, device, precision, seed, compile_kwargs, data_parallel)
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
     my_stages = [s for s in range(stage_plan.num_stages) if stage_plan.stage_to_rank[s] == pp_rank]
@@ -310,13 +313,17 @@ def build_stages(
         layers = torch_compat.child_modules(body.module)
         named = [(f"{body.fqn}.{n}", layers[n]) for n in keep if n in compile_names]
         compiled = compile_blocks(named, compile_kwargs)  # type: ignore[arg-type]
-    return BuiltStages(
-        [
-            StageSpec(s, apply_data_parallel(partition.stage_container(body, stage_plan.layer_names[s]), mesh["dp"]))
-            for s in my_stages
-        ],
-        compiled=compiled,
-    )
+    specs = []
+    for s in my_stages:
+        container = partition.stage_container(body, stage_plan.layer_names[s])
+        if data_parallel == "fsdp":  # every layer of the stage its own unit (a Sequential body has no ties)
+            wrapped = apply_fsdp(
+                container, list(container.children()), mesh["dp"], pp=mesh["pp"].size(), precision=precision
+            )
+        else:
+            wrapped = apply_data_parallel(container, mesh["dp"])
+        specs.append(StageSpec(s, wrapped))
+    return BuiltStages(specs, compiled=compiled)
 
 
 def _build_split_stages(
@@ -327,6 +334,7 @@ def _build_split_stages(
     precision: Precision,
     seed: int,
     compile_kwargs: Mapping[str, Any] | None = None,
+    data_parallel: str = "replicate",
 ) -> BuiltStages:
     split = model.split
     assert split is not None
@@ -373,7 +381,12 @@ def _build_split_stages(
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
         stage_module = StageModule(s, held, executor)
-        stages.append(StageSpec(s, apply_data_parallel(stage_module, mesh["dp"])))
+        if data_parallel == "fsdp":  # each block its own unit; embeddings, norm and head in the stage's root unit
+            block_units = [m for n, m in held.items() if n in blocks_of]
+            wrapped = apply_fsdp(stage_module, block_units, mesh["dp"], pp=mesh["pp"].size(), precision=precision)
+        else:
+            wrapped = apply_data_parallel(stage_module, mesh["dp"])
+        stages.append(StageSpec(s, wrapped))
     # after tensor and data parallelism have put their parameter objects in place
     tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 else None
     if tied is not None:
