@@ -82,9 +82,19 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The single-device reference of every case the layouts below run."""
+    out = tmp_path_factory.mktemp("fsdp_ref")
+    cases = sorted({case for cases in LAYOUTS.values() for case in cases})
+    run_lightning("parity_run.py", ["--ref", "--cases", ",".join(cases), "--out", out], timeout=300)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp", "dp"), list(LAYOUTS), ids=[f"tp{t}-pp{p}-dp{d}" for t, p, d in LAYOUTS])
-def test_fsdp_parity_with_single_device(parity_reference, tmp_path, tp, pp, dp):
+def test_fsdp_parity_with_single_device(fsdp_reference, tmp_path, tp, pp, dp):
+    parity_reference = fsdp_reference
     copy_inits(parity_reference, tmp_path)
     cases = LAYOUTS[(tp, pp, dp)]
     layout = ["--tp", tp, "--pp", pp, "--dp", dp, "--micro", 4, "--data-parallel", "fsdp"]
