@@ -100,6 +100,17 @@ class CollectiveCounter:
         return taken
 
 
+def _fsdp_units(trainer) -> int:
+    """FSDP modules of this rank's stages that manage parameters of their own (not a nested unit's)."""
+    count = 0
+    for spec in trainer.strategy.runner.runtime.stages:
+        units = [m for m in spec.module.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            nested = {id(p) for u in unit.modules() if u is not unit and u in units for p in u.parameters()}
+            count += any(id(p) not in nested for p in unit.parameters())
+    return count
+
+
 class Recorder(L.Callback):
     def __init__(self, out: Path, case: str, ref: bool, counter: CollectiveCounter | None = None):
         self.out, self.case, self.ref = out, case, ref
@@ -164,7 +175,7 @@ class Recorder(L.Callback):
                 "batches": self.rec["batches"],
                 "numels": numels,
                 "collectives": self.per_step,
-                "fsdp_units": sum(isinstance(m, FSDPModule) for m in pl_module.modules()),
+                "fsdp_units": _fsdp_units(trainer),
             }
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
