@@ -3,7 +3,8 @@
 One launch per layout (every case of scripts/parity_run.py it needs in that launch), compared with the
 single-device reference like tests/test_parity.py: float64 step-1 gradients and every logged value within 1e-10,
 float32 20 steps within 1e-4 relative (with Adam, clipping by the global gradient norm of the sharded gradients),
-gradient accumulation (``mlp32acc``), weights tied across pipeline stages (``nanotied*``). Then each rank's share
+gradient accumulation (``mlp32acc``), weights tied across pipeline stages (``nanotied*``), bf16-mixed (``gptbf``:
+bf16 compute, fp32 reduction; within test_parity's bf16 tolerances). Then each rank's share
 (its stage's tensor-parallel share split over dp, exactly once) and the collectives FSDP2 ran per optimizer step:
 one reduce-scatter per FSDP unit, also with two batches per optimizer step, and one all-gather per unit per batch
 under a pipeline (``reshard_after_forward=False``: not one per micro-batch). Checkpoints: saved under FSDP at
@@ -80,7 +81,7 @@ def _replicas_read_their_batches(got: dict) -> list[str]:
 
 LAYOUTS = {
     (2, 2, 2): ["mlp64", "gpt64", "gpt32", "mlp32acc", "nanotied64", "nanotied32"],
-    (1, 2, 4): ["gpt64", "gpt32", "mlp32acc"],
+    (1, 2, 4): ["gpt64", "gpt32", "mlp32acc", "gptbf"],
 }
 
 
@@ -110,7 +111,7 @@ def test_fsdp_parity_with_single_device(fsdp_reference, tmp_path, tp, pp, dp):
         ref, got = load(parity_reference, case), load(tmp_path, case)
         accumulate = 2 if case.endswith("acc") else 1
         found = compare(ref, got, case[-2:] if case[-2:] in ("64", "32") else case[3:5])
-        model = re.sub(r"\d+(acc)?$", "", case)
+        model = case[:3] if case[:3] in ("gpt", "mlp") else re.sub(r"\d+$", "", case)
         found += _replicas_read_their_batches(got) + check_fsdp_shares(got, ref, model, tp, dp)
         found += check_collectives(got, accumulate)
         problems += [f"{case}: {p}" for p in found]
