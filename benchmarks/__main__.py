@@ -51,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         help="gpt (default): the example GPT; hf_llama / hf_llama_tied: a Hugging Face LlamaForCausalLM (GQA; "
         "untied / tied embeddings), for B2..B5 (records ID_MODEL.json)",
     )
+    parser.add_argument(
+        "--data-parallel",
+        default="replicate",
+        choices=("replicate", "fsdp"),
+        help="B4 only: ThreeDStrategy(data_parallel=...); fsdp writes B4_fsdp.json",
+    )
     args = parser.parse_args(argv)
     if [i.upper() for i in args.ids] == ["GPU"]:  # the GPU check (gpu_check.py): its own table and JSON
         from . import gpu_check
@@ -66,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = [i for i in ids if i not in without]  # 'all' with a model: the benchmarks that have it
         elif without:
             parser.error(f"benchmark(s) {without} have no --model {args.model} variant")
+    if args.data_parallel != "replicate" and (ids != ["B4"] or args.model != "gpt"):
+        parser.error("--data-parallel fsdp is measured by B4 with the example GPT only")
     out = Path(args.out)
     summary, failed = {}, []
     for bench_id in ids:
@@ -73,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         env = environment()
         start = time.monotonic()
         try:
-            if args.model == "gpt":
+            if args.data_parallel != "replicate":
+                record = module.run(out, tiny=args.tiny, data_parallel=args.data_parallel)
+            elif args.model == "gpt":
                 record = module.run(out, tiny=args.tiny)
             else:
                 record = module.run(out, tiny=args.tiny, model=args.model)

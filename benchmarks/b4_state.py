@@ -20,6 +20,11 @@ from a meta-device copy of the model (every parameter name, tied aliases include
 :func:`benchmarks.hf_llama.llama_stage` and the shard rule :func:`benchmarks.hf_llama.llama_local_numel`; a tied
 LM head counts on both the first stage (as the embedding) and the last (as the head), each with its own AdamW
 state. No RSS probe.
+
+``--data-parallel fsdp`` (record ``B4_fsdp``): the same GPT count under ``ThreeDStrategy(data_parallel="fsdp")``;
+the exact share is then 1 / (dp x pp x tp): the stage's tensor-parallel share of parameters, gradients and Adam
+moments divided by dp (FSDP2 pads a tensor whose first dimension dp does not divide, so the worst rank may hold
+a few rows more), plus the unsharded 4-byte ``step`` per tensor. No RSS probe.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def worker(tiny: bool = False, steps: int = 1, n_embd: int | None = None) -> dict[str, Any]:
+def worker(
+    tiny: bool = False, steps: int = 1, n_embd: int | None = None, data_parallel: str = "replicate"
+) -> dict[str, Any]:
     """Runs on the 8 ranks; returns every rank's counts."""
     import lightning as L
     import torch.distributed as dist
@@ -67,6 +74,8 @@ def worker(tiny: bool = False, steps: int = 1, n_embd: int | None = None) -> dic
                 for k in keep
             }
             exact_params = sum(gpt_local_numel(n, shape, TP) for n, shape in owned.items()) * 4
+            if data_parallel == "fsdp":  # parameters, gradients and Adam moments split over dp
+                exact_params /= trainer.strategy.device_mesh["dp"].size()
             self.record.update(
                 rank=trainer.global_rank,
                 coords=coords,
@@ -107,7 +116,8 @@ def worker(tiny: bool = False, steps: int = 1, n_embd: int | None = None) -> dic
     config = model_config(tiny)
     if n_embd is not None:
         config["n_embd"] = n_embd
-    fit_3d(config, counter, tp=TP, pp=PP, micro_batches=2, batch=2, steps=steps, devices=DEVICES)
+    kwargs = {"data_parallel": data_parallel} if data_parallel != "replicate" else {}
+    fit_3d(config, counter, tp=TP, pp=PP, micro_batches=2, batch=2, steps=steps, devices=DEVICES, **kwargs)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, counter.record)
     return {"ranks": gathered}
@@ -193,19 +203,20 @@ def worker_llama(model: str, tiny: bool = False) -> dict[str, Any]:
     return {"ranks": gathered, "config": config}
 
 
-def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
-    """Launch the eight processes and build the record."""
+def run(out: Path, tiny: bool = False, model: str = "gpt", data_parallel: str = "replicate") -> Record:
+    """Launch the eight processes and build the record (``B4``, or ``B4_fsdp`` under ``data_parallel="fsdp"``)."""
     from .common import launch
 
     if model != "gpt":
         return run_llama(out, tiny, model)
 
-    res = launch("b4_state:worker", DEVICES, {"tiny": tiny}, timeout=240)
+    fsdp = data_parallel == "fsdp"
+    res = launch("b4_state:worker", DEVICES, {"tiny": tiny, "data_parallel": data_parallel}, timeout=300)
     # RSS of a model big enough to see: hidden 1024 (4x the benchmark GPT's width), built, not trained; once with
     # glibc's default (dynamic) mmap threshold, once with a fixed one, which returns freed buffers to the system
     big_hidden = 1024
     probes: dict[str, list[dict[str, Any]]] = {}
-    if not tiny:
+    if not tiny and not fsdp:
         for name, env in (
             ("default malloc", None),
             ("MALLOC_MMAP_THRESHOLD_=131072", {"MALLOC_MMAP_THRESHOLD_": "131072"}),
@@ -241,7 +252,7 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         f"{min(rss) / 2**20:.1f}..{max(rss) / 2**20:.1f} MB per rank, vs {full_params / 2**20:.1f} MB for the whole "
         f"model's parameters"
     )
-    probe: dict[str, Any] = {"skipped": "--tiny"} if tiny else {"n_embd": big_hidden}
+    probe: dict[str, Any] = {"skipped": "--tiny or fsdp"} if tiny or fsdp else {"n_embd": big_hidden}
     for name, big in probes.items():
         full = big[0]["full_param_bytes"]
         growth = [r["rss_growth"] for r in big]
@@ -262,10 +273,11 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         "naive_share_bytes": naive,
         "worst_rank_over_naive": worst["total_bytes"] / naive,
         "layout": "dp2 x pp2 x tp2 on 8 processes (counting only), AdamW, after the first optimizer step",
+        "data_parallel": data_parallel,
     }
     return Record(
-        ID,
-        TITLE,
+        f"{ID}_fsdp" if fsdp else ID,
+        f"{TITLE} (data_parallel='fsdp')" if fsdp else TITLE,
         worst["total_bytes"] / 2**20,
         full_state / 2**20,
         worst["exact_bytes"] / 2**20,

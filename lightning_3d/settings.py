@@ -29,6 +29,7 @@ from .core.pipeline import (
 )
 
 NONFINITE_MODES = ("raise", "skip", "off")
+DATA_PARALLEL_MODES = ("replicate", "fsdp")
 TIMEOUT_FIELDS = ("timeout", "train_timeout")
 
 
@@ -95,6 +96,10 @@ class ThreeDSettings:
             ``False`` (default: off), ``"full"`` (every block), ``"selective"`` (every block, keeping the outputs
             of matrix multiplications, attention and tensor-parallel collectives) or an integer N (every N-th block
             of the model; 1 is kept as ``"full"``).
+        data_parallel: how the dp ranks hold the model: ``"replicate"`` (default: every dp rank holds its stage's
+            parameters, gradients and optimizer states whole, gradients all-reduced once per optimizer step) or
+            ``"fsdp"`` (FSDP2 ``fully_shard`` over the dp dimension: parameters, gradients and optimizer states
+            sharded over dp, one reduce-scatter per optimizer step; needs dp > 1). See ``core/fsdp.py``.
     """
 
     tp: int = 1
@@ -119,6 +124,7 @@ class ThreeDSettings:
     stages: Sequence[Sequence[str]] | None = None
     compile: bool | Mapping[str, Any] = False
     activation_checkpointing: str | int | bool | None = None
+    data_parallel: str = "replicate"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -158,6 +164,17 @@ class ThreeDSettings:
             raise ValueError(
                 "ThreeDStrategy: activation_checkpointing and compile cannot be combined yet (the checkpointed "
                 "forward's random-stream replay is not traced by torch.compile); choose one."
+            )
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(
+                f"ThreeDStrategy: data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
+                + (" (HSDP is not built yet: use 'fsdp')." if self.data_parallel == "hsdp" else ".")
+            )
+        if self.data_parallel == "fsdp" and self.dp == 1:
+            raise ValueError(
+                "ThreeDStrategy(data_parallel='fsdp') shards over the data-parallel ranks, but dp=1: there is "
+                "nothing to shard over. Use data_parallel='replicate' at dp=1, or more processes (dp = world // "
+                "(tp * pp) > 1)."
             )
 
     def _check_stages(self) -> None:

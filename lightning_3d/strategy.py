@@ -9,6 +9,7 @@ core/partition.py           finding the ``nn.Sequential`` body, splitting it int
 core/tensor_parallel/       the automatic / explicit tensor-parallel plan (DTensor styles)
 core/materialize.py         meta-device layers materialised one at a time; full <-> sharded weights
 core/data_parallel.py       ``replicate`` over the dp mesh
+core/fsdp.py                ``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (per block, then stage)
 core/parallelize.py         the three applied in one fixed order: stages, tensor parallel, data parallel
 core/pipeline.py            ``PipelineStage`` + schedules, cached per micro-batch shape
 core/rng.py                 the body's random streams: per stage, per tp rank in sharded regions
@@ -248,6 +249,12 @@ class ThreeDStrategy(ParallelStrategy):
         if self.num_processes:
             world = self.num_nodes * self.num_processes
             self.topology = Topology(world, tp=self.settings.tp, pp=self.settings.pp, dp=self.settings.dp)
+            if self.settings.data_parallel == "fsdp" and self.topology.shape[0] == 1:
+                raise ValueError(
+                    f"ThreeDStrategy(data_parallel='fsdp') shards over the data-parallel ranks, but dp = world // "
+                    f"(tp * pp) = {world} // ({self.settings.tp} * {self.settings.pp}) = 1: there is nothing to shard "
+                    "over. Use data_parallel='replicate' at dp=1, or more processes."
+                )
 
     def _launched_processes(self) -> list[Any]:
         """The processes this rank's launcher started (rank 0 under Lightning's launcher; none elsewhere)."""
@@ -375,6 +382,7 @@ class ThreeDStrategy(ParallelStrategy):
             seed,
             compile_kwargs(s.compile),
             s.activation_checkpointing,
+            data_parallel=s.data_parallel,
         )
         self._compiled = built.compiled
         if built.compiled is not None:
@@ -471,6 +479,7 @@ class ThreeDStrategy(ParallelStrategy):
             norm_type,
             tp_group=mesh["tp"].get_group() if self.tp > 1 else None,
             pp_group=mesh["pp"].get_group() if self.pp > 1 else None,
+            dp_group=mesh["dp"].get_group() if self.settings.data_parallel == "fsdp" else None,
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -628,10 +637,10 @@ def _quiet_known_warnings() -> None:
 
     * Lightning recommends ``sync_dist=True`` for epoch-level values; the values the strategy replays from the
       last stage are already combined over micro-batches and replicas and identical on every rank.
-    * FSDP2 (``replicate``) warns when a stage returns a view (tensor-parallel outputs are views of DTensor
-      locals); stage outputs are only sent to the next stage, and the last stage hands the user a copy.
+    * FSDP2 (``replicate``, ``fully_shard``) warns when a stage returns a view (tensor-parallel outputs are views of
+      DTensor locals); stage outputs are only sent to the next stage, and the last stage hands the user a copy.
     * Lightning 2.6's pytree helper uses an API torch deprecated (``LeafSpec``); nothing a user can act on.
     """
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`")
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(ReplicateSequential\) returned a view tensor")
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((Replicate|FSDP)\w+\) returned a view tensor")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")

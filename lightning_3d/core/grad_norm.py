@@ -4,7 +4,9 @@
 that single-device training clips by is over the whole model, so it is assembled here from local pieces
 with two small all-reduces: the squares of tensor-parallel SHARDS are summed over the tp group (replicated
 parameters, identical on every tp rank, are counted once), then the per-stage totals are summed over the
-pp group. Data-parallel replicas hold identical (already all-reduced) gradients and need no communication.
+pp group. Data-parallel replicas hold identical (already all-reduced) gradients and need no communication;
+under FSDP (``data_parallel="fsdp"``) each dp rank holds a disjoint shard of every gradient, so the per-rank
+totals are also summed over the dp group (``dp_group``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def global_grad_norm(
     *,
     tp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
+    dp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The norm of all gradients of the whole (unsplit, unsharded) model, the same on every rank.
 
@@ -44,6 +47,8 @@ def global_grad_norm(
         norm_type: 2.0 (or any p > 0) or ``inf``.
         tp_group: the tensor-parallel group (``None`` when tp == 1).
         pp_group: the pipeline group (``None`` when pp == 1).
+        dp_group: the data-parallel group when the gradients are sharded over it (FSDP); ``None`` when every dp
+            rank holds the whole (all-reduced) gradients.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     device = _local(grads[0]).device if grads else torch.device("cpu")
@@ -63,6 +68,8 @@ def global_grad_norm(
     if tp_group is not None:
         dist.all_reduce(shard_part, op=op, group=tp_group)
     total = torch.maximum(shard_part, partial(replicated)) if inf else shard_part + partial(replicated)
+    if dp_group is not None:  # FSDP: each dp rank's shards are disjoint pieces of every gradient
+        dist.all_reduce(total, op=op, group=dp_group)
     if pp_group is not None:
         dist.all_reduce(total, op=op, group=pp_group)
     return total if inf else total.pow(1.0 / norm_type)

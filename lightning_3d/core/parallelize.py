@@ -33,6 +33,7 @@ from .boundary_check import check_stage_boundaries
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
 from .compile import CompiledBlocks, check_compilable, compile_blocks
 from .data_parallel import apply_data_parallel
+from .fsdp import apply_fsdp
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec, stage_ranks
 from .rng import BodyRandomness
@@ -317,12 +318,16 @@ def build_stages(
     seed: int,
     compile_kwargs: Mapping[str, Any] | None = None,
     checkpointing: int | str | None = None,
+    data_parallel: str = "replicate",
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
     ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
-    data-parallel-wrap this rank's stages (in that order)."""
+    data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``, FSDP2
+    sharding over dp (``fsdp.py``)."""
     if model.split is not None:
-        return _build_split_stages(module, model, mesh, device, precision, seed, compile_kwargs, checkpointing)
+        return _build_split_stages(
+            module, model, mesh, device, precision, seed, compile_kwargs, checkpointing, data_parallel
+        )
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
     my_stages = [s for s in range(stage_plan.num_stages) if stage_plan.stage_to_rank[s] == pp_rank]
@@ -358,7 +363,11 @@ def build_stages(
         container = partition.stage_container(body, stage_plan.layer_names[s])
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
-        stages.append(StageSpec(s, apply_data_parallel(container, mesh["dp"], blocks=held)))
+        if data_parallel == "fsdp":  # every layer of the stage its own unit (a Sequential body has no ties)
+            wrapped = apply_fsdp(container, held, mesh["dp"], pp=mesh["pp"].size(), precision=precision)
+        else:
+            wrapped = apply_data_parallel(container, mesh["dp"], blocks=held)
+        stages.append(StageSpec(s, wrapped))
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
 
 
@@ -388,6 +397,7 @@ def _build_split_stages(
     seed: int,
     compile_kwargs: Mapping[str, Any] | None = None,
     checkpointing: int | str | None = None,
+    data_parallel: str = "replicate",
 ) -> BuiltStages:
     split = model.split
     assert split is not None
@@ -436,10 +446,14 @@ def _build_split_stages(
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
         stage_module = StageModule(s, held, executor)
-        blocks = []  # the stage's transformer blocks: each a gradient bucket of its own
+        blocks = []  # the stage's transformer blocks: each a gradient bucket (or an FSDP unit) of its own
         if container is not None:
             blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
-        stages.append(StageSpec(s, apply_data_parallel(stage_module, mesh["dp"], blocks=blocks)))
+        if data_parallel == "fsdp":  # embeddings, norm and head in the stage's root unit
+            wrapped = apply_fsdp(stage_module, blocks, mesh["dp"], pp=mesh["pp"].size(), precision=precision)
+        else:
+            wrapped = apply_data_parallel(stage_module, mesh["dp"], blocks=blocks)
+        stages.append(StageSpec(s, wrapped))
     # after tensor and data parallelism have put their parameter objects in place
     # (under a V schedule the first and the last stage share a rank: a tied weight is then one tensor, nothing to sum)
     across_ranks = split.stage_to_rank[0] != split.stage_to_rank[-1]

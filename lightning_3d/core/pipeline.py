@@ -36,6 +36,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from . import torch_compat
+from .fsdp import reshard_after_eval
 from .rng import BodyRandomness
 
 SINGLE_STAGE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
@@ -380,6 +381,8 @@ class PipelineRuntime:
             self.current = None
         if train:
             self._sync_pending = defer
+        else:  # FSDP: an evaluation forward gathered the parameters (not resharded under a pipeline)
+            reshard_after_eval(s.module for s in self.stages)
 
     def current_initialised(self) -> bool:
         """Whether the running schedule has finished torch's shape inference (its dummy loss call).

@@ -22,6 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,6 +54,7 @@ CASES = {
     "llamameta64": ("llama", "64-true", 2, None, 1, "configure"),
     "gpt2meta64": ("gpt2", "64-true", 2, None, 1, "configure"),
 }
+COUNTER: CollectiveCounter | None = None
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]
 GLOBAL_BATCH = 16
 
@@ -78,11 +80,45 @@ def _gather_named(named: dict[str, torch.Tensor], contribute: bool) -> dict[str,
     return out
 
 
+class CollectiveCounter:
+    """Counts FSDP2's reduce-scatters and all-gathers (``torch.distributed.*_single``, which FSDP2 calls)."""
+
+    def __init__(self) -> None:
+        self.counts = {"reduce_scatter_single": 0, "all_gather_single": 0}
+        for name in self.counts:
+            real = getattr(dist, name)
+
+            def counted(*args, _real=real, _name=name, **kwargs):
+                self.counts[_name] += 1
+                return _real(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+    def take(self) -> tuple[int, int]:
+        taken = (self.counts["reduce_scatter_single"], self.counts["all_gather_single"])
+        self.counts = dict.fromkeys(self.counts, 0)
+        return taken
+
+
+def _fsdp_units(trainer) -> int:
+    """FSDP modules of this rank's stages that manage parameters of their own (not a nested unit's)."""
+    count = 0
+    for spec in trainer.strategy.runner.runtime.stages:
+        units = [m for m in spec.module.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            nested = {id(p) for u in unit.modules() if u is not unit and u in units for p in u.parameters()}
+            count += any(id(p) not in nested for p in unit.parameters())
+    return count
+
+
 class Recorder(L.Callback):
-    def __init__(self, out: Path, case: str, ref: bool, tag: str = ""):
+    def __init__(
+        self, out: Path, case: str, ref: bool, tag: str = "", counter: CollectiveCounter | None = None
+    ) -> None:
         self.out, self.case, self.ref, self.tag = out, case, ref, tag
         self.rec: dict = {"logged": [], "bar": [], "loss": [], "norm": [], "batches": []}
         self.first_grads = True
+        self.counter, self.per_step = counter, []
 
     def _is_writer(self, trainer) -> bool:
         if self.ref:
@@ -103,6 +139,8 @@ class Recorder(L.Callback):
         self.rec["batches"].append(digest)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.counter is not None:  # (reduce-scatters, all-gathers) since the last optimizer step
+            self.per_step.append(self.counter.take())
         if self.ref:
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
@@ -138,6 +176,8 @@ class Recorder(L.Callback):
                 "params_sha": hashlib.sha1(local).hexdigest(),
                 "batches": self.rec["batches"],
                 "numels": numels,
+                "collectives": self.per_step,
+                "fsdp_units": _fsdp_units(trainer),
             }
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
@@ -188,6 +228,7 @@ def run_case(args: argparse.Namespace, case: str) -> None:
             stages_per_rank=args.stages_per_rank,
             stages=uneven_stages(model_name) if args.stages else None,
             print_layout=args.stages,
+            data_parallel=args.data_parallel,
         )
         devices, batch = world, GLOBAL_BATCH // args.dp
     trainer = L.Trainer(
@@ -204,7 +245,9 @@ def run_case(args: argparse.Namespace, case: str) -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
-        callbacks=[Recorder(Path(args.out), case, args.ref, args.tag)],
+        callbacks=[
+            Recorder(Path(args.out), case, args.ref, args.tag, COUNTER if args.data_parallel == "fsdp" else None)
+        ],
     )
     trainer.fit(model, datamodule=OrderedData(model_name, batch, n=GLOBAL_BATCH * 4))
 
@@ -219,6 +262,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--stages", action="store_true", help="pp=2 with stages=uneven_stages(model)")
+    parser.add_argument("--data-parallel", default="replicate", help="replicate or fsdp")
     parser.add_argument("--cases", default=",".join(SEQUENTIAL_CASES))
     # several schedules in one launch: NAME:STAGES_PER_RANK,...; case C under schedule S writes OUT/C@S.pt
     parser.add_argument("--schedules", default="")
@@ -226,6 +270,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
+    global COUNTER
+    COUNTER = CollectiveCounter() if args.data_parallel == "fsdp" else None
     runs = [(s.split(":")[0], int(s.split(":")[1]), f"@{s.split(':')[0]}") for s in args.schedules.split(",") if s]
     for schedule, stages_per_rank, tag in runs or [(args.schedule, args.stages_per_rank, "")]:
         args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag

@@ -1,0 +1,94 @@
+"""Sharded data parallelism (FSDP2, ZeRO-3) over the dp dimension of the mesh: ``data_parallel="fsdp"``.
+
+Each pipeline stage module is wrapped the way torchtitan combines FSDP2 with pipelining and tensor parallelism:
+``fully_shard`` every block the stage holds (its own all-gather / reduce-scatter unit), then the stage's root
+module (the rest: embeddings, final norm, head). Parameters, gradients and optimizer states are then sharded
+over dp: each rank keeps 1 / dp of its stage's (tensor-parallel) parameters as ``DTensor`` shards on the dp
+sub-mesh, or on the (dp, tp) sub-mesh for tensor-parallel ``DTensor`` parameters (2-D sharding; FSDP2
+concatenates the two sub-meshes of the one (dp, pp, tp) root mesh).
+
+Gradient sync: torch's ``PipelineStage`` recognises the ``FSDPModule`` and runs every micro-batch's backward
+without gradient sync and without resharding, then one post-backward (reduce-scatter and reshard) after the last
+micro-batch; across gradient-accumulation batches ``pipeline._Stage`` keeps even that sync off
+(``set_requires_gradient_sync(False)``) until the window's last batch, so there is one reduce-scatter per
+optimizer step, exactly as ``replicate`` has one all-reduce.
+
+``reshard_after_forward``: under a pipeline (pp > 1) ``False`` for every unit, as torchtitan chooses: each stage
+runs several micro-batch forwards before their backwards, and resharding after each forward would all-gather the
+stage's parameters again for every micro-batch (forward and backward); not resharding gathers once per step,
+at the price of holding the stage's gathered parameters (1 / pp of the tp-local model) from the first forward
+to the step's post-backward. At pp = 1 torch's default (reshard each block after its forward, the root not)
+keeps the peak at one gathered block. Evaluation batches reshard at their end (``reshard_after_eval``) so that
+the optimizer and checkpoints always see the sharded parameters.
+
+Mixed precision from Lightning's precision: ``"bf16-mixed"`` computes with bf16 copies of the parameters and
+reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); every other
+precision (``"32-true"``, ``"64-true"``, ``"bf16-true"``) uses the parameters' own dtype (no policy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+FSDP_ATTR = "_lightning_3d_fsdp"  # marks stage modules wrapped here (``replicate``'s modules are FSDPModules too)
+
+
+def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP's policy for Lightning's precision: bf16 compute / fp32 reduction under ``bf16-mixed``, else none."""
+    if getattr(precision, "precision", None) == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    module: nn.Module,
+    blocks: Iterable[nn.Module],
+    dp_mesh: DeviceMesh,
+    *,
+    pp: int,
+    precision: Precision,
+) -> nn.Module:
+    """Shard a stage module over ``dp_mesh`` with FSDP2: each of its blocks first, then the stage module itself.
+
+    Args:
+        module: the stage's module, already tensor-parallel (and compiled, when asked).
+        blocks: the blocks this stage holds (submodules of ``module``), each its own FSDP unit.
+        dp_mesh: the 1-D data-parallel sub-mesh (of the (dp, pp, tp) root mesh).
+        pp: the pipeline degree (``reshard_after_forward`` is ``False`` under a pipeline, see the module text).
+        precision: Lightning's precision plugin (decides the mixed-precision policy).
+
+    Returns:
+        The stage module (``fully_shard`` works in place and returns it).
+
+    Raises:
+        ValueError: dp is 1 (nothing to shard over; ``ThreeDSettings`` refuses it earlier).
+    """
+    if dp_mesh.size() == 1:
+        raise ValueError("lightning_3d: data_parallel='fsdp' needs dp > 1 (nothing to shard over at dp=1).")
+    policy = mixed_precision_policy(precision)
+    reshard = False if pp > 1 else None  # None: torch's default (blocks reshard after forward, the root not)
+    for block in blocks:
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    setattr(module, FSDP_ATTR, True)
+    return module
+
+
+def reshard_after_eval(modules: Iterable[nn.Module]) -> None:
+    """Put the parameters of FSDP-sharded stage modules back in their sharded form after a forward-only batch.
+
+    Without resharding, parameters gathered by an evaluation forward (``reshard_after_forward=False``) would stay
+    whole; the optimizer and checkpoints must see the sharded ones.
+    """
+    for module in modules:
+        if getattr(module, FSDP_ATTR, False) and isinstance(module, FSDPModule):
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()

@@ -1,0 +1,76 @@
+"""Checkpoints across data-parallel modes: save under FSDP, load replicated (and at another dp), and back.
+
+``--phase save`` (under ``--data-parallel``, normally ``fsdp``): the noise-free NoisyMLP for 10 steps, a
+checkpoint after every step in ``OUT/all``, full snapshots of parameters and Adam states at step 5 and the
+per-step losses; then, at the same layout, ``fit(ckpt_path=step 5)`` to step 10 (exact resume under FSDP).
+Writes ``OUT/fsdp-save.pt``.
+
+``--phase load``: ``fit(ckpt_path=OUT/all/step=5.ckpt)`` to step 10 at this launch's layout and mode, with full
+snapshots right after the restore and at the end. Writes ``OUT/fsdp-load-<mode>-tp<t>-pp<p>-dp<d>.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ckpt_common import NoisyMLP, Recorder, loader
+
+from lightning_3d import ThreeDStrategy
+
+STEPS = 10
+
+
+def run(args: argparse.Namespace, callbacks: list, ckpt_path: str | None = None, at_steps=()) -> dict:
+    L.seed_everything(1234, verbose=False)
+    recorder = Recorder(at_steps)
+    strategy = ThreeDStrategy(tp=args.tp, pp=args.pp, print_layout=False, data_parallel=args.data_parallel)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.tp * args.pp * args.dp,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[recorder, *callbacks],
+        enable_checkpointing=bool(callbacks),
+    )
+    trainer.fit(NoisyMLP(noise=False), train_dataloaders=loader(args.dp), ckpt_path=ckpt_path)
+    result = recorder.record()
+    result["rank"] = trainer.global_rank
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", choices=["save", "load"], required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--data-parallel", default="fsdp")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    step5 = str(out / "all" / "step=5.ckpt")
+    if args.phase == "save":
+        keep = ModelCheckpoint(dirpath=out / "all", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+        rec = {"clean": run(args, [keep], at_steps=(5,)), "from5": run(args, [], ckpt_path=step5)}
+        name = "fsdp-save.pt"
+    else:
+        rec = {"resume": run(args, [], ckpt_path=step5)}
+        name = f"fsdp-load-{args.data_parallel}-tp{args.tp}-pp{args.pp}-dp{args.dp}.pt"
+    if next(iter(rec.values()))["rank"] == 0:
+        torch.save(rec, out / name)
+
+
+if __name__ == "__main__":
+    main()

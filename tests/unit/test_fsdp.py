@@ -1,0 +1,54 @@
+"""``data_parallel="fsdp"``: bad input refused before any collective, and the mixed-precision policy.
+
+The numbers (parity with one process, one reduce-scatter per optimizer step, checkpoints across modes) are
+checked by the multi-process tests in ``tests/test_fsdp.py``.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
+
+from lightning_3d import ThreeDStrategy
+from lightning_3d.core.fsdp import mixed_precision_policy
+from lightning_3d.core.grad_norm import global_grad_norm
+from lightning_3d.settings import ThreeDSettings
+
+
+def test_fsdp_with_explicit_dp_one_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"data_parallel='fsdp'.*dp=1: there is nothing to shard over"):
+        ThreeDSettings(dp=1, data_parallel="fsdp")
+
+
+def test_fsdp_with_inferred_dp_one_is_refused_when_the_trainer_is_built() -> None:
+    """dp inferred from the world: refused in the launching process, before any rank starts."""
+    with pytest.raises(ValueError, match=r"dp = world // \(tp \* pp\) = 4 // \(2 \* 2\) = 1"):
+        L.Trainer(accelerator="cpu", devices=4, strategy=ThreeDStrategy(tp=2, pp=2, data_parallel="fsdp"), logger=False)
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=ThreeDStrategy(pp=2, data_parallel="fsdp"), logger=False)
+    assert trainer.strategy.topology.shape == (2, 2, 1)
+
+
+def test_unknown_modes_and_hsdp_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"data_parallel must be one of \('replicate', 'fsdp'\), got 'zero3'\.$"):
+        ThreeDSettings(data_parallel="zero3")
+    with pytest.raises(ValueError, match="HSDP is not built yet"):
+        ThreeDSettings(data_parallel="hsdp")
+    assert ThreeDSettings().data_parallel == "replicate"
+
+
+def test_mixed_precision_policy_follows_lightning_precision() -> None:
+    bf16 = mixed_precision_policy(MixedPrecision("bf16-mixed", "cpu"))
+    assert bf16.param_dtype == torch.bfloat16 and bf16.reduce_dtype == torch.float32
+    for plugin in (Precision(), DoublePrecision()):
+        policy = mixed_precision_policy(plugin)
+        assert policy.param_dtype is None and policy.reduce_dtype is None
+
+
+def test_dp_group_of_one_changes_nothing(gloo_world: dist.ProcessGroup) -> None:
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])
+    norm = global_grad_norm(params, tp_group=None, pp_group=None, dp_group=gloo_world)
+    assert float(norm) == 5.0
