@@ -111,6 +111,10 @@ def _fsdp_units(trainer) -> int:
     return count
 
 
+def _checkpointing(value: str | None) -> str | int | None:
+    return int(value) if value is not None and value.isdigit() else value
+
+
 class Recorder(L.Callback):
     def __init__(
         self, out: Path, case: str, ref: bool, tag: str = "", counter: CollectiveCounter | None = None
@@ -229,6 +233,8 @@ def run_case(args: argparse.Namespace, case: str) -> None:
             stages=uneven_stages(model_name) if args.stages else None,
             print_layout=args.stages,
             data_parallel=args.data_parallel,
+            activation_checkpointing=_checkpointing(args.activation_checkpointing),
+            compile={"backend": args.compile_backend} if args.compile_backend else False,
         )
         devices, batch = world, GLOBAL_BATCH // args.dp
     trainer = L.Trainer(
@@ -263,6 +269,8 @@ def main() -> None:
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--stages", action="store_true", help="pp=2 with stages=uneven_stages(model)")
     parser.add_argument("--data-parallel", default="replicate", help="replicate or fsdp")
+    parser.add_argument("--activation-checkpointing", default=None, help="full, selective or N (default: off)")
+    parser.add_argument("--compile-backend", default=None, help="torch.compile each block with this backend")
     parser.add_argument("--cases", default=",".join(SEQUENTIAL_CASES))
     # several schedules in one launch: NAME:STAGES_PER_RANK,...; case C under schedule S writes OUT/C@S.pt
     parser.add_argument("--schedules", default="")
