@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_3d.core.agreed import is_agreed
 from lightning_3d.core.blocks import find_blocks, split_model, stage_ranges_from_names
 from lightning_3d.core.boundary_check import (
     FOUND_AT_FIRST_STEP,
@@ -17,6 +18,7 @@ from lightning_3d.core.boundary_check import (
     check_stage_boundaries,
     make_skeleton,
 )
+from lightning_3d.core.stage_exec import StageExecutor
 
 
 class Block(nn.Module):
@@ -222,3 +224,24 @@ def test_a_data_dependent_training_step_leaves_the_check_to_the_first_step() -> 
     skeleton = make_skeleton(LitNet("data_dependent"))
     reason = check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,))
     assert reason is not None and "DataDependent" in reason, reason
+
+
+def test_the_executor_checks_the_first_training_batch_once_then_frees_the_skeleton() -> None:
+    bad = LitNet("skip")
+    executor = StageExecutor(bad, _split(bad), [0], skeleton=make_skeleton(bad))
+    with pytest.raises(ValueError, match=r"between net\.wte and net\.h\.2") as err:
+        executor.check_first_step("training_step", BATCH, (0,), 4, 2)
+    assert is_agreed(err.value) and executor._skeleton is None  # every rank raises it: printed once, no fail-fast
+
+    good = LitNet()
+    executor = StageExecutor(good, _split(good), [0], skeleton=make_skeleton(good))
+    executor.check_first_step("validation_step", BATCH, (0,), 4, 2)  # sanity-check validation: not yet
+    assert executor._skeleton is not None and not executor._checked
+    executor.check_first_step("training_step", BATCH, (0,), 4, 2)
+    assert executor._skeleton is None and executor._checked == {0}  # no in-schedule check needed any more
+
+    dependent = LitNet("data_dependent")
+    executor = StageExecutor(dependent, _split(dependent), [0], skeleton=make_skeleton(dependent))
+    with pytest.warns(UserWarning, match="could not run on fake tensors before the first step"):
+        executor.check_first_step("training_step", BATCH, (0,), 4, 2)
+    assert executor._skeleton is None and not executor._checked  # the first real forward is checked instead
