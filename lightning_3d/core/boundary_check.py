@@ -16,25 +16,36 @@ collective, the random state untouched):
 * a stage's first block must get exactly the previous block's output (anything computed in between would be
   lost), and a module with parameters must be held by the stage running when it is called.
 
-When the forward cannot run on fake tensors (no ``example_input_array``, data-dependent Python control flow, a
-custom kernel), the check is left to the first training step (``StageExecutor._check_no_skip``).
+A module without an ``example_input_array`` is checked the same way before its first training step: at setup
+:func:`make_skeleton` keeps a structure-only copy of the unsplit model (parameters and buffers on the meta device,
+no real memory), and :func:`check_first_step` runs that copy's ``training_step`` on fake tensors shaped like the
+first micro-batch, on every rank before any pipeline communication of the step, so every rank raises the same error.
+When the code cannot run on fake tensors (data-dependent Python control flow, ``.item()``, a custom kernel), the check
+is left to the first training step's real forward (``StageExecutor._check_no_skip``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import copy
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 from torch.func import functional_call
 
 from . import torch_compat
 from .blocks import BLOCKS_CONTRACT, ModelSplit
+from .step import extract_loss
 
 FOUND_AT_SETUP = "(found at setup by running forward(example_input_array) on fake tensors)"
+FOUND_AT_FIRST_STEP = (
+    "(found before the first training step, on every rank, by running training_step on the first micro-batch's "
+    "shapes on fake tensors)"
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ class _Trace:
     leaves: list[torch.Tensor] = field(default_factory=list)  # keeps tagged leaves alive (ids stay unique)
     next_block: int = 0
     prev_output: torch.Tensor | None = None  # None: the previous block's output had no tensor to tag (a mapping)
+    found: str = FOUND_AT_SETUP  # how the check ran, ending every message
 
     def stage_now(self) -> int:
         """The stage whose segment of the forward is running: the stage of the next block to be called."""
@@ -106,14 +118,14 @@ class _Trace:
                 f"stage holds: a skip connection crosses the stage boundary between {source.name} and {first} (in "
                 f"{user}). Only the tensor flowing from block to block crosses stages (a block's first argument and "
                 "its output); residuals must be added inside the blocks, and no block may read an earlier block's "
-                f"output otherwise. Choose stage boundaries that no skip connection crosses. {FOUND_AT_SETUP} "
+                f"output otherwise. Choose stage boundaries that no skip connection crosses. {self.found} "
                 f"{BLOCKS_CONTRACT}"
             )
         source = foreign[0]
         raise ValueError(
             f"lightning_3d: pipeline stage {stage} (from {first}) uses the output of {source.name} (in {user}), but "
             f"the later stage {source.stage} holds {source.name}. Put it on stage {stage} with "
-            f"ThreeDStrategy(stages=...). {FOUND_AT_SETUP}"
+            f"ThreeDStrategy(stages=...). {self.found}"
         )
 
 
@@ -166,37 +178,172 @@ def check_stage_boundaries(module: nn.Module, split: ModelSplit, example_input: 
         ValueError: a skip connection or another tensor crosses a stage boundary outside the block-to-block path,
             or a module is used on a stage that does not hold it (each message names the modules).
     """
+
+    def forward(model: nn.Module, inputs: Any) -> Any:
+        if isinstance(inputs, tuple):
+            output = model(*inputs)
+        elif isinstance(inputs, dict):
+            output = model(**inputs)
+        else:
+            output = model(inputs)
+        # the first tensor of the result, as training_step would use it (a loss, logits; not extra outputs)
+        return _tensors(output)[:1]
+
+    return trace_stage_boundaries(
+        module, split, forward, example_input, what="forward(example_input_array)", found=FOUND_AT_SETUP
+    )
+
+
+def trace_stage_boundaries(
+    module: nn.Module,
+    split: ModelSplit,
+    call: Callable[[nn.Module, Any], Any],
+    inputs: Any,
+    *,
+    what: str,
+    found: str,
+    device: torch.device | None = None,
+) -> str | None:
+    """Run ``call(module, inputs)`` on fake tensors with the stage hooks in place and refuse what crosses a boundary.
+
+    ``module``'s parameters and buffers are swapped for fakes of the same shapes for the call (the module itself is
+    not changed), and every tensor in ``inputs`` for a fake of the same shape.
+
+    Args:
+        module: the unsplit module (parameters real or on the meta device).
+        split: the stage assignment to check.
+        call: runs the model (a forward, a ``training_step``) and returns what the last stage's result depends on
+            (a tensor or tensors; checked against the last stage).
+        inputs: the real (or meta) inputs to fake: a tensor, or a collection of tensors.
+        what: names the call in the reason returned when it cannot run.
+        found: how the check ran, ending each message.
+        device: the device of the fakes (default: the module's first real parameter's, else the CPU).
+
+    Returns:
+        ``None`` when the check ran, else why it could not.
+
+    Raises:
+        ValueError: what crosses a stage boundary (each message names the modules).
+    """
     container = split.container
     if container is None or split.num_stages < 2:
         return None
-    trace = _Trace(split, [container.block_fqn(b) for b in container.names])
+    trace = _Trace(split, [container.block_fqn(b) for b in container.names], found=found)
     order = {name: i for i, name in enumerate([*split.first, *trace.blocks, *split.last])}
+    wrapper = _Call(module, call)
     try:
-        with torch_compat.fake_tensor_mode() as mode, _fork_rng(), torch.enable_grad():
-            device = _device(module)
+        with torch_compat.fake_tensor_mode(), _fork_rng(), torch.enable_grad():
+            device = device if device is not None else _device(module)
             state = {}
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
                 fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
-                state[name] = fake.requires_grad_(tensor.requires_grad)
-            inputs = _to_fake(example_input, mode, device)
+                state[f"inner.{name}"] = fake.requires_grad_(tensor.requires_grad)
+            fake_inputs = _to_fake(inputs, device)
             with _hooks(module, split, trace, order):
-                if isinstance(inputs, tuple):
-                    output = functional_call(module, state, inputs)
-                elif isinstance(inputs, dict):
-                    output = functional_call(module, state, (), inputs)
-                else:
-                    output = functional_call(module, state, (inputs,))
+                result = functional_call(wrapper, state, (fake_inputs,))
             if trace.next_block != len(trace.blocks):
-                return f"forward(example_input_array) ran {trace.next_block} of the {len(trace.blocks)} blocks"
-            # the first tensor of the result, as training_step would use it (a loss, logits; not extra outputs)
-            trace.refuse_foreign(_tensors(output)[:1], split.num_stages - 1, "the forward's result")
+                return f"{what} ran {trace.next_block} of the {len(trace.blocks)} blocks"
+            trace.refuse_foreign(result, split.num_stages - 1, f"the {what}'s result")
     except ValueError as err:
         if str(err).startswith("lightning_3d:"):
             raise
         return f"{type(err).__name__}: {err}"
-    except Exception as err:  # the forward cannot run on fake tensors: leave the check to the first step
+    except Exception as err:  # the code cannot run on fake tensors: leave the check to the first step's real forward
         return f"{type(err).__name__}: {err}"
     return None
+
+
+class _Call(nn.Module):
+    """Holds the module to check as a submodule so ``functional_call`` swaps its parameters for any call."""
+
+    def __init__(self, inner: nn.Module, call: Callable[[nn.Module, Any], Any]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.__dict__["_call"] = call
+
+    def forward(self, inputs: Any) -> Any:
+        return self._call(self.inner, inputs)
+
+
+def make_skeleton(module: nn.Module) -> nn.Module | str:
+    """A structure-only copy of ``module`` for :func:`check_first_step`: its parameters and buffers on the meta
+    device (no real memory), other tensor attributes and non-module objects (the trainer, configs) shared, not
+    copied; ``log`` and ``log_dict`` do nothing on it.
+
+    Args:
+        module: the unsplit LightningModule (before its modules are pruned to this rank's stages).
+
+    Returns:
+        The copy, or why none could be made (the check is then left to the first step's real forward).
+    """
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) not in memo:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if id(value) in memo or isinstance(value, (nn.Module, list, tuple, dict, set, str, bytes, int, float)):
+                continue
+            if value is None or isinstance(value, bool):
+                continue
+            memo[id(value)] = value  # a tensor attribute, a trainer, a config: shared with the real module
+    try:
+        skeleton = copy.deepcopy(module, memo)
+    except Exception as err:  # an attribute that cannot be copied (a lock, a file)
+        return f"the model could not be copied ({type(err).__name__}: {err})"
+    if "_trainer" in vars(module):  # LightningModule.__getstate__ drops the trainer reference; keep it
+        skeleton.__dict__["_trainer"] = module.__dict__["_trainer"]
+    skeleton.__dict__["log"] = _no_log
+    skeleton.__dict__["log_dict"] = _no_log
+    return skeleton
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def check_first_step(
+    skeleton: nn.Module, split: ModelSplit, hook: str, micro_batch: Any, rest: tuple[Any, ...]
+) -> str | None:
+    """Run ``skeleton``'s ``hook`` (``training_step``) on fake tensors shaped like ``micro_batch`` and refuse what
+    crosses a stage boundary: the first-step counterpart of :func:`check_stage_boundaries`.
+
+    Args:
+        skeleton: from :func:`make_skeleton`.
+        split: the stage assignment to check.
+        hook: the step method to run (``"training_step"``).
+        micro_batch: the first micro-batch of the first training batch (real tensors; only shapes are used).
+        rest: the step's other arguments (the batch index).
+
+    Returns:
+        ``None`` when the check ran, else why it could not.
+
+    Raises:
+        ValueError: what crosses a stage boundary (each message names the modules).
+    """
+
+    def step(model: nn.Module, batch: Any) -> Any:
+        result = getattr(model, hook)(batch, *rest)
+        loss = extract_loss(result, hook) if isinstance(result, (torch.Tensor, Mapping)) else None
+        return loss if isinstance(loss, torch.Tensor) else None
+
+    devices = [t.device for t in _collection_tensors(micro_batch)]
+    return trace_stage_boundaries(
+        skeleton,
+        split,
+        step,
+        micro_batch,
+        what=f"{hook}(first micro-batch)",
+        found=FOUND_AT_FIRST_STEP,
+        device=devices[0] if devices else torch.device("cpu"),
+    )
+
+
+def _collection_tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply_to_collection(value, torch.Tensor, found.append)
+    return found
 
 
 def _device(module: nn.Module) -> torch.device:
@@ -204,16 +351,11 @@ def _device(module: nn.Module) -> torch.device:
     return real[0] if real else torch.device("cpu")
 
 
-def _to_fake(value: Any, mode: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
-    if isinstance(value, tuple):
-        return tuple(_to_fake(v, mode, device) for v in value)
-    if isinstance(value, list):
-        return [_to_fake(v, mode, device) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_fake(v, mode, device) for k, v in value.items()}
-    return value
+def _to_fake(value: Any, device: torch.device) -> Any:
+    # a tensor, or any collection of tensors Lightning moves to a device (tuples, lists, mappings, dataclasses)
+    return apply_to_collection(
+        value, torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    )
 
 
 @contextlib.contextmanager
@@ -256,7 +398,7 @@ def _block_pre_hook(trace: _Trace, index: int) -> Any:
             when = f"when {trace.blocks[due]} was due" if due < len(trace.blocks) else "again after the last block"
             raise ValueError(
                 f"lightning_3d: the forward called {name} {when}: pipeline stages need every block of the container "
-                f"called once, in order. {FOUND_AT_SETUP} {BLOCKS_CONTRACT}"
+                f"called once, in order. {trace.found} {BLOCKS_CONTRACT}"
             )
         if not starts_stage:
             return None
@@ -264,7 +406,7 @@ def _block_pre_hook(trace: _Trace, index: int) -> Any:
         if found is None:
             raise ValueError(
                 f"lightning_3d: {name}, the first block of pipeline stage {stage}, was called without a tensor as its "
-                f"first argument; the tensor flowing from block to block must be the first argument. {FOUND_AT_SETUP} "
+                f"first argument; the tensor flowing from block to block must be the first argument. {trace.found} "
                 f"{BLOCKS_CONTRACT}"
             )
         key, value = found
@@ -275,7 +417,7 @@ def _block_pre_hook(trace: _Trace, index: int) -> Any:
                 f"lightning_3d: the input of {name} (the first block of pipeline stage {stage}) is not the output of "
                 f"{previous}: what the forward computes between them would be lost at the stage boundary. Only a "
                 f"block's output crosses stages; choose another boundary or move that computation into a block. "
-                f"{FOUND_AT_SETUP} {BLOCKS_CONTRACT}"
+                f"{trace.found} {BLOCKS_CONTRACT}"
             )
         received = trace.leaf(value, _Tag(f"{name} (its input)", stage, -1))
         if isinstance(key, int):
@@ -300,7 +442,7 @@ def _outside_pre_hook(trace: _Trace, tag: _Tag) -> Any:
                 f"lightning_3d: the forward calls {tag.name} {where}, which is pipeline stage {running}'s part of the "
                 f"forward, but stage {tag.stage} holds it. Put {tag.name} on stage {running} in "
                 f"ThreeDStrategy(stages=...) (modules before the blocks go with the first stage and modules after "
-                f"them with the last by default). {FOUND_AT_SETUP}"
+                f"them with the last by default). {trace.found}"
             )
 
     return hook

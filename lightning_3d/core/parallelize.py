@@ -29,7 +29,7 @@ from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
 from .balance import ComputePartitioner, MemoryPartitioner
 from .blocks import sequential_blocks
-from .boundary_check import check_stage_boundaries
+from .boundary_check import check_stage_boundaries, make_skeleton
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
 from .compile import CompiledBlocks, check_compilable, compile_blocks
 from .data_parallel import apply_data_parallel
@@ -62,6 +62,9 @@ class ModelPlan:
     is_meta: bool
     split: blocks.ModelSplit | None = None
     hf_plan: HFPlan | None = None  # a Hugging Face model's own tensor-parallel plan (root-relative names)
+    # a meta-device copy of the unsplit model for the first-step boundary check (no example_input_array), or why
+    # none could be made (``boundary_check.make_skeleton``)
+    skeleton: nn.Module | str | None = None
 
 
 def plan_model(
@@ -199,7 +202,7 @@ def _plan_split_model(
 ) -> ModelPlan:
     """Plan a model split at its block container (or, at pp = 1, not split at all): by the partitioner, or by the
     user's per-stage module lists (``stages``); the stage boundaries are checked on fake tensors when the module
-    has an ``example_input_array`` (``boundary_check.py``)."""
+    has an ``example_input_array``, else before the first training step on a meta copy (``boundary_check.py``)."""
     full_spec = partition.full_model_spec(module)
     num_stages = pp * stages_per_rank
     try:
@@ -261,7 +264,10 @@ def _plan_split_model(
                     f"lightning_3d: forward(example_input_array) could not run on fake tensors ({not_checked}); "
                     "what crosses the pipeline stage boundaries is checked at the first training step instead."
                 )
-    return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan)
+    skeleton = None
+    if example_input is None and split.num_stages > 1 and container is not None:
+        skeleton = make_skeleton(module)  # before pruning: the first step checks the unsplit model's training_step
+    return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan, skeleton)
 
 
 def _block_example(view: nn.Module) -> torch.Tensor | None:
@@ -408,7 +414,7 @@ def _build_split_stages(
         executor = StageExecutor(module, split, my_stages, whole=True)
         held_names: list[str] = []
     else:
-        executor = StageExecutor(module, split, my_stages)
+        executor = StageExecutor(module, split, my_stages, skeleton=model.skeleton)
         executor.prune()
         held_names = [n for s in my_stages for n in split.modules_of(s)]
     precision.convert_module(module)

@@ -29,10 +29,13 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from . import torch_compat
+from .agreed import mark_agreed
 from .blocks import BLOCKS_CONTRACT, ModelSplit
+from .boundary_check import check_first_step
 from .log_relay import LogRecorder, StepLogs, silenced
 from .step import extract_loss, micro_batch_loss, slice_batch
 
@@ -145,10 +148,17 @@ class StageExecutor:
         split: which modules each stage holds.
         local_stages: the stages this rank holds.
         whole: one stage holds the whole module (pp = 1 without a block container): nothing is arranged.
+        skeleton: a meta-device copy of the unsplit model (``boundary_check.make_skeleton``), or why none could be
+            made: :meth:`check_first_step` checks the stage boundaries with it before the first training step.
     """
 
     def __init__(
-        self, module: LightningModule, split: ModelSplit, local_stages: Sequence[int], whole: bool = False
+        self,
+        module: LightningModule,
+        split: ModelSplit,
+        local_stages: Sequence[int],
+        whole: bool = False,
+        skeleton: nn.Module | str | None = None,
     ) -> None:
         self.module, self.split = module, split
         self.num_stages = split.num_stages
@@ -156,6 +166,7 @@ class StageExecutor:
         self.current: _Running | None = None
         self.chunk: dict[int, int] = {}
         self._checked: set[int] = set()  # stages whose first training forward was checked for skip connections
+        self._skeleton = skeleton
         self.logs = StepLogs()
         self.outputs: list[Any] = []
         self._recorder = LogRecorder(module, self.logs)
@@ -213,6 +224,38 @@ class StageExecutor:
         leaf = value.detach().requires_grad_(True)
         current.stand_ins[id(leaf)] = (fqn, leaf)
         return leaf
+
+    def check_first_step(self, hook: str, batch: Any, rest: tuple[Any, ...], total: int, n_micro: int) -> None:
+        """Before the first training batch's schedule runs (no rank has communicated for it yet): check what crosses
+        the stage boundaries by running the skeleton's ``training_step`` on fake tensors shaped like the first
+        micro-batch. Every rank runs it alike, so every rank raises the same error; then the skeleton is freed.
+        When it cannot run on fake tensors, the first real forward of each stage is checked instead
+        (:meth:`_check_no_skip`) and rank 0 warns why.
+
+        Raises:
+            ValueError: a tensor crosses a stage boundary outside the block-to-block path (marked agreed).
+        """
+        if self._skeleton is None or hook != "training_step":
+            return
+        skeleton, self._skeleton = self._skeleton, None
+        if isinstance(skeleton, str):
+            not_checked: str | None = skeleton
+        else:
+            length = total // n_micro
+            micro_batch = slice_batch(batch, 0, length, total)
+            try:
+                not_checked = check_first_step(skeleton, self.split, hook, micro_batch, rest)
+            except ValueError as err:
+                raise mark_agreed(err) from None
+            finally:
+                del skeleton
+        if not_checked:
+            rank_zero_warn(
+                f"lightning_3d: training_step could not run on fake tensors before the first step ({not_checked}); "
+                "what crosses the pipeline stage boundaries is checked during the first training step instead."
+            )
+            return
+        self._checked.update(self.local_stages)  # checked on the whole model: the in-schedule check is not needed
 
     def _check_no_skip(self, stage: int, output: torch.Tensor) -> None:
         """Raise if ``output`` depends on a stand-in's value: a tensor crossed the stage boundary outside the

@@ -6,10 +6,19 @@ import itertools
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_3d.core.agreed import is_agreed
 from lightning_3d.core.blocks import find_blocks, split_model, stage_ranges_from_names
-from lightning_3d.core.boundary_check import FOUND_AT_SETUP, check_stage_boundaries
+from lightning_3d.core.boundary_check import (
+    FOUND_AT_FIRST_STEP,
+    FOUND_AT_SETUP,
+    check_first_step,
+    check_stage_boundaries,
+    make_skeleton,
+)
+from lightning_3d.core.stage_exec import StageExecutor
 
 
 class Block(nn.Module):
@@ -149,3 +158,90 @@ class DictNet(Net):
 def test_extra_outputs_and_blocks_returning_mappings_are_not_refused() -> None:
     assert check_stage_boundaries(Net("extra_output"), _split(Net("extra_output")), IDS) is None
     assert check_stage_boundaries(DictNet(), _split(DictNet(), cuts=(1, 3)), IDS) is None
+
+
+class LitNet(LightningModule):
+    """A LightningModule without an ``example_input_array``: its step logs and computes the loss itself."""
+
+    def __init__(self, kind: str = "plain") -> None:
+        super().__init__()
+        self.net = Net(kind)
+        self.register_buffer("steps", torch.zeros(()))
+        self.logged: list[str] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        idx, target = batch
+        loss = nn.functional.cross_entropy(self.net(idx).flatten(0, 1), target.flatten())
+        self.logged.append("train_loss")
+        self.log("train_loss", loss)
+        return loss
+
+
+BATCH = (torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long))
+
+
+def test_the_skeleton_holds_no_real_storage_and_shares_the_trainer() -> None:
+    lit = LitNet()
+    trainer = object()
+    lit.__dict__["_trainer"] = trainer  # what Lightning attaches; LightningModule.__getstate__ would drop it
+    lit.net.attribute = torch.ones(3)  # a plain tensor attribute: shared with the copy, not duplicated
+    skeleton = make_skeleton(lit)
+    assert isinstance(skeleton, LitNet) and skeleton is not lit
+    tensors = [*skeleton.parameters(), *skeleton.buffers()]
+    assert len(tensors) == len([*lit.parameters(), *lit.buffers()]) and all(t.is_meta for t in tensors)
+    assert all(not t.is_meta for t in [*lit.parameters(), *lit.buffers()])
+    assert skeleton.__dict__["_trainer"] is trainer and skeleton.net.attribute is lit.net.attribute
+    assert skeleton.log("x", 1.0) is None and skeleton.log_dict({"x": 1.0}) is None
+
+
+def test_tied_weights_stay_tied_in_the_skeleton() -> None:
+    lit = LitNet()
+    lit.net.head.weight = lit.net.wte.weight
+    skeleton = make_skeleton(lit)
+    assert skeleton.net.head.weight is skeleton.net.wte.weight and skeleton.net.wte.weight.is_meta
+
+
+def test_the_first_step_check_runs_training_step_on_fakes() -> None:
+    lit = LitNet()
+    before = {n: p.detach().clone() for n, p in lit.named_parameters()}
+    skeleton = make_skeleton(lit)
+    assert check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,)) is None
+    assert lit.logged == [] and skeleton.logged == ["train_loss"]  # the copy's step ran, its log did nothing
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in lit.named_parameters())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in skeleton.modules())
+
+
+def test_the_first_step_check_refuses_a_skip_across_stages() -> None:
+    skeleton = make_skeleton(LitNet("skip"))
+    with pytest.raises(ValueError) as err:
+        check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,))
+    message = str(err.value)
+    assert "a skip connection crosses the stage boundary between net.wte and net.h.2" in message
+    assert FOUND_AT_FIRST_STEP in message and FOUND_AT_SETUP not in message
+
+
+def test_a_data_dependent_training_step_leaves_the_check_to_the_first_step() -> None:
+    skeleton = make_skeleton(LitNet("data_dependent"))
+    reason = check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,))
+    assert reason is not None and "DataDependent" in reason, reason
+
+
+def test_the_executor_checks_the_first_training_batch_once_then_frees_the_skeleton() -> None:
+    bad = LitNet("skip")
+    executor = StageExecutor(bad, _split(bad), [0], skeleton=make_skeleton(bad))
+    with pytest.raises(ValueError, match=r"between net\.wte and net\.h\.2") as err:
+        executor.check_first_step("training_step", BATCH, (0,), 4, 2)
+    assert is_agreed(err.value) and executor._skeleton is None  # every rank raises it: printed once, no fail-fast
+
+    good = LitNet()
+    executor = StageExecutor(good, _split(good), [0], skeleton=make_skeleton(good))
+    executor.check_first_step("validation_step", BATCH, (0,), 4, 2)  # sanity-check validation: not yet
+    assert executor._skeleton is not None and not executor._checked
+    executor.check_first_step("training_step", BATCH, (0,), 4, 2)
+    assert executor._skeleton is None and executor._checked == {0}  # no in-schedule check needed any more
+
+    dependent = LitNet("data_dependent")
+    executor = StageExecutor(dependent, _split(dependent), [0], skeleton=make_skeleton(dependent))
+    with pytest.warns(UserWarning, match="could not run on fake tensors before the first step"):
+        executor.check_first_step("training_step", BATCH, (0,), 4, 2)
+    assert executor._skeleton is None and not executor._checked  # the first real forward is checked instead
