@@ -285,7 +285,8 @@ def run(
         ranks = stats["ranks"]
         lines.append(
             f"timeline {name} m={stats['n_micro']}: step {stats['span_ms']:.1f} ms, bubble measured "
-            f"{stats['measured']:.1%} vs theory {stats['theory']:.1%}; per stage compute/micro-batch "
+            f"{stats['measured']:.1%} vs theory {stats['theory']:.1%} ({stats.get('theory_source', 'formula')}); "
+            "per stage compute/micro-batch "
             + ", ".join(f"{c:.1f}" for c in bound["compute_per_microbatch_ms"])
             + " ms, waiting for the neighbour "
             + ", ".join(f"{r['recv_wait_ms']:.1f}" for r in ranks.values())
