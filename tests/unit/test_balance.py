@@ -137,3 +137,28 @@ def test_block_profiles_count_embeddings_and_head_on_the_end_blocks():
     assert [list(r) for r in ranges] == [[0, 1], [2], [3, 4]]  # the heavy block alone
     with pytest.raises(ValueError, match="example_input_array"):
         balance.ComputePartitioner().for_blocks(model, list(model.blocks), None)(list(model.blocks.named_children()), 3)
+
+
+def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
+    import lightning.pytorch as pl
+
+    from lightning_3d.core.parallelize import plan_model
+
+    class Module(pl.LightningModule):
+        def __init__(self, example: bool) -> None:
+            super().__init__()
+            self.model = _BlockModel()
+            self.example_input_array = torch.zeros(2, 8, dtype=torch.long) if example else None
+
+        def forward(self, x):
+            return self.model(x)
+
+    uniform = plan_model(Module(True), tp=1, pp=3, partitioner="uniform", dp=1)
+    assert uniform.stage_plan.layer_names == [["0", "1"], ["2", "3"], ["4"]] and not uniform.stage_plan.estimates
+    plan = plan_model(Module(True), tp=1, pp=3, partitioner="compute", dp=1)
+    assert plan.stage_plan.layer_names == [["0", "1"], ["2"], ["3", "4"]]  # the heavy block alone
+    assert "MFLOP" in plan.stage_plan.describe() and len(plan.stage_plan.estimates) == 3
+    memory = plan_model(Module(True), tp=1, pp=3, partitioner="memory", dp=1)
+    assert "MiB peak" in memory.stage_plan.describe()
+    with pytest.raises(ValueError, match="example_input_array"):
+        plan_model(Module(False), tp=1, pp=3, partitioner="compute", dp=1)
