@@ -1,5 +1,8 @@
 """``python -m benchmarks ID [ID ...] [--out DIR] [--tiny] [--model NAME]``: run benchmarks and write ``DIR/ID.json``.
 
+``python -m benchmarks B1 --schedule NAME --partitioner NAME`` times a pipeline schedule (beside 1F1B) with the
+body split by a partitioner (defaults: ``1f1b``, ``uniform``); the record names both.
+
 ``P1`` (the planner against measured layouts, ``benchmarks/p1_planner.py``) runs by id only, not in ``all``.
 
 ``--model hf_llama`` (or ``hf_llama_tied``) runs the benchmarks that have a Hugging Face Llama variant (a module
@@ -57,7 +60,19 @@ def main(argv: list[str] | None = None) -> int:
         choices=("replicate", "fsdp"),
         help="B4 only: ThreeDStrategy(data_parallel=...); fsdp writes B4_fsdp.json",
     )
+    parser.add_argument(
+        "--schedule",
+        default=None,
+        help="B1 only: the pipeline schedule timed beside 1F1B (1f1b (default), gpipe, interleaved1f1b, "
+        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank)",
+    )
+    parser.add_argument(
+        "--partitioner",
+        default=None,
+        help="B1 only: how the body is split into stages (uniform (default), parameters, compute, memory)",
+    )
     args = parser.parse_args(argv)
+    b1_options = {k: v for k, v in (("schedule", args.schedule), ("partitioner", args.partitioner)) if v is not None}
     if [i.upper() for i in args.ids] == ["GPU"]:  # the GPU check (gpu_check.py): its own table and JSON
         from . import gpu_check
 
@@ -74,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"benchmark(s) {without} have no --model {args.model} variant")
     if args.data_parallel != "replicate" and (ids != ["B4"] or args.model != "gpt"):
         parser.error("--data-parallel fsdp is measured by B4 with the example GPT only")
+    if b1_options and ids != ["B1"]:
+        parser.error("--schedule and --partitioner apply to B1 alone: run `python -m benchmarks B1 --schedule ...`")
     out = Path(args.out)
     summary, failed = {}, []
     for bench_id in ids:
@@ -83,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.data_parallel != "replicate":
                 record = module.run(out, tiny=args.tiny, data_parallel=args.data_parallel)
+            elif b1_options:
+                record = module.run(out, tiny=args.tiny, **b1_options)
             elif args.model == "gpt":
                 record = module.run(out, tiny=args.tiny)
             else:

@@ -29,6 +29,47 @@ from .common import Record, median
 
 ID, TITLE = "B1", "pipeline efficiency: pp=2 on 2 processes (1F1B, GPipe) vs one process"
 SCHEDULES = ("gpipe", "1f1b")
+DEFAULT_SCHEDULE, DEFAULT_PARTITIONER = "1f1b", "uniform"
+
+
+def compared_schedules(schedule: str) -> tuple[str, ...]:
+    """The schedules one B1 run times: GPipe and 1F1B by default, else 1F1B and the chosen one (same run)."""
+    name = schedule.lower()
+    return SCHEDULES if name == DEFAULT_SCHEDULE else ("1f1b", name)
+
+
+def stages_per_rank_of(schedule: str) -> int:
+    """Stages per rank B1 gives a schedule: 1 for the single-stage ones, 2 for the multi-stage ones."""
+    from lightning_3d.core.pipeline import is_multi_stage
+
+    return 2 if is_multi_stage(schedule) else 1
+
+
+def split_stages(model: Any, pp_rank: int, schedule: str, partitioner: str, example: Any) -> list[tuple[int, Any]]:
+    """This rank's stages of ``model``'s body at pp = 2, split by ``partitioner`` (``"compute"`` / ``"memory"``
+    profile the layers on ``example``, one micro-batch's input) and placed as ``schedule`` places them."""
+    from lightning_3d.core import partition
+    from lightning_3d.core.balance import ComputePartitioner, MemoryPartitioner
+    from lightning_3d.core.pipeline import stage_ranks
+
+    spr = stages_per_rank_of(schedule)
+    body = partition.find_body(model)
+    part = partition.get_partitioner(partitioner)
+    if isinstance(part, (ComputePartitioner, MemoryPartitioner)):
+        part = part.for_input(example)
+    plan = partition.plan_stages(body, 2, part, spr, stage_ranks(schedule, 2, spr))
+    return [
+        (s, partition.stage_container(body, plan.layer_names[s]))
+        for s in range(plan.num_stages)
+        if plan.stage_to_rank[s] == pp_rank
+    ]
+
+
+def runnable_ms(schedule: str, ms: list[int]) -> list[int]:
+    """The micro-batch counts of ``ms`` that ``schedule`` accepts at pp = 2."""
+    from lightning_3d.core.pipeline import micro_batch_problem
+
+    return [m for m in ms if micro_batch_problem(schedule, 2, m) is None]
 
 
 def worker(
@@ -39,6 +80,8 @@ def worker(
     timeline_dir: str | None,
     timeline_m: int,
     timeline_steps: int = 5,
+    schedule: str = DEFAULT_SCHEDULE,
+    partitioner: str = DEFAULT_PARTITIONER,
 ) -> dict[str, Any]:
     """Runs on both ranks (see the module docstring); returns the times of every round."""
     import torch.distributed as dist
@@ -58,7 +101,6 @@ def worker(
         init_distributed,
         model_config,
         pipeline_step,
-        stage_modules,
         token_batch,
     )
 
@@ -67,13 +109,23 @@ def worker(
     config = model_config(tiny)
     whole = build_gpt(config)
     piece = copy.deepcopy(whole)
-    stages = stage_modules(piece, 2, rank)
-    params = [p for _, mod in stages for p in mod.parameters()] + list(whole.parameters())
     x, y = token_batch(config, max(ms))
-    first, last = rank == 0, rank == 1
+    names = compared_schedules(schedule)
+    # every schedule splits the same copy (its layers are shared): each rank holds the stages its schedule places
+    split = {name: split_stages(piece, rank, name, partitioner, x[:1]) for name in names}
+    params = list(piece.parameters()) + list(whole.parameters())
+    # the first and the last stage: rank 0 and rank 1, or both rank 0 under a V schedule
+    held = {name: {s for s, _ in split[name]} for name in names}
+    ends = {name: (0 in held[name], 2 * len(held[name]) - 1 in held[name]) for name in names}
     schedules = {
-        (name, m): build_schedule(name, stages, 2, m) for m in ms for name in SCHEDULES if name == "gpipe" or m >= 2
+        (name, m): build_schedule(name, split[name], 2 * len(split[name]), m)
+        for name in names
+        for m in runnable_ms(name, ms)
     }
+
+    def step(name: str, m: int) -> None:
+        first, last = ends[name]
+        pipeline_step(schedules[name, m], first, last, x[:m], y[:m])
 
     def zero() -> None:
         for p in params:
@@ -95,13 +147,13 @@ def worker(
                 if round_ >= warmup:
                     times.setdefault(f"base/{m}", []).append(elapsed)
             dist.barrier()
-            for name in SCHEDULES:
+            for name in names:
                 if (name, m) not in schedules:
                     continue
                 zero()
                 dist.barrier()
                 start = time.perf_counter()
-                pipeline_step(schedules[name, m], first, last, x[:m], y[:m])
+                step(name, m)
                 elapsed = time.perf_counter() - start
                 if round_ >= warmup:
                     times.setdefault(f"{name}/{m}", []).append(elapsed)
@@ -114,7 +166,7 @@ def worker(
         else:  # the slower rank's time, step by step
             result["rounds"][key] = [max(a, b) for a, b in zip(gathered[0][key], gathered[1][key])]
     if timeline_dir is not None:
-        for name in SCHEDULES:
+        for name in names:
             sched = schedules.get((name, timeline_m))
             if sched is None:
                 continue
@@ -124,7 +176,7 @@ def worker(
                 recorder = ScheduleRecorder()
                 dist.barrier()
                 with recorder.patch(sched):
-                    pipeline_step(sched, first, last, x[:timeline_m], y[:timeline_m])
+                    step(name, timeline_m)
                 timelines = gather_timelines(recorder.timeline(sched, {"pp": rank}))
                 recorded.append((bubble_stats(timelines), timelines))
             # the picture shows the step of median length; the summary keeps every recorded step
@@ -144,18 +196,40 @@ def worker(
     return result
 
 
-def imbalance_bound(stats: dict[str, Any]) -> dict[str, float]:
-    """Per-micro-batch compute of each stage and the speed-up the imbalance alone allows (p = 2)."""
+def imbalance_bound(stats: dict[str, Any]) -> dict[str, Any]:
+    """Per-micro-batch compute of each pipeline rank, the speed-up the imbalance alone allows (p = 2) and the
+    imbalance: the slowest rank's compute over the mean (a rank's stages together, as the schedule runs them)."""
     m = stats["n_micro"]
     c = [r["compute_ms"] / m for r in stats["ranks"].values()]
     bound = m * sum(c) / (sum(c) + (m - 1) * max(c))
-    return {"compute_per_microbatch_ms": c, "speedup_bound": bound, "bound_over_ideal": bound / (2 * m / (m + 1))}
+    return {
+        "compute_per_microbatch_ms": c,
+        "speedup_bound": bound,
+        "bound_over_ideal": bound / (2 * m / (m + 1)),
+        "imbalance": max(c) / (sum(c) / len(c)),
+    }
 
 
-def run(out: Path, tiny: bool = False) -> Record:
-    """Launch the two processes and build the record."""
+def run(
+    out: Path, tiny: bool = False, schedule: str = DEFAULT_SCHEDULE, partitioner: str = DEFAULT_PARTITIONER
+) -> Record:
+    """Launch the two processes and build the record.
+
+    Args:
+        out: folder for the timeline pictures and traces.
+        tiny: the tiny model and one round (checks the plumbing).
+        schedule: the schedule timed beside 1F1B (``"1f1b"``, the default, times GPipe and 1F1B); the record's
+            ratio is this schedule's at m = 8 (m = 4 with ``tiny``).
+        partitioner: how the body is split into stages (``"uniform"``, ``"parameters"``, ``"compute"``,
+            ``"memory"``), for every schedule of the run.
+    """
+    from lightning_3d.core.pipeline import check_schedule_name
+
     from .common import launch
 
+    check_schedule_name(schedule)
+    schedule = schedule.lower()
+    names = compared_schedules(schedule)
     ms = [1, 2, 4] if tiny else [1, 2, 4, 8, 16]
     timeline_m = 4 if tiny else 8
     res = launch(
@@ -169,12 +243,17 @@ def run(out: Path, tiny: bool = False) -> Record:
             "timeline_dir": str(out.resolve()),
             "timeline_m": timeline_m,
             "timeline_steps": 1 if tiny else 7,
+            "schedule": schedule,
+            "partitioner": partitioner,
         },
         timeout=240 if tiny else 420,
     )
     rounds = res["rounds"]
     table: dict[str, dict[str, Any]] = {}
-    lines = ["  m | one process ms | GPipe ms  speed-up  /ideal | 1F1B ms  speed-up  /ideal | ideal 2m/(m+1)"]
+    lines = [
+        f"schedule {schedule} (stages per rank {stages_per_rank_of(schedule)}), partitioner {partitioner}",
+        "  m | one process ms | " + " | ".join(f"{n} ms  speed-up  /ideal" for n in names) + " | ideal 2m/(m+1)",
+    ]
     for m in ms:
         base = median(rounds[f"base/{m}"]) * 1e3
         ideal = 2 * m / (m + 1)
@@ -184,7 +263,7 @@ def run(out: Path, tiny: bool = False) -> Record:
             "baseline_rounds_ms": [v * 1e3 for v in rounds[f"base/{m}"]],
         }
         cells = []
-        for name in SCHEDULES:
+        for name in names:
             key = f"{name}/{m}"
             if key not in rounds:
                 cells.append("        -        -       -")
@@ -198,7 +277,7 @@ def run(out: Path, tiny: bool = False) -> Record:
             }
             cells.append(f"{t:8.1f}  {base / t:8.3f}  {base / t / ideal:6.3f}")
         table[str(m)] = row
-        lines.append(f"{m:3d} | {base:14.1f} | {cells[0]} | {cells[1]} | {ideal:.3f}")
+        lines.append(f"{m:3d} | {base:14.1f} | {' | '.join(cells)} | {ideal:.3f}")
     bounds = {}
     for name, stats in res["timeline"].items():
         bound = imbalance_bound(stats)
@@ -206,14 +285,15 @@ def run(out: Path, tiny: bool = False) -> Record:
         ranks = stats["ranks"]
         lines.append(
             f"timeline {name} m={stats['n_micro']}: step {stats['span_ms']:.1f} ms, bubble measured "
-            f"{stats['measured']:.1%} vs theory {stats['theory']:.1%}; per stage compute/micro-batch "
+            f"{stats['measured']:.1%} vs theory {stats['theory']:.1%} ({stats.get('theory_source', 'formula')}); "
+            "per stage compute/micro-batch "
             + ", ".join(f"{c:.1f}" for c in bound["compute_per_microbatch_ms"])
             + " ms, waiting for the neighbour "
             + ", ".join(f"{r['recv_wait_ms']:.1f}" for r in ranks.values())
             + " ms, p2p post/send "
             + ", ".join(f"{r['send_ms']:.1f}" for r in ranks.values())
-            + f" ms; imbalance alone bounds the speed-up at {bound['speedup_bound']:.3f} "
-            f"({bound['bound_over_ideal']:.3f} of ideal)"
+            + f" ms; imbalance (slowest / mean) {bound['imbalance']:.3f} alone bounds the speed-up at "
+            f"{bound['speedup_bound']:.3f} ({bound['bound_over_ideal']:.3f} of ideal)"
         )
         slow_key = max(ranks, key=lambda k: ranks[k]["compute_ms"])
         slow = ranks[slow_key]
@@ -241,8 +321,12 @@ def run(out: Path, tiny: bool = False) -> Record:
             f"{row['baseline_ms']:.1f} ms for one process (per-micro-batch compute inflation "
             f"{compute / row['baseline_ms']:.3f})"
         )
-    measured = row["1f1b"]["speedup"]
+    measured = row[schedule]["speedup"]
     details = {
+        "schedule": schedule,
+        "partitioner": partitioner,
+        "stages_per_rank": stages_per_rank_of(schedule),
+        "imbalance": bounds[schedule]["imbalance"] if schedule in bounds else None,
         "table": table,
         "timeline": res["timeline"],
         "bounds": bounds,
@@ -258,7 +342,7 @@ def run(out: Path, tiny: bool = False) -> Record:
         row["baseline_ms"],
         row["ideal_speedup"],
         measured / row["ideal_speedup"],
-        f"x speed-up (1F1B, m={m_key})",
+        f"x speed-up ({schedule}, {partitioner} partitioner, m={m_key})",
         details,
         lines,
         baseline_unit="ms per step (one process)",

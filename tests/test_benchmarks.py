@@ -272,3 +272,26 @@ def test_b8_no_host_synchronisation_per_micro_batch():
     assert layout["in_micro_batches_per_step"] == 0 and per_micro == 0, layout["sources"]
     assert measured <= 1, layout["sources"]
     assert layout["optimizer_per_step"] == baseline["optimizer_per_step"] > 0  # the same optimizer on both sides
+
+
+@pytest.mark.slow
+def test_b1_schedule_and_partitioner_options_reach_the_record(tmp_path):
+    main = _import("benchmarks.__main__").main
+    with pytest.raises(SystemExit):  # the options are B1's alone
+        main(["B2", "--schedule", "gpipe", "--out", str(tmp_path)])
+    run_lightning(
+        "bench_run.py",
+        ["B1", "--tiny", "--schedule", "zbvzerobubble", "--partitioner", "compute", "--out", tmp_path],
+        timeout=240,
+    )
+    record = json.loads((tmp_path / "B1.json").read_text())
+    _check_keys(record)
+    details = record["details"]
+    assert (details["schedule"], details["partitioner"], details["stages_per_rank"]) == ("zbvzerobubble", "compute", 2)
+    assert "zbvzerobubble" in record["unit"] and "compute" in record["unit"]
+    assert record["ratio"] == pytest.approx(details["table"]["4"]["zbvzerobubble"]["ratio"])
+    assert set(details["timeline"]) == {"1f1b", "zbvzerobubble"}  # timed beside 1F1B in the same run
+    assert details["imbalance"] >= 1.0
+    zbv = details["timeline"]["zbvzerobubble"]
+    assert zbv["theory_source"] == "action list" and details["timeline"]["1f1b"]["theory_source"] == "formula"
+    assert zbv["stages_per_rank"] == 2 and all(0.0 <= r["theory"] < 1.0 for r in zbv["ranks"].values())

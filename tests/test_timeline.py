@@ -86,6 +86,8 @@ def test_timeline_of_a_zero_bubble_v_schedule(tmp_path):
             assert weights == sorted(b[1:] for b in backs if b.startswith("I")), (stage, backs, weights)
             kinds |= {b[0] for b in backs} | ({"W"} if weights else set())
     assert {"I", "W"} <= kinds, kinds
+    bubble = trace["otherData"]["bubble"]  # the zero-bubble theory comes from the schedule's own action list
+    assert bubble["theory_source"] == "action list" and 0.0 <= bubble["theory"] < 1 / (2 * 4 + 1)
 
 
 def _timeline(rank: int, stage: int, events: list[tuple[str, str, int, int]]) -> tl.RankTimeline:

@@ -11,6 +11,11 @@ normalisations, which is small next to the matrix products.) The example's batch
 tensors each (Adam), plus the bytes autograd saves for backward per micro-batch (counted on the meta device)
 times the micro-batches in flight under 1F1B, ``p - s`` on stage ``s`` of ``p``.
 
+Models split at their block container (not an ``nn.Sequential`` body) are profiled whole, in one forward and
+backward on the meta device (:func:`block_profiles`): each block's forward FLOPs (times 3 for forward + backward)
+and saved bytes are attributed by hooks on the blocks; the work and parameters before the first block (the
+embeddings) count on the first block, the rest (final norm, head, loss-free output) on the last one.
+
 :func:`balanced_split` is the dynamic programme over contiguous split points that both use.
 """
 
@@ -104,19 +109,100 @@ def layer_profiles(layers: Sequence[tuple[str, nn.Module]], example: Any) -> lis
     return out
 
 
+BACKWARD_FACTOR = 3.0  # forward + backward FLOPs over forward FLOPs (the backward of a matrix product: two)
+
+
+def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any) -> list[tuple[float, float, float]]:
+    """``(flops, static_bytes, activation_bytes)`` of each block of ``module``, from one forward of the whole
+    module on ``example`` on the meta device (see the module docstring).
+
+    Args:
+        module: the model (its ``forward`` takes ``example``); its parameters are replaced by meta copies.
+        blocks: the block modules, in order.
+        example: one micro-batch's input of ``module``.
+
+    Returns:
+        One tuple per block, the embeddings counted on the first block and the head on the last.
+    """
+    params = {n: _meta(p).requires_grad_(p.requires_grad) for n, p in module.named_parameters()}
+    buffers = {n: _meta(b) for n, b in module.named_buffers()}
+    by_id = {id(p): n for n, p in module.named_parameters()}
+    in_block = {by_id[id(p)]: i for i, b in enumerate(blocks) for p in b.parameters() if id(p) in by_id}
+    n = len(blocks)
+    flops, saved = [0.0] * n, [0.0] * n
+    static = [0.0] * n
+    for name, param in params.items():
+        owner = in_block[name] if name in in_block else (n - 1 if _after_blocks(module, blocks, name) else 0)
+        static[owner] += param.numel() * param.element_size() * (2 + OPTIMIZER_STATES)
+    state = {"current": 0, "mark": 0.0}
+    weights = frozenset(id(p) for p in params.values())
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = torch_compat.view_base(t)
+        if id(t) not in weights and (base is None or id(base) not in weights):
+            saved[state["current"]] += t.numel() * t.element_size()
+        return t
+
+    with FlopCounterMode(display=False) as counter:
+
+        def enter(index: int) -> Callable[..., None]:
+            def hook(*_: Any) -> None:
+                flops[state["current"]] += counter.get_total_flops() - state["mark"]
+                state["current"], state["mark"] = index, float(counter.get_total_flops())
+
+            return hook
+
+        def leave(index: int) -> Callable[..., None]:
+            def hook(*_: Any) -> None:
+                flops[index] += counter.get_total_flops() - state["mark"]
+                state["current"], state["mark"] = index, float(counter.get_total_flops())
+
+            return hook
+
+        handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+        handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
+        try:
+            inp = _meta(example) if isinstance(example, torch.Tensor) else example
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                functional_call(module, {**params, **buffers}, (inp,))
+            flops[state["current"]] += counter.get_total_flops() - state["mark"]  # the head, after the last block
+        finally:
+            for handle in handles:
+                handle.remove()
+    return [(f * BACKWARD_FACTOR, st, sv) for f, st, sv in zip(flops, static, saved)]
+
+
+def _after_blocks(module: nn.Module, blocks: Sequence[nn.Module], name: str) -> bool:
+    """Whether parameter ``name`` (outside the blocks) is registered after the blocks in the module (a head)."""
+    order = [id(m) for m in module.modules()]
+    owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+    last_block = max(order.index(id(b)) for b in blocks)
+    return id(owner) in order and order.index(id(owner)) > last_block
+
+
 class _Balanced:
     """Shared by the compute and memory partitioners: profile the layers on the example, then split."""
 
     kind = ""
 
-    def __init__(self, example_input: Any = None) -> None:
+    def __init__(self, example_input: Any = None, profiles: list[tuple[float, float, float]] | None = None) -> None:
         self.example_input = example_input
+        self.profiles = profiles
 
     def for_input(self, example_input: Any) -> _Balanced:
         """The same partitioner profiling on ``example_input`` (one micro-batch's input of the body)."""
         return type(self)(example_input)
 
+    def for_blocks(self, module: nn.Module, blocks: Sequence[nn.Module], example_input: Any) -> _Balanced:
+        """The same partitioner over the blocks of a model split at its block container, profiled by
+        :func:`block_profiles` on the module's ``example_input`` (refused without one)."""
+        if example_input is None:
+            return type(self)(None)  # fails with the message of _profiles when used
+        return type(self)(example_input, block_profiles(module, blocks, example_input))
+
     def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[float, float, float]]:
+        if self.profiles is not None:
+            return self.profiles
         if self.example_input is None:
             raise ValueError(
                 f"partitioner={self.kind!r} profiles each layer on an example input: set the LightningModule's "

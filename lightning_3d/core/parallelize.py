@@ -102,12 +102,6 @@ def plan_model(
     placement = stage_ranks(schedule, pp, stages_per_rank)
     _check_no_meta_metrics(module)
     if stages is not None or not uses_sequential_body(module, body, blocks):
-        if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
-            raise ValueError(
-                f"partitioner={partitioner.kind!r} profiles the layers of an nn.Sequential body on the module's "
-                "example_input_array; this model is split at its block container, where that is not supported yet. "
-                "Use partitioner='uniform' or 'parameters'."
-            )
         plan = _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan, stages)
         if plan.split is not None and plan.split.container is not None:  # the schedule's placement (a V, or looping)
             plan.split.stage_to_rank = placement
@@ -205,6 +199,7 @@ def _plan_split_model(
     has an ``example_input_array``, else before the first training step on a meta copy (``boundary_check.py``)."""
     full_spec = partition.full_model_spec(module)
     num_stages = pp * stages_per_rank
+    estimates: list[str] = []  # each stage's cost under the compute / memory partitioner
     try:
         container = blocks.find_blocks(module, blocks_name)
     except ValueError:
@@ -226,12 +221,18 @@ def _plan_split_model(
         if stages is not None:
             ranges, placement = blocks.stage_ranges_from_names(module, container, stages, num_stages)
         else:
+            if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):  # blocks profiled in the whole model
+                partitioner = partitioner.for_blocks(module, [m for _, m in layers], module.example_input_array)
             ranges = partition.checked_ranges(partitioner, layers, num_stages, what="blocks")
+            if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+                estimates = [partitioner.describe(c) for c in partitioner.stage_costs(layers, ranges)]
         split = blocks.split_model(module, container, pp, ranges, stages_per_rank, placement)
         parent_name, _, attr = container.fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         body = partition.BodyRef(parent=parent, attr=attr, fqn=container.fqn, module=container.module)  # type: ignore[arg-type]
-    stage_plan = partition.StagePlan([list(b) for b in split.stage_blocks], body.fqn, list(split.stage_to_rank))
+    stage_plan = partition.StagePlan(
+        [list(b) for b in split.stage_blocks], body.fqn, list(split.stage_to_rank), estimates
+    )
     for sub in module.modules():  # Hugging Face models: no KV cache while training (it would only hold memory)
         hf_config = getattr(sub, "config", None)
         if getattr(hf_config, "use_cache", None):

@@ -63,6 +63,11 @@ def schedule_class(name: str) -> type:
     return get_schedule_class(SINGLE_STAGE_SCHEDULES.get(name.lower(), name))
 
 
+def is_csv_schedule(name: str) -> bool:
+    """Whether ``name`` names a CSV action list (a path ending in ``.csv``) rather than a schedule."""
+    return name.strip().lower().endswith(".csv")
+
+
 def check_schedule_name(name: str) -> None:
     """Raise ``ValueError`` (with the list of names) unless the project runs the schedule ``name``.
 
@@ -74,6 +79,11 @@ def check_schedule_name(name: str) -> None:
     )
     if not isinstance(name, str):
         raise ValueError(f"ThreeDStrategy(schedule={name!r}): a schedule is a name. {runnable}")
+    if is_csv_schedule(name):
+        raise ValueError(
+            f"ThreeDStrategy(schedule={name!r}): schedules read from a CSV action list (torch's "
+            f"_PipelineScheduleRuntime) are not supported yet. {runnable}"
+        )
     try:
         schedule_class(name)
     except ValueError as unknown:  # torch's message names torch's list

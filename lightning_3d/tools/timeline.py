@@ -26,7 +26,9 @@ The events of every rank are gathered (one ``all_gather_object``) and written as
   named with its stage and (dp, tp) coordinates, one thread row per stage;
 * a Gantt chart (PNG, needs matplotlib: ``pip install 'lightning-3d[plot]'``) with one row per stage and
   the measured bubble fraction beside the theoretical ``(p - 1) / (m + p - 1)``
-  (``(p - 1) / (v m + p - 1)`` with ``v`` stages per rank).
+  (``(p - 1) / (v m + p - 1)`` with ``v`` stages per rank). For the zero-bubble schedules (``W`` actions fill
+  the 1F1B bubble, so that formula does not hold) the theory is the schedule's own: each pipeline rank's idle
+  slots over all slots of torch's action list (``schedule.pipeline_order``), one slot per action.
 
 The measured bubble of a pipeline rank is ``1 - compute / span``: ``compute`` is the union of its forward,
 backward, weight and loss intervals and ``span`` runs from the first rank's ``step`` start to the last
@@ -127,6 +129,8 @@ class RankTimeline:
         coords: the rank's mesh coordinates (``{"dp": .., "pp": .., "tp": ..}``), when known.
         host: host name (clocks are compared as they are only between ranks of one host).
         events: the intervals, in the order they ended.
+        order_bubble: the theoretical bubble of this rank from the schedule's action list (zero-bubble
+            schedules; ``None``: the formula applies).
     """
 
     rank: int
@@ -138,6 +142,7 @@ class RankTimeline:
     coords: dict[str, int] = field(default_factory=dict)
     host: str = ""
     events: list[TimelineEvent] = field(default_factory=list)
+    order_bubble: float | None = None
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> RankTimeline:
@@ -311,6 +316,7 @@ class ScheduleRecorder:
             coords=dict(coords or {}),
             host=socket.gethostname(),
             events=events,
+            order_bubble=schedule_order_bubble(schedule, int(stages[0].stage_index) if stages else None),
         )
 
 
@@ -369,6 +375,47 @@ def theoretical_bubble(pp: int, n_micro: int, stages_per_rank: int = 1) -> float
     return (pp - 1) / (stages_per_rank * n_micro + pp - 1)
 
 
+#: torch's zero-bubble schedules: their theoretical bubble comes from their action list, not the 1F1B formula.
+ZERO_BUBBLE_CLASSES = frozenset({"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"})
+
+
+def order_bubbles(pipeline_order: dict[int, Sequence[Any]]) -> dict[int, float]:
+    """Each pipeline rank's idle share of a schedule's action list: ``None`` slots over all slots.
+
+    Args:
+        pipeline_order: ``{pp rank: [action or None per time slot]}`` (torch's ``schedule.pipeline_order``);
+            a rank's list shorter than the longest one is idle for the remaining slots.
+
+    Returns:
+        ``{pp rank: idle slots / slots}``, one slot per action (forward, backward, input- or weight-gradient).
+    """
+    total = max((len(actions) for actions in pipeline_order.values()), default=0)
+    if total == 0:
+        return {rank: 0.0 for rank in pipeline_order}
+    return {
+        rank: (total - sum(action is not None for action in actions)) / total
+        for rank, actions in pipeline_order.items()
+    }
+
+
+def rank_of_stage(pipeline_order: dict[int, Sequence[Any]], stage: int) -> int | None:
+    """The pipeline rank whose actions run stage ``stage`` (``None`` if no action names it)."""
+    for rank, actions in pipeline_order.items():
+        if any(action is not None and getattr(action, "stage_index", None) == stage for action in actions):
+            return rank
+    return None
+
+
+def schedule_order_bubble(schedule: Any, stage: int | None) -> float | None:
+    """The theoretical bubble of the rank holding ``stage`` from a zero-bubble schedule's action list
+    (``None`` for the other schedules, or when the schedule has no action list)."""
+    order = getattr(schedule, "pipeline_order", None)
+    if type(schedule).__name__ not in ZERO_BUBBLE_CLASSES or not order or stage is None:
+        return None
+    rank = rank_of_stage(order, stage)
+    return None if rank is None else order_bubbles(order)[rank]
+
+
 def bubble_stats(timelines: Sequence[RankTimeline]) -> dict[str, Any]:
     """Measured bubble per pipeline rank and on average, with the theory and a breakdown of the step.
 
@@ -378,7 +425,8 @@ def bubble_stats(timelines: Sequence[RankTimeline]) -> dict[str, Any]:
     the span: outside the step or between calls), ``fill_ms`` (before its first compute), ``stall_ms`` (not
     computing between its first and last compute: waiting in the steady state), ``drain_ms`` (after its last
     compute), ``descheduled_ms`` (wall minus thread CPU time of its compute and post events: time its thread was
-    off the CPU while it should have been running) and ``bubble``.
+    off the CPU while it should have been running), ``bubble`` and ``theory`` (its theoretical bubble: from the
+    schedule's action list for the zero-bubble schedules, else the formula; ``theory_source`` says which).
     """
     reps = representative_ranks(timelines)
     if not reps:
@@ -426,6 +474,10 @@ def bubble_stats(timelines: Sequence[RankTimeline]) -> dict[str, Any]:
             "bubble": 1.0 - compute / span,
         }
     v = max(1, len(first_tl.stages))
+    formula = theoretical_bubble(first_tl.pp, first_tl.n_micro, v)
+    from_order = all(tl.order_bubble is not None for tl in reps.values())
+    for stage, tl in reps.items():  # each rank's measured bubble beside its theoretical one
+        ranks[str(stage)]["theory"] = tl.order_bubble if from_order else formula
     measured = sum(r["bubble"] for r in ranks.values()) / len(ranks)
     return {
         "schedule": first_tl.schedule,
@@ -433,7 +485,8 @@ def bubble_stats(timelines: Sequence[RankTimeline]) -> dict[str, Any]:
         "stages_per_rank": v,
         "n_micro": first_tl.n_micro,
         "span_ms": span / 1e6,
-        "theory": theoretical_bubble(first_tl.pp, first_tl.n_micro, v),
+        "theory": sum(r["theory"] for r in ranks.values()) / len(ranks) if from_order else formula,
+        "theory_source": "action list" if from_order else "formula",
         "measured": measured,
         "ranks": ranks,
     }
@@ -544,7 +597,9 @@ def plot_gantt(
             ax.text(
                 1.005,
                 1 - (y + 0.5) / n,
-                f"rank {tl.rank}\nbubble {rank_stats['bubble']:.1%}\nwait {rank_stats['recv_wait_ms']:.1f} ms",
+                f"rank {tl.rank}\nbubble {rank_stats['bubble']:.1%}"
+                + (f" (theory {rank_stats['theory']:.1%})" if "theory" in rank_stats else "")
+                + f"\nwait {rank_stats['recv_wait_ms']:.1f} ms",
                 transform=ax.transAxes,
                 fontsize=8,
                 va="center",

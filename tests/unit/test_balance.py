@@ -95,3 +95,70 @@ def test_layout_print_out_shows_each_stages_estimate():
     text = plan.describe()
     assert text.count("MiB peak") == 2 and "stage 1 on pp rank 1" in text
     assert partition.get_partitioner("compute").kind == "compute"
+
+
+class _BlockModel(nn.Module):
+    """Embedding, a ModuleList of blocks (block 2 eight times wider) and a head: a model split at its blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 128 if i == 2 else 16), nn.Linear(128 if i == 2 else 16, 16)) for i in range(5)
+        )
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_block_profiles_count_embeddings_and_head_on_the_end_blocks():
+    model = _BlockModel()
+    example = torch.zeros(2, 8, dtype=torch.long)
+    prof = balance.block_profiles(model, list(model.blocks), example)
+    tokens = 2 * 8
+    mm = [2 * tokens * 16 * 16 * 2] * 5  # forward FLOPs of two 16x16 linears per block
+    mm[2] = 2 * tokens * 16 * 128 * 2
+    mm[4] += 2 * tokens * 16 * 50  # the head on the last block
+    assert [p[0] for p in prof] == pytest.approx([3 * f for f in mm])
+    per_param = 4 * (2 + balance.OPTIMIZER_STATES)  # float32: weights, grads, two Adam states
+    static = [sum(p.numel() for p in b.parameters()) * per_param for b in model.blocks]
+    static[0] += model.embed.weight.numel() * per_param
+    static[4] += sum(p.numel() for p in model.head.parameters()) * per_param
+    assert [p[1] for p in prof] == pytest.approx(static)
+    assert all(p[2] > 0 for p in prof) and prof[2][2] > prof[1][2]  # the wide block saves its wide activation
+    assert next(model.parameters()).device.type == "cpu"  # the model itself is untouched
+
+    part = balance.ComputePartitioner().for_blocks(model, list(model.blocks), example)
+    ranges = part(list(model.blocks.named_children()), 3)
+    assert [list(r) for r in ranges] == [[0, 1], [2], [3, 4]]  # the heavy block alone
+    with pytest.raises(ValueError, match="example_input_array"):
+        balance.ComputePartitioner().for_blocks(model, list(model.blocks), None)(list(model.blocks.named_children()), 3)
+
+
+def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
+    import lightning.pytorch as pl
+
+    from lightning_3d.core.parallelize import plan_model
+
+    class Module(pl.LightningModule):
+        def __init__(self, example: bool) -> None:
+            super().__init__()
+            self.model = _BlockModel()
+            self.example_input_array = torch.zeros(2, 8, dtype=torch.long) if example else None
+
+        def forward(self, x):
+            return self.model(x)
+
+    uniform = plan_model(Module(True), tp=1, pp=3, partitioner="uniform", dp=1)
+    assert uniform.stage_plan.layer_names == [["0", "1"], ["2", "3"], ["4"]] and not uniform.stage_plan.estimates
+    plan = plan_model(Module(True), tp=1, pp=3, partitioner="compute", dp=1)
+    assert plan.stage_plan.layer_names == [["0", "1"], ["2"], ["3", "4"]]  # the heavy block alone
+    assert "MFLOP" in plan.stage_plan.describe() and len(plan.stage_plan.estimates) == 3
+    memory = plan_model(Module(True), tp=1, pp=3, partitioner="memory", dp=1)
+    assert "MiB peak" in memory.stage_plan.describe()
+    with pytest.raises(ValueError, match="example_input_array"):
+        plan_model(Module(False), tp=1, pp=3, partitioner="compute", dp=1)

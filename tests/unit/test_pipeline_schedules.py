@@ -123,3 +123,12 @@ def test_sequential_body_follows_the_v_placement():
     placement = pipeline.stage_ranks("dualpipev", 2, 2)
     plan = partition.plan_stages(ref, 2, partition.UniformPartitioner(), 2, placement)
     assert plan.stage_to_rank == [0, 1, 1, 0] and plan.layer_names == [["0"], ["1"], ["2"], ["3"]]
+
+
+@pytest.mark.parametrize("stages_per_rank", [1, 2])
+def test_csv_schedules_are_refused_as_not_supported_yet(tmp_path, stages_per_rank):
+    actions = tmp_path / "actions.csv"
+    actions.write_text("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n")  # even an existing, readable action list
+    for name in (str(actions), "missing/Actions.CSV"):
+        text = _error(pp=2, stages_per_rank=stages_per_rank, schedule=name, micro_batches=4)
+        assert "CSV action list" in text and "not supported yet" in text and "'1f1b'" in text

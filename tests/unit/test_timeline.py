@@ -184,3 +184,42 @@ def test_timed_wrapper_names_events_by_micro_batch_and_records_failures() -> Non
 
 def test_p2p_labels() -> None:
     assert tl._label([("recv", "F", 3, 1), ("send", "B", 2, 1)]) == "recv F3 + send B2"
+
+
+class _Act:
+    """A stand-in for torch's ``_Action``: only ``stage_index`` is read."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage_index = stage
+
+
+def test_zero_bubble_theory_comes_from_the_action_list() -> None:
+    # rank 0 holds stages 0 and 3 (a V), rank 1 stages 1 and 2; 8 slots, rank 0 idle 2, rank 1 idle 3 (one of
+    # them past the end of its shorter list)
+    order = {
+        0: [_Act(0), _Act(0), None, _Act(3), _Act(3), _Act(0), None, _Act(0)],
+        1: [None, _Act(1), _Act(2), _Act(2), None, _Act(1), _Act(1)],
+    }
+    assert tl.order_bubbles(order) == {0: pytest.approx(2 / 8), 1: pytest.approx(3 / 8)}
+    assert tl.rank_of_stage(order, 3) == 0 and tl.rank_of_stage(order, 2) == 1 and tl.rank_of_stage(order, 9) is None
+
+    class ScheduleZBVZeroBubble:  # the class name marks a zero-bubble schedule
+        pipeline_order = order
+
+    class ScheduleInterleaved1F1B:
+        pipeline_order = order
+
+    assert tl.schedule_order_bubble(ScheduleZBVZeroBubble(), 1) == pytest.approx(3 / 8)
+    assert tl.schedule_order_bubble(ScheduleInterleaved1F1B(), 1) is None  # the formula holds there
+
+    kw = {"num_stages": 4, "pp": 2, "n_micro": 4, "schedule": "ScheduleZBVZeroBubble"}
+    a = rank_timeline(0, [0, 3], [("F0", "forward", 0, 1), ("step", "step", 0, 2)], order_bubble=2 / 8, **kw)
+    b = rank_timeline(1, [1, 2], [("F0", "forward", 1, 2), ("step", "step", 0, 2)], order_bubble=3 / 8, **kw)
+    stats = tl.bubble_stats([a, b])
+    assert stats["theory_source"] == "action list"
+    assert stats["theory"] == pytest.approx(5 / 16)  # not the formula's 1 / 9
+    assert stats["ranks"]["0"]["theory"] == pytest.approx(2 / 8) and stats["ranks"]["1"]["theory"] == pytest.approx(
+        3 / 8
+    )
+    stats = tl.bubble_stats([rank_timeline(0, [0], [("F0", "forward", 0, 1)]), rank_timeline(1, [1], [])])
+    assert stats["theory_source"] == "formula" and stats["ranks"]["1"]["theory"] == pytest.approx(1 / 3)
