@@ -187,7 +187,9 @@ class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
         module = self.submod
         if not (last_backward and backward_type == "full" and not self.defer_grad_sync):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if not isinstance(module, FSDPModule):
+        if not (isinstance(module, FSDPModule) and torch_compat.is_replicated(module)):
+            # fully_shard (data_parallel="fsdp") keeps torch's path: resharding after this backward would make its
+            # backward prefetch gather a unit again (one more all-gather per step)
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         # The optimizer step's last backward: torch turns gradient sync off for every micro-batch and reduces
         # after the last one; keep it on for this backward instead, so each replicate group (bucket) all-reduces

@@ -146,6 +146,15 @@ def replicate(module: nn.Module, mesh: Any) -> nn.Module:
     return torch_replicate(module, mesh=mesh)
 
 
+def is_replicated(module: nn.Module) -> bool:
+    """Whether ``module`` was wrapped by :func:`replicate` (not by ``fully_shard``: both are ``FSDPModule``)."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+    except ImportError as err:
+        raise _missing("torch.distributed._composable.replicate_with_fsdp.ReplicateModule", "data parallelism") from err
+    return isinstance(module, ReplicateModule)
+
+
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
     """The ``ord``-norm of each tensor, in one fused call (``torch._foreach_norm``)."""
     return list(_private(torch, "_foreach_norm", "the gradient norm")(tensors, ord))
