@@ -59,6 +59,7 @@ from .core import partition
 from .core.agreed import mark_agreed
 from .core.compile import CompiledBlocks, compile_kwargs
 from .core.grad_norm import clip_grads_, global_grad_norm
+from .core.loss_scale import LossScaler, scaler_of
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
 from .core.parallelize import add_body_randomness, broadcast_seed, build_stages, describe_layout, plan_model
 from .core.rng import BodyRandomness
@@ -142,6 +143,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._step_flags: list[float] | None = None  # the last training batch's non-finite flags, until backward()
         self._tied: TiedWeights | None = None
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
+        self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
 
@@ -309,6 +311,8 @@ class ThreeDStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        scaler = scaler_of(self.precision_plugin)
+        self.loss_scaler = LossScaler(scaler, self.root_device) if scaler is not None else None
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -328,12 +332,7 @@ class ThreeDStrategy(ParallelStrategy):
                 "ThreeDStrategy runs forward and backward inside the pipeline schedule, so it needs automatic "
                 "optimization; manual optimization (automatic_optimization=False) is not supported."
             )
-        name = type(self.precision_plugin).__name__
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                f"ThreeDStrategy does not support loss scaling ({name} with a GradScaler, i.e. precision='16-mixed'): "
-                "the pipeline runs backward itself. Use precision='bf16-mixed', '32-true' or '64-true'."
-            )
+        scaler_of(self.precision_plugin)  # a loss scaler other than torch.amp.GradScaler is refused
 
     def _parallelize(self) -> None:
         """Split, shard and wrap the LightningModule (once per module); see ``parallelize.py``."""
@@ -421,14 +420,18 @@ class ThreeDStrategy(ParallelStrategy):
         accumulate = trainer.accumulate_grad_batches
         if self._compiled is not None:
             self._compiled.step_began()
+        flags = self._reliability.flags_request()  # ---- reliability: non-finite flags in the step's exchange
+        if flags is None and self.loss_scaler is not None:  # fp16 overflow needs them under on_nonfinite="off" too
+            flags = (self._reliability.n_flags, self._reliability.local_flags)
         result = self.runner.run(
             "training_step",
             args,
             self.precision_plugin,
             train=True,
-            scale=1.0 / accumulate,
+            # 16-mixed: the last stage's loss times the loss scale (a device tensor), besides 1 / accumulate
+            scale=1.0 / accumulate if self.loss_scaler is None else self.loss_scaler.loss_weight(1.0 / accumulate),
             defer_grad_sync=accumulate > 1 and trainer.fit_loop.epoch_loop._should_accumulate(),
-            flags=self._reliability.flags_request(),  # ---- reliability: non-finite flags in the step's exchange
+            flags=flags,
         )
         self._held_grads = result.grads  # Lightning's zero_grad runs next; backward() puts them back
         self._step_flags = result.flags
@@ -454,13 +457,33 @@ class ThreeDStrategy(ParallelStrategy):
                 self._tied.sum_grads(held.params, held.grads)
             held.restore()
         flags, self._step_flags = self._step_flags, None
+        if self.loss_scaler is not None and flags is not None:  # 16-mixed: a non-finite gradient is an overflow
+            flags = self.loss_scaler.observe(flags)
         self._reliability.after_backward(closure_loss, flags)  # ---- reliability: non-finite loss / gradients
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step; under ``precision="16-mixed"`` the plugin's ``GradScaler`` is driven from the
+        overflow every rank agreed on (``core/loss_scale.py``) instead of a local inf check."""
+        if self.loss_scaler is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        assert model is not None
+        return self.loss_scaler.optimizer_step(
+            optimizer,
+            closure,
+            lambda: self.precision_plugin._after_closure(model, optimizer),
+            model.trainer.global_step,
+            **kwargs,
+        )
+
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         if self._reliability.step_skipped:  # ---- reliability: on_nonfinite="skip" dropped every gradient
+            return
+        if self.loss_scaler is not None and self.loss_scaler.step_skipped:  # 16-mixed overflow: no step to clip for
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         counted = self._tied.for_norm(params) if self._tied is not None else params

@@ -183,7 +183,7 @@ class BatchRunner:
         precision: Precision,
         *,
         train: bool,
-        scale: float = 1.0,
+        scale: float | torch.Tensor = 1.0,
         defer_grad_sync: bool = False,
         flags: tuple[int, FlagsFn] | None = None,
     ) -> BatchResult:
@@ -198,7 +198,8 @@ class BatchRunner:
             args: its arguments (batch first).
             precision: Lightning's precision plugin (its step contexts: autocast etc.).
             train: forward and backward, or forward only.
-            scale: loss multiplier in training (1 / accumulate_grad_batches).
+            scale: loss multiplier in training (1 / accumulate_grad_batches; under 16-mixed also the loss scale,
+                a device tensor).
             defer_grad_sync: keep data-parallel gradients local (not the last batch of an accumulation window).
             flags: ``(n_flags, fn)``: numbers to sum over every rank in the batch's one exchange (``FlagsFn``).
 

@@ -175,7 +175,7 @@ class StageExecutor:
         self._rest: tuple[Any, ...] = ()
         self._total = 0
         self._n_micro = 1
-        self._scale = 1.0
+        self._scale: float | torch.Tensor = 1.0
         self._train = True
         self._hook = "training_step"
         container = split.container
@@ -353,7 +353,7 @@ class StageExecutor:
         rest: tuple[Any, ...],
         total: int,
         n_micro: int,
-        scale: float,
+        scale: float | torch.Tensor,
         train: bool,
     ) -> None:
         """Set up one batch of ``hook`` (``total`` samples in ``n_micro`` equal micro-batches)."""

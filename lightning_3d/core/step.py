@@ -193,7 +193,7 @@ class StepAdapter:
         self._step_args: tuple[Any, ...] = ()
         self._batch: Any = None
         self._total = 0
-        self._scale = 1.0
+        self._scale: float | torch.Tensor = 1.0
         self._train = True
         self._hook = "training_step"
         self.index: torch.Tensor | None = None  # the batch's sample index (``BatchRunner.run`` sets it)
@@ -206,7 +206,7 @@ class StepAdapter:
         rest: tuple[Any, ...],
         total: int,
         n_micro: int,
-        scale: float,
+        scale: float | torch.Tensor,
         train: bool,
     ) -> None:
         """Set up one batch (``n_micro`` is implied by the sample index the schedule hands each call)."""

@@ -50,6 +50,7 @@ __all__ = [
     "op_name",
     "p2p_functions_are_torchs",
     "process_groups",
+    "record_scaler_found_inf",
     "replicate",
     "saved_attention_and_collective_ops",
     "schedule_has_loss",
@@ -58,6 +59,7 @@ __all__ = [
     "set_group_timeout",
     "shape_inference_done",
     "tensor_version",
+    "unscale_grads_",
     "view_base",
     "wrap_batch_p2p",
     "wrap_method",
@@ -158,6 +160,29 @@ def is_replicated(module: nn.Module) -> bool:
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
     """The ``ord``-norm of each tensor, in one fused call (``torch._foreach_norm``)."""
     return list(_private(torch, "_foreach_norm", "the gradient norm")(tensors, ord))
+
+
+def unscale_grads_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """Multiply plain (local) gradients of one device and dtype by ``inv_scale`` in place, as
+    ``GradScaler.unscale_`` does (``torch._amp_foreach_non_finite_check_and_unscale_``); returns the local
+    found-inf flag that op fills (1.0 if any gradient holds a NaN or inf)."""
+    found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+    op = _private(torch, "_amp_foreach_non_finite_check_and_unscale_", "unscaling fp16 loss-scaled gradients")
+    op(grads, found_inf, inv_scale)
+    return found_inf
+
+
+def record_scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: Any, found_inf: torch.Tensor) -> None:
+    """Record ``found_inf`` (a 0-dim float32 tensor on the scale's device: 1.0 overflow, 0.0 none) as
+    ``optimizer``'s unscale result in ``scaler``, as ``GradScaler.unscale_`` records its own check
+    (``_per_optimizer_states[id(optimizer)]``), so that the public ``scaler.update()`` backs off or grows the
+    scale from this (agreed) value."""
+    from torch.amp.grad_scaler import OptState
+
+    states = _private(scaler, "_per_optimizer_states", "feeding an agreed overflow to GradScaler.update")
+    state = states[id(optimizer)]
+    state["found_inf_per_device"] = {found_inf.device: found_inf}
+    state["stage"] = OptState.UNSCALED
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
