@@ -11,11 +11,11 @@ plugin's own ``GradScaler`` (its scale, growth and back-off, its state dict) fro
 * overflow: the batch's non-finite flags (``Reliability.local_flags``: one per stage and one for the loss, summed
   over every rank in the training step's one exchange, read once per batch) say whether any gradient anywhere holds
   an inf or NaN; over an accumulation window the flags are ORed (:meth:`LossScaler.observe`).
-* step: without overflow every rank multiplies its local gradients by 1 / scale (``GradScaler``'s own kernel), then
-  Lightning's ``on_before_optimizer_step`` and gradient clipping run (on unscaled gradients), then
-  ``optimizer.step()``. With overflow the gradients are not unscaled, the hooks still run (clipping is skipped by the
-  strategy) and ``optimizer.step()`` is not called: parameters and optimizer state stay untouched, as
-  ``GradScaler.step`` skips. The global step and LR schedulers advance, as under single-device ``16-mixed``.
+* step: every rank multiplies its local gradients by 1 / scale (``GradScaler``'s own kernel), then Lightning's
+  ``on_before_optimizer_step`` and gradient clipping run on the unscaled gradients, then ``optimizer.step()``. With
+  overflow the hooks still run (clipping is skipped by the strategy) but ``optimizer.step()`` is not called:
+  parameters and optimizer state stay untouched, as ``GradScaler.step`` skips. The global step and LR schedulers
+  advance, as under single-device ``16-mixed``.
 * update: the agreed flag is recorded as the optimizer's found-inf and ``GradScaler.update()`` backs off or grows the
   scale (``growth_interval`` good steps in a row), so the scale is the same on every rank.
 * state: the scaler is the precision plugin's, so Lightning saves its ``state_dict`` in the checkpoint (under
@@ -145,8 +145,7 @@ class LossScaler:
         closure()
         overflow, self.overflow = self.overflow, False
         self.step_skipped = overflow
-        if not overflow:
-            self.unscale_(optimizer)  # before clipping and before the step
+        self.unscale_(optimizer)  # before the hooks and clipping (they see what they see under one device)
         after_closure()
         output = None
         if overflow:

@@ -5,7 +5,7 @@ Lightning turns ``precision="16-mixed"`` into ``bf16-mixed`` on CPU, so both sid
 overflows fp16 gradients at once (step 0 is skipped and the scale backs off by 2**-12), grows x2 after every 3 good
 steps, and the loss of global step ``HUGE_STEP`` is multiplied by 1e6 (its gradients overflow at any scale here:
 that step is skipped too). Every rank writes ``OUT/<case>.rank<r>.json``: per step the returned (unscaled) loss, the
-logged cross-entropy and the scale after the step; the skipped steps as the strategy recorded them.
+logged cross-entropy, the scale and growth tracker after the step; the skipped steps as the strategy recorded them.
 
 * ``--ref``: one process, plain Lightning, ``STEPS`` steps (case ``ref``).
 * otherwise 4 ranks (Lightning's launcher), all in one launch, from the reference's initial weights:
@@ -50,7 +50,7 @@ class FP16MLP(TinyMLP):
 class Recorder(L.Callback):
     def __init__(self, out: Path, case: str, ref: bool, rec: dict | None = None) -> None:
         self.out, self.case, self.ref = out, case, ref
-        self.rec = rec if rec is not None else {"loss": [], "ce": [], "scale": [], "resumed_scale": []}
+        self.rec = rec if rec is not None else {"loss": [], "ce": [], "scale": [], "tracker": [], "resumed_scale": []}
 
     def on_fit_start(self, trainer, pl_module):
         init = self.out / "init.pt"
@@ -67,7 +67,9 @@ class Recorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.rec["loss"].append(float(outputs["loss"]))
         self.rec["ce"].append(float(trainer.callback_metrics["ce"]))
-        self.rec["scale"].append(trainer.precision_plugin.scaler.get_scale())
+        scaler = trainer.precision_plugin.scaler
+        self.rec["scale"].append(scaler.get_scale())
+        self.rec["tracker"].append(scaler.state_dict()["_growth_tracker"])
 
     def on_train_end(self, trainer, pl_module):
         scaler = getattr(trainer.strategy, "loss_scaler", None)

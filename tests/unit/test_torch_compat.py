@@ -105,6 +105,20 @@ def test_foreach_norm_matches_vector_norm():
         assert [float(g) for g in got] == [float(torch.linalg.vector_norm(t, order)) for t in tensors]
 
 
+def test_unscale_grads_and_found_inf_feed_grad_scaler_like_its_own_unscale():
+    grads = [torch.tensor([2.0, -4.0]), torch.tensor([[8.0]])]
+    found = torch_compat.unscale_grads_(grads, torch.tensor(0.5))
+    assert float(found) == 0.0 and grads[0].tolist() == [1.0, -2.0] and grads[1].tolist() == [[4.0]]
+    assert float(torch_compat.unscale_grads_([torch.tensor([float("inf")])], torch.tensor(0.5))) == 1.0
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2)
+    scaler.scale(torch.ones(()))  # the scale exists
+    for flag, expected in ((1.0, 2.0), (0.0, 2.0), (0.0, 4.0)):  # back off x0.5, then grow x2 after 2 good steps
+        torch_compat.record_scaler_found_inf(scaler, opt, torch.tensor(flag))
+        scaler.update()
+        assert scaler.get_scale() == expected
+
+
 def test_tensor_version_counts_in_place_writes():
     t = torch.zeros(3)
     before = torch_compat.tensor_version(t)
