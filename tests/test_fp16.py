@@ -1,6 +1,7 @@
 """``precision="16-mixed"`` under ThreeDStrategy against single-device Lightning (scripts/fp16_run.py).
 
-One single-process reference and ONE 4-rank launch (pp=2 x dp=2 with a checkpoint and a resume, then tp=2 x pp=2),
+One single-process reference and ONE 4-rank launch (pp=2 x dp=2 with a checkpoint and a resume, then tp=2 x dp=2
+under FSDP),
 all with ``MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu", init_scale=2**24, ...))`` (Lightning turns
 the ``"16-mixed"`` string into bf16 on CPU) and the default ``on_nonfinite="raise"`` (a scaler overflow must not
 raise). Compared per step and per rank: the scale after the step (the same skipped steps, back-offs and growths:
@@ -38,7 +39,7 @@ def test_fp16_loss_scaling_matches_single_device(tmp_path):
     assert max(ref["scale"]) > min(ref["scale"][1:5]), "no growth in the reference"
     run_lightning("fp16_run.py", ["--out", tmp_path], timeout=720)
     problems = []
-    for case in ("pp2dp2", "tp2pp2"):
+    for case in ("pp2dp2", "tp2dp2fsdp"):
         for rank in range(4):
             got = _load(tmp_path, case, rank)
             where = f"{case} rank {rank}"

@@ -11,7 +11,8 @@ logged cross-entropy, the scale and growth tracker after the step; the skipped s
 * otherwise 4 ranks (Lightning's launcher), all in one launch, from the reference's initial weights:
   ``pp2dp2``: pp=2 x dp=2, ``RESUME_AT`` steps, a checkpoint, then a new Trainer with a fresh scaler (2**24 again)
   resumes from it up to ``STEPS`` (case ``pp2dp2``; the scale on resume is recorded as ``resumed_scale``);
-  ``tp2pp2``: tp=2 x pp=2, ``STEPS`` steps in one go.
+  ``tp2dp2fsdp``: tp=2 x dp=2 under ``data_parallel="fsdp"`` (gradients are DTensor shards over (dp, tp)),
+  ``STEPS`` steps in one go.
 """
 
 from __future__ import annotations
@@ -123,9 +124,9 @@ def main() -> None:
     second = Recorder(out, "pp2dp2", False, rec={**first.rec, "skipped": list(first.rec.get("skipped", []))})
     trainer = trainer_for(ThreeDStrategy(pp=2, micro_batches=4), 4, STEPS, second)
     trainer.fit(model(), datamodule=data, ckpt_path=out / "ckpt")
-    # tp=2 x pp=2 (dp=1): the whole run
-    data = OrderedData("mlp", GLOBAL_BATCH, n=GLOBAL_BATCH * 4)
-    trainer = trainer_for(ThreeDStrategy(tp=2, pp=2, micro_batches=4), 4, STEPS, Recorder(out, "tp2pp2", False))
+    # tp=2 x dp=2 under FSDP (pp=1): the whole run
+    strategy = ThreeDStrategy(tp=2, micro_batches=4, data_parallel="fsdp")
+    trainer = trainer_for(strategy, 4, STEPS, Recorder(out, "tp2dp2fsdp", False))
     trainer.fit(model(), datamodule=data)
 
 
