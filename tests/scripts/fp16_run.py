@@ -79,6 +79,9 @@ class Recorder(L.Callback):
         (self.out / f"{self.case}.rank{trainer.global_rank}.json").write_text(json.dumps(self.rec))
 
 
+ACCUMULATE = 1  # --accumulate (a manual check; the test runs the default)
+
+
 def trainer_for(strategy, devices: int, steps: int, recorder: Recorder) -> L.Trainer:
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", **SCALER))
     return L.Trainer(
@@ -88,6 +91,7 @@ def trainer_for(strategy, devices: int, steps: int, recorder: Recorder) -> L.Tra
         plugins=[plugin],
         max_steps=steps,
         gradient_clip_val=1.0,
+        accumulate_grad_batches=ACCUMULATE,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -107,7 +111,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ref", action="store_true")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--on-nonfinite", default="raise")
     args = parser.parse_args()
+    global ACCUMULATE
+    ACCUMULATE = args.accumulate
+    settings = {"micro_batches": 4, "on_nonfinite": args.on_nonfinite}
     torch.set_num_threads(1)
     out = Path(args.out)
     os.makedirs(out, exist_ok=True)
@@ -118,14 +127,14 @@ def main() -> None:
     # pp=2 x dp=2: RESUME_AT steps, a checkpoint, a fresh Trainer and scaler resume to STEPS
     data = OrderedData("mlp", GLOBAL_BATCH // 2, n=GLOBAL_BATCH * 4)
     first = Recorder(out, "pp2dp2.first", False)
-    trainer = trainer_for(ThreeDStrategy(pp=2, micro_batches=4), 4, RESUME_AT, first)
+    trainer = trainer_for(ThreeDStrategy(pp=2, **settings), 4, RESUME_AT, first)
     trainer.fit(model(), datamodule=data)
     trainer.save_checkpoint(out / "ckpt")
     second = Recorder(out, "pp2dp2", False, rec={**first.rec, "skipped": list(first.rec.get("skipped", []))})
-    trainer = trainer_for(ThreeDStrategy(pp=2, micro_batches=4), 4, STEPS, second)
+    trainer = trainer_for(ThreeDStrategy(pp=2, **settings), 4, STEPS, second)
     trainer.fit(model(), datamodule=data, ckpt_path=out / "ckpt")
     # tp=2 x dp=2 under FSDP (pp=1): the whole run
-    strategy = ThreeDStrategy(tp=2, micro_batches=4, data_parallel="fsdp")
+    strategy = ThreeDStrategy(tp=2, data_parallel="fsdp", **settings)
     trainer = trainer_for(strategy, 4, STEPS, Recorder(out, "tp2dp2fsdp", False))
     trainer.fit(model(), datamodule=data)
 
