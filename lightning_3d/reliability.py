@@ -74,7 +74,7 @@ def _text(value: Any) -> str:
 
 
 # The settings that decide the mesh: compared before the mesh is built (a mismatched mesh hangs in new_group).
-LAYOUT_SETTINGS = ("tp", "pp", "dp", "stages_per_rank", "process_group_backend")
+LAYOUT_SETTINGS = ("tp", "pp", "dp", "stages_per_rank", "process_group_backend", "data_parallel", "dp_shard")
 
 
 def _setting_text(value: Any) -> str:

@@ -27,9 +27,10 @@ from .core.pipeline import (
     micro_batch_problem,
     min_micro_batches,
 )
+from .core.topology import hsdp_problem
 
 NONFINITE_MODES = ("raise", "skip", "off")
-DATA_PARALLEL_MODES = ("replicate", "fsdp")
+DATA_PARALLEL_MODES = ("replicate", "fsdp", "hsdp")
 TIMEOUT_FIELDS = ("timeout", "train_timeout")
 
 
@@ -99,7 +100,13 @@ class ThreeDSettings:
         data_parallel: how the dp ranks hold the model: ``"replicate"`` (default: every dp rank holds its stage's
             parameters, gradients and optimizer states whole, gradients all-reduced once per optimizer step) or
             ``"fsdp"`` (FSDP2 ``fully_shard`` over the dp dimension: parameters, gradients and optimizer states
-            sharded over dp, one reduce-scatter per optimizer step; needs dp > 1). See ``core/fsdp.py``.
+            sharded over dp, one reduce-scatter per optimizer step; needs dp > 1) or ``"hsdp"`` (hybrid: FSDP2
+            over a (dp_replicate, dp_shard) split of dp: sharded over ``dp_shard`` ranks, replicated over the
+            ``dp // dp_shard`` groups of them; one reduce-scatter within a shard group and one all-reduce across
+            the replicas per optimizer step). See ``core/fsdp.py``.
+        dp_shard: ``data_parallel="hsdp"`` only: the ranks each parameter is sharded over, a divisor of dp with
+            ``1 < dp_shard < dp``; ``None`` (default) takes the data-parallel ranks of one node (``dp //
+            num_nodes``: shard within a node, replicate across nodes), which needs a job of several nodes.
     """
 
     tp: int = 1
@@ -125,6 +132,7 @@ class ThreeDSettings:
     compile: bool | Mapping[str, Any] = False
     activation_checkpointing: str | int | bool | None = None
     data_parallel: str = "replicate"
+    dp_shard: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -167,8 +175,7 @@ class ThreeDSettings:
             )
         if self.data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(
-                f"ThreeDStrategy: data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
-                + (" (HSDP is not built yet: use 'fsdp')." if self.data_parallel == "hsdp" else ".")
+                f"ThreeDStrategy: data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}."
             )
         if self.data_parallel == "fsdp" and self.dp == 1:
             raise ValueError(
@@ -176,6 +183,21 @@ class ThreeDSettings:
                 "nothing to shard over. Use data_parallel='replicate' at dp=1, or more processes (dp = world // "
                 "(tp * pp) > 1)."
             )
+        self._check_dp_shard()
+
+    def _check_dp_shard(self) -> None:
+        if self.dp_shard is not None:
+            _check_at_least_one("dp_shard", self.dp_shard)
+            if self.data_parallel != "hsdp":
+                raise ValueError(
+                    f"ThreeDStrategy: dp_shard={self.dp_shard} is the shard size of data_parallel='hsdp', but "
+                    f"data_parallel={self.data_parallel!r}. Use data_parallel='hsdp', or leave dp_shard None."
+                )
+        # dp given: check it now (dp_shard=None is resolved, and dp inferred is checked, when the trainer is built)
+        if self.data_parallel == "hsdp" and self.dp is not None and (self.dp == 1 or self.dp_shard is not None):
+            problem = hsdp_problem(self.dp, self.dp_shard or 1)  # dp=1 is reported whatever dp_shard is
+            if problem is not None:
+                raise ValueError(problem)
 
     def _check_stages(self) -> None:
         if self.stages is None:

@@ -9,7 +9,8 @@ core/partition.py           finding the ``nn.Sequential`` body, splitting it int
 core/tensor_parallel/       the automatic / explicit tensor-parallel plan (DTensor styles)
 core/materialize.py         meta-device layers materialised one at a time; full <-> sharded weights
 core/data_parallel.py       ``replicate`` over the dp mesh
-core/fsdp.py                ``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (per block, then stage)
+core/fsdp.py                ``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (per block, then stage);
+                            ``"hsdp"``: the same over the (dp_replicate, dp_shard) view of dp
 core/parallelize.py         the three applied in one fixed order: stages, tensor parallel, data parallel
 core/pipeline.py            ``PipelineStage`` + schedules, cached per micro-batch shape
 core/rng.py                 the body's random streams: per stage, per tp rank in sharded regions
@@ -66,7 +67,7 @@ from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
 from .core.step import HeldGrads
 from .core.tied import TiedWeights, canonical_names
-from .core.topology import Topology
+from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
 from .settings import ThreeDSettings
 
@@ -129,6 +130,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.num_nodes = 1
         self.topology: Topology | None = None
         self._mesh: DeviceMesh | None = None
+        self._hsdp_mesh: DeviceMesh | None = None  # data_parallel="hsdp": (dp_replicate, dp_shard, pp, tp) view
         # set at setup
         self.body: partition.BodyRef | None = None
         self.stage_plan: partition.StagePlan | None = None
@@ -251,6 +253,10 @@ class ThreeDStrategy(ParallelStrategy):
         if self.num_processes:
             world = self.num_nodes * self.num_processes
             self.topology = Topology(world, tp=self.settings.tp, pp=self.settings.pp, dp=self.settings.dp)
+            if self.settings.data_parallel == "hsdp":  # dp_shard checked against the world's dp (one message each)
+                dp = self.topology.shape[0]
+                dp_shard = resolve_dp_shard(dp, self.settings.dp_shard, self.num_nodes) if dp > 1 else 1
+                self.topology = dataclasses.replace(self.topology, dp_shard=dp_shard)
             if self.settings.data_parallel == "fsdp" and self.topology.shape[0] == 1:
                 raise ValueError(
                     f"ThreeDStrategy(data_parallel='fsdp') shards over the data-parallel ranks, but dp = world // "
@@ -288,6 +294,8 @@ class ThreeDStrategy(ParallelStrategy):
         )
         if self._mesh is None:  # later trainer.validate / test / predict calls reuse the mesh
             self._mesh = self.topology.build_mesh(self.root_device.type)
+            if self.topology.dp_shard is not None:  # new process groups: once, on every rank alike
+                self._hsdp_mesh = self.topology.build_hsdp_mesh(self._mesh)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._mesh
 
@@ -382,6 +390,7 @@ class ThreeDStrategy(ParallelStrategy):
             compile_kwargs(s.compile),
             s.activation_checkpointing,
             data_parallel=s.data_parallel,
+            dp_mesh=self._sharding_mesh(),
         )
         self._compiled = built.compiled
         if built.compiled is not None:
@@ -502,8 +511,21 @@ class ThreeDStrategy(ParallelStrategy):
             norm_type,
             tp_group=mesh["tp"].get_group() if self.tp > 1 else None,
             pp_group=mesh["pp"].get_group() if self.pp > 1 else None,
-            dp_group=mesh["dp"].get_group() if self.settings.data_parallel == "fsdp" else None,
+            dp_group=self._grad_shard_group(),
         )
+
+    def _sharding_mesh(self) -> DeviceMesh:
+        """The mesh the stages are data-parallel over: dp, or HSDP's 2-D (dp_replicate, dp_shard) view of it."""
+        if self._hsdp_mesh is not None:
+            return self._hsdp_mesh[HSDP_DIMS]
+        return self.device_mesh["dp"]
+
+    def _grad_shard_group(self) -> dist.ProcessGroup | None:
+        """The group whose ranks hold disjoint shards of each gradient (``None``: whole gradients on every dp
+        rank). HSDP's gradients are sharded over dp_shard and identical over dp_replicate: summed over dp_shard."""
+        if self._hsdp_mesh is not None:
+            return self._hsdp_mesh["dp_shard"].get_group()
+        return self.device_mesh["dp"].get_group() if self.settings.data_parallel == "fsdp" else None
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, args: tuple[Any, ...]) -> Any:

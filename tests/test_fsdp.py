@@ -9,6 +9,11 @@ bf16 compute, fp32 reduction; within test_parity's bf16 tolerances). Then each r
 one reduce-scatter per FSDP unit, also with two batches per optimizer step, and one all-gather per unit per batch
 under a pipeline (``reshard_after_forward=False``: not one per micro-batch). Checkpoints: saved under FSDP at
 (pp2, dp2), resumed exactly there and loaded replicated at (pp2, dp1).
+
+HSDP (``data_parallel="hsdp"``, dp 4 = 2 replicas x 2 shards) runs in the same launches: parity at pp2 x dp4
+(float64 gradients within 1e-10, float32 20 steps within 1e-4, also the split model with tied weights), each
+replica's shards adding up once and the replicas holding the same shards; a checkpoint saved under HSDP (tp1, pp1,
+dp4) resumed exactly there and loaded replicated at (pp2, dp1).
 """
 
 from __future__ import annotations
@@ -83,13 +88,35 @@ LAYOUTS = {
     (2, 2, 2): ["mlp64", "gpt64", "gpt32", "mlp32acc", "nanotied64", "nanotied32"],
     (1, 2, 4): ["gpt64", "gpt32", "mlp32acc", "gptbf"],
 }
+# data_parallel="hsdp" in the same launch, after the FSDP cases: dp 4 = 2 replicas x 2 shards (dp_shard=2)
+HSDP_CASES = {(1, 2, 4): ["gpt64", "gpt32", "nanotied64"]}
+HSDP_SHARD = 2
+
+
+def check_hsdp_shares(got: dict, ref: dict, model: str, tp: int, dp: int, dp_shard: int) -> list[str]:
+    """Within each replica (dp rank // dp_shard) the dp_shard ranks of a (pp, tp) position hold disjoint shards
+    adding up to the tensor-parallel share; the replicas hold the same shards (bitwise, after training)."""
+    by_replica = {
+        "ranks": [
+            {**r, "coords": (r["coords"][0] % dp_shard, r["coords"][0] // dp_shard, *r["coords"][1:])}
+            for r in got["ranks"]
+        ]
+    }
+    problems = check_fsdp_shares(by_replica, ref, model, tp, dp_shard)
+    copies: dict[tuple, set[str]] = {}
+    for r in got["ranks"]:
+        copies.setdefault((r["coords"][0] % dp_shard, *r["coords"][1:]), set()).add(r["params_sha"])
+    problems += [f"shard {k}: replicas differ" for k, shas in copies.items() if len(shas) != 1]
+    if len(copies) != len(got["ranks"]) // (dp // dp_shard):
+        problems.append(f"{len(copies)} shard positions for {len(got['ranks'])} ranks")
+    return problems
 
 
 @pytest.fixture(scope="module")
 def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The single-device reference of every case the layouts below run."""
     out = tmp_path_factory.mktemp("fsdp_ref")
-    cases = sorted({case for cases in LAYOUTS.values() for case in cases})
+    cases = sorted({case for cases in [*LAYOUTS.values(), *HSDP_CASES.values()] for case in cases})
     run_lightning("parity_run.py", ["--ref", "--cases", ",".join(cases), "--out", out], timeout=300)
     return out
 
@@ -101,10 +128,13 @@ def test_fsdp_parity_with_single_device(fsdp_reference, tmp_path, tp, pp, dp):
     copy_inits(parity_reference, tmp_path)
     cases = LAYOUTS[(tp, pp, dp)]
     layout = ["--tp", tp, "--pp", pp, "--dp", dp, "--micro", 4, "--data-parallel", "fsdp"]
+    hsdp = HSDP_CASES.get((tp, pp, dp), [])
+    if hsdp:
+        layout += ["--hsdp-cases", ",".join(hsdp), "--dp-shard", HSDP_SHARD]
     run_lightning(
         "parity_run.py",
         [*layout, "--cases", ",".join(cases), "--out", tmp_path],
-        timeout=1200,
+        timeout=1500 if hsdp else 1200,
     )
     problems = []
     for case in cases:
@@ -115,6 +145,13 @@ def test_fsdp_parity_with_single_device(fsdp_reference, tmp_path, tp, pp, dp):
         found += _replicas_read_their_batches(got) + check_fsdp_shares(got, ref, model, tp, dp)
         found += check_collectives(got, accumulate)
         problems += [f"{case}: {p}" for p in found]
+    for case in hsdp:  # float64 within 1e-10, float32 20 steps (clipped by the norm over dp_shard) within 1e-4
+        ref, got = load(parity_reference, case), load(tmp_path, f"{case}@hsdp")
+        found = compare(ref, got, case[-2:])
+        model = case[:3] if case[:3] in ("gpt", "mlp") else re.sub(r"\d+$", "", case)
+        found += _replicas_read_their_batches(got) + check_hsdp_shares(got, ref, model, tp, dp, HSDP_SHARD)
+        found += check_collectives(got, 1)  # per shard group as FSDP (the replicas' all-reduce is not counted)
+        problems += [f"{case}@hsdp: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
 
 
@@ -151,8 +188,9 @@ def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list
 @pytest.mark.slow
 def test_fsdp_checkpoint_resumes_exactly_and_loads_replicated(tmp_path: Path) -> None:
     """Saved under FSDP (pp2 x dp2): resumed there bitwise; loaded under replicate at (pp2, dp1): the same full
-    parameters and Adam states as at the save, then the same losses within float32 round-off."""
-    run_lightning("fsdp_ckpt.py", ["--phase", "save", "--pp", 2, "--dp", 2, "--out", tmp_path], timeout=900)
+    parameters and Adam states as at the save, then the same losses within float32 round-off. The same for a
+    checkpoint saved under HSDP (in the same two launches, ``_check_hsdp_checkpoints``)."""
+    run_lightning("fsdp_ckpt.py", ["--phase", "save", "--pp", 2, "--dp", 2, "--hsdp", "--out", tmp_path], timeout=1200)
     saved = torch.load(tmp_path / "fsdp-save.pt", weights_only=False)
     clean, from5 = saved["clean"], saved["from5"]
     assert from5["steps"] == list(range(6, 11)) and from5["losses"] == clean["losses"][5:]
@@ -160,12 +198,33 @@ def test_fsdp_checkpoint_resumes_exactly_and_loads_replicated(tmp_path: Path) ->
     assert not _differences(from5["snap_end"]["opt"], clean["snap_end"]["opt"])
     run_lightning(
         "fsdp_ckpt.py",
-        ["--phase", "load", "--pp", 2, "--dp", 1, "--data-parallel", "replicate", "--out", tmp_path],
-        timeout=600,
+        ["--phase", "load", "--pp", 2, "--dp", 1, "--data-parallel", "replicate", "--hsdp", "--out", tmp_path],
+        timeout=900,
     )
-    resumed = torch.load(tmp_path / "fsdp-load-replicate-tp1-pp2-dp1.pt", weights_only=False)["resume"]
+    loaded = torch.load(tmp_path / "fsdp-load-replicate-tp1-pp2-dp1.pt", weights_only=False)
+    resumed = loaded["resume"]
     at5 = clean["snap_5"]
     assert len(at5["opt"]) == 3 * len(at5["params"])  # step, exp_avg, exp_avg_sq per parameter
+    assert not _differences(resumed["snap_start"]["params"], at5["params"])
+    assert not _differences(resumed["snap_start"]["opt"], at5["opt"])
+    assert resumed["steps"] == list(range(6, 11))
+    for got, want in zip(resumed["losses"], clean["losses"][5:], strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), (resumed["losses"], clean["losses"][5:])
+    _check_hsdp_checkpoints(saved, loaded["resume_hsdp"])
+
+
+def _check_hsdp_checkpoints(saved: dict, resumed: dict) -> None:
+    """HSDP (tp1, pp1, dp4 = 2 replicas x 2 shards, in the save launch): the same losses as FSDP within float32
+    round-off (another reduction order), resumed exactly there from its step-5 checkpoint, and that checkpoint
+    loaded under replicate at (pp2, dp1) with the same full parameters and Adam states."""
+    clean, from5, fsdp = saved["hsdp_clean"], saved["hsdp_from5"], saved["clean"]
+    for got, want in zip(clean["losses"], fsdp["losses"], strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), (clean["losses"], fsdp["losses"])
+    assert from5["steps"] == list(range(6, 11)) and from5["losses"] == clean["losses"][5:]
+    assert not _differences(from5["snap_end"]["params"], clean["snap_end"]["params"])
+    assert not _differences(from5["snap_end"]["opt"], clean["snap_end"]["opt"])
+    at5 = clean["snap_5"]
+    assert len(at5["opt"]) == 3 * len(at5["params"]) > 0
     assert not _differences(resumed["snap_start"]["params"], at5["params"])
     assert not _differences(resumed["snap_start"]["opt"], at5["opt"])
     assert resumed["steps"] == list(range(6, 11))

@@ -7,6 +7,13 @@ over dp: each rank keeps 1 / dp of its stage's (tensor-parallel) parameters as `
 sub-mesh, or on the (dp, tp) sub-mesh for tensor-parallel ``DTensor`` parameters (2-D sharding; FSDP2
 concatenates the two sub-meshes of the one (dp, pp, tp) root mesh).
 
+HSDP (``data_parallel="hsdp"``): the same wrapping over a 2-D mesh, ``("dp_replicate", "dp_shard")``, HSDP's
+view of the dp ranks (``Topology.build_hsdp_mesh``: replicate outer, so a shard group is consecutive ranks,
+one node with the default ``dp_shard``). FSDP2 then shards each parameter over ``dp_shard`` and replicates the
+shards over ``dp_replicate``: its all-gathers and reduce-scatters run within a shard group, followed by one
+all-reduce of the reduced gradient shards across the replicas (per unit, per optimizer step). Tensor-parallel
+parameters get a 3-D (dp_replicate, dp_shard, tp) placement (the HSDP mesh shares the root mesh of ``mesh["tp"]``).
+
 Gradient sync: torch's ``PipelineStage`` recognises the ``FSDPModule`` and runs every micro-batch's backward
 without gradient sync and without resharding, then one post-backward (reduce-scatter and reshard) after the last
 micro-batch; across gradient-accumulation batches ``pipeline._Stage`` keeps even that sync off
@@ -36,6 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+SHARDED_MODES = ("fsdp", "hsdp")  # the ``data_parallel`` modes wrapped here
 FSDP_ATTR = "_lightning_3d_fsdp"  # marks stage modules wrapped here (``replicate``'s modules are FSDPModules too)
 
 
@@ -59,7 +67,8 @@ def apply_fsdp(
     Args:
         module: the stage's module, already tensor-parallel (and compiled, when asked).
         blocks: the blocks this stage holds (submodules of ``module``), each its own FSDP unit.
-        dp_mesh: the 1-D data-parallel sub-mesh (of the (dp, pp, tp) root mesh).
+        dp_mesh: the 1-D data-parallel sub-mesh (of the (dp, pp, tp) root mesh), or under HSDP the 2-D
+            ``("dp_replicate", "dp_shard")`` one (shard over the second, replicate over the first).
         pp: the pipeline degree (``reshard_after_forward`` is ``False`` under a pipeline, see the module text).
         precision: Lightning's precision plugin (decides the mixed-precision policy).
 

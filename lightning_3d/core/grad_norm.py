@@ -6,7 +6,8 @@ with two small all-reduces: the squares of tensor-parallel SHARDS are summed ove
 parameters, identical on every tp rank, are counted once), then the per-stage totals are summed over the
 pp group. Data-parallel replicas hold identical (already all-reduced) gradients and need no communication;
 under FSDP (``data_parallel="fsdp"``) each dp rank holds a disjoint shard of every gradient, so the per-rank
-totals are also summed over the dp group (``dp_group``).
+totals are also summed over the dp group (``dp_group``); under HSDP (``data_parallel="hsdp"``) the gradients are
+sharded over dp_shard and equal over dp_replicate, so ``dp_group`` is the dp_shard group.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def global_grad_norm(
         norm_type: 2.0 (or any p > 0) or ``inf``.
         tp_group: the tensor-parallel group (``None`` when tp == 1).
         pp_group: the pipeline group (``None`` when pp == 1).
-        dp_group: the data-parallel group when the gradients are sharded over it (FSDP); ``None`` when every dp
-            rank holds the whole (all-reduced) gradients.
+        dp_group: the data-parallel group when the gradients are sharded over it (FSDP; HSDP: its dp_shard
+            group); ``None`` when every dp rank holds the whole (all-reduced) gradients.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     device = _local(grads[0]).device if grads else torch.device("cpu")

@@ -33,7 +33,7 @@ from .boundary_check import check_stage_boundaries, make_skeleton
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
 from .compile import CompiledBlocks, check_compilable, compile_blocks
 from .data_parallel import apply_data_parallel
-from .fsdp import apply_fsdp
+from .fsdp import SHARDED_MODES, apply_fsdp
 from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec, stage_ranks
 from .rng import BodyRandomness
@@ -326,14 +326,17 @@ def build_stages(
     compile_kwargs: Mapping[str, Any] | None = None,
     checkpointing: int | str | None = None,
     data_parallel: str = "replicate",
+    dp_mesh: DeviceMesh | None = None,
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
     ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
     data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``, FSDP2
-    sharding over dp (``fsdp.py``)."""
+    sharding over dp (``fsdp.py``); ``"hsdp"``: the same over ``dp_mesh``, HSDP's (dp_replicate, dp_shard) view of
+    dp (``None``: ``mesh["dp"]``)."""
+    dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
     if model.split is not None:
         return _build_split_stages(
-            module, model, mesh, device, precision, seed, compile_kwargs, checkpointing, data_parallel
+            module, model, mesh, device, precision, seed, compile_kwargs, checkpointing, data_parallel, dp_mesh
         )
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
@@ -370,8 +373,8 @@ def build_stages(
         container = partition.stage_container(body, stage_plan.layer_names[s])
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
-        if data_parallel == "fsdp":  # every layer of the stage its own unit (a Sequential body has no ties)
-            wrapped = apply_fsdp(container, held, mesh["dp"], pp=mesh["pp"].size(), precision=precision)
+        if data_parallel in SHARDED_MODES:  # every layer of the stage its own unit (a Sequential body has no ties)
+            wrapped = apply_fsdp(container, held, dp_mesh, pp=mesh["pp"].size(), precision=precision)
         else:
             wrapped = apply_data_parallel(container, mesh["dp"], blocks=held)
         stages.append(StageSpec(s, wrapped))
@@ -405,8 +408,10 @@ def _build_split_stages(
     compile_kwargs: Mapping[str, Any] | None = None,
     checkpointing: int | str | None = None,
     data_parallel: str = "replicate",
+    dp_mesh: DeviceMesh | None = None,
 ) -> BuiltStages:
     split = model.split
+    dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
     assert split is not None
     check_compilable(model.hf_plan is not None, mesh["tp"].size(), compile_kwargs)
     pp_rank = mesh["pp"].get_local_rank()
@@ -456,8 +461,8 @@ def _build_split_stages(
         blocks = []  # the stage's transformer blocks: each a gradient bucket (or an FSDP unit) of its own
         if container is not None:
             blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
-        if data_parallel == "fsdp":  # embeddings, norm and head in the stage's root unit
-            wrapped = apply_fsdp(stage_module, blocks, mesh["dp"], pp=mesh["pp"].size(), precision=precision)
+        if data_parallel in SHARDED_MODES:  # embeddings, norm and head in the stage's root unit
+            wrapped = apply_fsdp(stage_module, blocks, dp_mesh, pp=mesh["pp"].size(), precision=precision)
         else:
             wrapped = apply_data_parallel(stage_module, mesh["dp"], blocks=blocks)
         stages.append(StageSpec(s, wrapped))

@@ -138,6 +138,19 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------- device meshes
+def unflatten_mesh(mesh: Any, dim: str, sizes: Sequence[int], names: Sequence[str]) -> Any:
+    """``mesh`` with its dimension ``dim`` split into dimensions of ``sizes`` named ``names`` (row-major: the first
+    name outermost), over the same ranks and the same root mesh (``DeviceMesh._unflatten``).
+
+    The other dimensions keep their process groups; the new ones get theirs here, so every rank must call it, in
+    the same order. Sharing the root mesh lets FSDP2 combine a sub-mesh of the result with the tensor-parallel
+    sub-mesh of ``mesh`` (2-D parameters of HSDP x TP).
+    """
+    unflatten = _private(mesh, "_unflatten", "HSDP's (dp_replicate, dp_shard) mesh")
+    return unflatten(dim, tuple(sizes), tuple(names))
+
+
 # ---------------------------------------------------------------------------------------------- modules, tensors
 def replicate(module: nn.Module, mesh: Any) -> nn.Module:
     """torch's FSDP2-based ``replicate`` (DDP semantics over ``mesh``), which lives in a private module."""

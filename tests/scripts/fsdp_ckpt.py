@@ -7,6 +7,11 @@ Writes ``OUT/fsdp-save.pt``.
 
 ``--phase load``: ``fit(ckpt_path=OUT/all/step=5.ckpt)`` to step 10 at this launch's layout and mode, with full
 snapshots right after the restore and at the end. Writes ``OUT/fsdp-load-<mode>-tp<t>-pp<p>-dp<d>.pt``.
+
+``--hsdp`` (the same launch, its world size must be 4): the save phase also runs the same 10 steps under HSDP at
+(tp1, pp1, dp4 = 2 replicas x 2 shards), checkpointing in ``OUT/hsdp``, and resumes from its step 5 there
+(records ``hsdp_clean``, ``hsdp_from5``); the load phase also resumes from ``OUT/hsdp/step=5.ckpt`` at its own
+layout and mode (record ``resume_hsdp``).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ STEPS = 10
 def run(args: argparse.Namespace, callbacks: list, ckpt_path: str | None = None, at_steps=()) -> dict:
     L.seed_everything(1234, verbose=False)
     recorder = Recorder(at_steps)
-    strategy = ThreeDStrategy(tp=args.tp, pp=args.pp, print_layout=False, data_parallel=args.data_parallel)
+    strategy = ThreeDStrategy(
+        tp=args.tp, pp=args.pp, print_layout=False, data_parallel=args.data_parallel, dp_shard=args.dp_shard
+    )
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.tp * args.pp * args.dp,
@@ -56,17 +63,27 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--data-parallel", default="fsdp")
+    parser.add_argument("--dp-shard", type=int, default=None)
+    parser.add_argument("--hsdp", action="store_true", help="also save / load under HSDP (see the module text)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    hsdp = argparse.Namespace(**{**vars(args), "tp": 1, "pp": 1, "dp": 4, "data_parallel": "hsdp", "dp_shard": 2})
+    hsdp_step5 = str(Path(args.out) / "hsdp" / "step=5.ckpt")
     torch.set_num_threads(1)
     out = Path(args.out)
     step5 = str(out / "all" / "step=5.ckpt")
     if args.phase == "save":
         keep = ModelCheckpoint(dirpath=out / "all", filename="{step}", every_n_train_steps=1, save_top_k=-1)
         rec = {"clean": run(args, [keep], at_steps=(5,)), "from5": run(args, [], ckpt_path=step5)}
+        if args.hsdp:
+            keep = ModelCheckpoint(dirpath=out / "hsdp", filename="{step}", every_n_train_steps=5, save_top_k=-1)
+            rec["hsdp_clean"] = run(hsdp, [keep], at_steps=(5,))
+            rec["hsdp_from5"] = run(hsdp, [], ckpt_path=hsdp_step5)
         name = "fsdp-save.pt"
     else:
         rec = {"resume": run(args, [], ckpt_path=step5)}
+        if args.hsdp:
+            rec["resume_hsdp"] = run(args, [], ckpt_path=hsdp_step5)
         name = f"fsdp-load-{args.data_parallel}-tp{args.tp}-pp{args.pp}-dp{args.dp}.pt"
     if next(iter(rec.values()))["rank"] == 0:
         torch.save(rec, out / name)

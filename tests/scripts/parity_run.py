@@ -233,6 +233,7 @@ def run_case(args: argparse.Namespace, case: str) -> None:
             stages=uneven_stages(model_name) if args.stages else None,
             print_layout=args.stages,
             data_parallel=args.data_parallel,
+            dp_shard=args.dp_shard if args.data_parallel == "hsdp" else None,
             activation_checkpointing=_checkpointing(args.activation_checkpointing),
             compile={"backend": args.compile_backend} if args.compile_backend else False,
         )
@@ -252,7 +253,7 @@ def run_case(args: argparse.Namespace, case: str) -> None:
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         callbacks=[
-            Recorder(Path(args.out), case, args.ref, args.tag, COUNTER if args.data_parallel == "fsdp" else None)
+            Recorder(Path(args.out), case, args.ref, args.tag, COUNTER if args.data_parallel != "replicate" else None)
         ],
     )
     trainer.fit(model, datamodule=OrderedData(model_name, batch, n=GLOBAL_BATCH * 4))
@@ -268,7 +269,10 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--stages", action="store_true", help="pp=2 with stages=uneven_stages(model)")
-    parser.add_argument("--data-parallel", default="replicate", help="replicate or fsdp")
+    parser.add_argument("--data-parallel", default="replicate", help="replicate, fsdp or hsdp")
+    parser.add_argument("--dp-shard", type=int, default=None, help="HSDP's shard size (with --data-parallel hsdp)")
+    # HSDP in the same launch: after the other cases, these under data_parallel="hsdp" (OUT/<case>@hsdp.pt)
+    parser.add_argument("--hsdp-cases", default="")
     parser.add_argument("--activation-checkpointing", default=None, help="full, selective or N (default: off)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile each block with this backend")
     parser.add_argument("--cases", default=",".join(SEQUENTIAL_CASES))
@@ -279,11 +283,15 @@ def main() -> None:
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
     global COUNTER
-    COUNTER = CollectiveCounter() if args.data_parallel == "fsdp" else None
+    COUNTER = CollectiveCounter() if args.data_parallel != "replicate" or args.hsdp_cases else None
     runs = [(s.split(":")[0], int(s.split(":")[1]), f"@{s.split(':')[0]}") for s in args.schedules.split(",") if s]
     for schedule, stages_per_rank, tag in runs or [(args.schedule, args.stages_per_rank, "")]:
         args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag
         for case in args.cases.split(","):
+            run_case(args, case)
+    if args.hsdp_cases:
+        args.data_parallel, args.tag = "hsdp", "@hsdp"
+        for case in args.hsdp_cases.split(","):
             run_case(args, case)
 
 
