@@ -30,6 +30,7 @@ from .core.pipeline import (
 
 NONFINITE_MODES = ("raise", "skip", "off")
 DATA_PARALLEL_MODES = ("replicate", "fsdp")
+GRAD_REDUCE_DTYPES = ("bf16", "fp16")
 TIMEOUT_FIELDS = ("timeout", "train_timeout")
 
 
@@ -100,6 +101,12 @@ class ThreeDSettings:
             parameters, gradients and optimizer states whole, gradients all-reduced once per optimizer step) or
             ``"fsdp"`` (FSDP2 ``fully_shard`` over the dp dimension: parameters, gradients and optimizer states
             sharded over dp, one reduce-scatter per optimizer step; needs dp > 1). See ``core/fsdp.py``.
+        grad_reduce_dtype: the dtype gradients cross the data-parallel wire in (gradient compression):
+            ``"bf16"`` or ``"fp16"`` halve the bytes of the all-reduce (``replicate``) or reduce-scatter (``fsdp``)
+            of fp32 gradients; ``None`` (default) keeps today's: the gradients' own dtype (fp32 under
+            ``bf16-mixed`` FSDP). Gradients land back in the parameters' dtype (the optimizer sees fp32), and
+            ``fp16`` divides by about sqrt(dp) before and after the sum, so its range holds; an overflow becomes
+            inf, which ``on_nonfinite`` sees as usual. Needs dp > 1. See ``core/data_parallel.py``.
     """
 
     tp: int = 1
@@ -125,6 +132,7 @@ class ThreeDSettings:
     compile: bool | Mapping[str, Any] = False
     activation_checkpointing: str | int | bool | None = None
     data_parallel: str = "replicate"
+    grad_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -176,6 +184,18 @@ class ThreeDSettings:
                 "nothing to shard over. Use data_parallel='replicate' at dp=1, or more processes (dp = world // "
                 "(tp * pp) > 1)."
             )
+        self._check_grad_reduce_dtype()
+
+    def _check_grad_reduce_dtype(self) -> None:
+        if self.grad_reduce_dtype is None:
+            return
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(
+                f"ThreeDStrategy: grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES} or None (the gradients' own "
+                f"dtype), got {self.grad_reduce_dtype!r}."
+            )
+        if self.dp == 1:
+            raise ValueError(grad_reduce_dp1_message(self.grad_reduce_dtype, "dp=1"))
 
     def _check_stages(self) -> None:
         if self.stages is None:
@@ -254,6 +274,15 @@ class ThreeDSettings:
     def min_micro_batches(self) -> int:
         """The fewest micro-batches the schedule accepts at this ``pp`` (1 for GPipe)."""
         return min_micro_batches(self.schedule, self.pp)
+
+
+def grad_reduce_dp1_message(dtype: str, dp_text: str) -> str:
+    """The refusal of ``grad_reduce_dtype`` without data parallelism (``dp_text`` says how dp came to be 1)."""
+    return (
+        f"ThreeDStrategy(grad_reduce_dtype={dtype!r}) sets the dtype of the data-parallel gradient reduction, but "
+        f"{dp_text}: no gradient is reduced over data-parallel ranks, so there is nothing to compress. Leave "
+        "grad_reduce_dtype=None at dp=1, or use more processes (dp = world // (tp * pp) > 1)."
+    )
 
 
 def _is_int(value: Any) -> bool:

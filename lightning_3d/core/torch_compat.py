@@ -137,13 +137,17 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
 
 
 # ---------------------------------------------------------------------------------------------- modules, tensors
-def replicate(module: nn.Module, mesh: Any) -> nn.Module:
-    """torch's FSDP2-based ``replicate`` (DDP semantics over ``mesh``), which lives in a private module."""
+def replicate(module: nn.Module, mesh: Any, mp_policy: Any = None) -> nn.Module:
+    """torch's FSDP2-based ``replicate`` (DDP semantics over ``mesh``), which lives in a private module.
+
+    ``mp_policy``: a ``MixedPrecisionPolicy`` (e.g. its ``reduce_dtype``); ``None`` keeps torch's default."""
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
     except ImportError as err:
         raise _missing("torch.distributed._composable.replicate_with_fsdp.replicate", "data parallelism") from err
-    return torch_replicate(module, mesh=mesh)
+    if mp_policy is None:
+        return torch_replicate(module, mesh=mesh)
+    return torch_replicate(module, mesh=mesh, mp_policy=mp_policy)
 
 
 def is_replicated(module: nn.Module) -> bool:
