@@ -27,9 +27,9 @@ so the optimizer, clipping and the non-finite check see fp32 gradients. The mean
 range, so it is reduced with ``AVG`` like fp32; fp16 (largest 65504) is divided by a power of two near sqrt(dp)
 before the ``SUM`` and by the rest of dp after it (torch's ``_get_gradient_divide_factors``), so the sum of dp
 gradients overflows only where a single gradient, divided by sqrt(dp), already would. An overflow becomes inf in the
-fp32 gradient, and the non-finite agreement (``on_nonfinite``) sees it like any other inf, unchanged. Until the
-bucket syncs, torch keeps the not-yet-reduced gradient (the micro-batches' sum) in the reduce dtype
-(``FSDPParam.to_accumulated_grad_if_needed``).
+fp32 gradient, and the non-finite agreement (``on_nonfinite``) sees it like any other inf, unchanged. Only the wire is
+narrowed: the micro-batches' (and accumulation batches') gradients are summed locally in their own dtype (fp32)
+until the bucket syncs (torch would sum them in the reduce dtype: ``accumulate_unreduced_grads_as_computed``).
 """
 
 from __future__ import annotations
@@ -153,6 +153,8 @@ def apply_data_parallel(
     for unit in bucket_units(module, blocks):
         torch_compat.replicate(unit, mesh=dp_mesh, mp_policy=policy)
     torch_compat.replicate(module, mesh=dp_mesh, mp_policy=policy)
+    if dtype is not None:
+        torch_compat.accumulate_unreduced_grads_as_computed(module)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_custom_reduce_scatter(_SameBufferReduce())  # type: ignore[arg-type]  # duck-typed comm

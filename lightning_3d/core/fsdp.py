@@ -27,7 +27,9 @@ precision (``"32-true"``, ``"64-true"``, ``"bf16-true"``) uses the parameters' o
 ``grad_reduce_dtype`` (``"bf16"`` / ``"fp16"``) overrides the reduction's dtype in either case (the policy's
 ``reduce_dtype``; under ``bf16-mixed`` "bf16" reduces the bf16 gradients as they are): the reduce-scatter moves half
 the bytes of fp32, and the sharded gradients land back in the parameters' dtype. fp16's range: see
-``data_parallel.py`` (torch divides by about sqrt(dp) before and after the sum).
+``data_parallel.py`` (torch divides by about sqrt(dp) before and after the sum). The micro-batches' gradients are
+summed locally in the dtype autograd computes them in (fp32 under ``32-true``; bf16 under ``bf16-mixed``, where the
+default fp32 reduction sums them in fp32) until the step's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from . import torch_compat
 from .data_parallel import torch_reduce_dtype
 
 FSDP_ATTR = "_lightning_3d_fsdp"  # marks stage modules wrapped here (``replicate``'s modules are FSDPModules too)
@@ -87,6 +90,8 @@ def apply_fsdp(
         if any(True for _ in block.parameters()):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if reduce_dtype is not None:  # sum micro-batches in the gradients' dtype, reduce in the narrower one
+        torch_compat.accumulate_unreduced_grads_as_computed(module)
     setattr(module, FSDP_ATTR, True)
     return module
 
