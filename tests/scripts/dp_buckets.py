@@ -14,13 +14,16 @@ second syncs. Checked on every rank:
 Then gradient compression (``grad_reduce_dtype="bf16"``), for ``replicate`` and for ``fully_shard`` (float32
 model, 2 micro-batches, SGD, a few steps): every data-parallel all-reduce / reduce-scatter carries bf16 (fp32
 without it), the gradients after each step are fp32, and the per-step losses stay within ``BF16_LOSS_RTOL`` of
-the same run with fp32 reduction without being bitwise equal to them (so the reduction really ran in bf16).
+the same run with fp32 reduction without being bitwise equal to them (so the reduction really ran in bf16), and
+the first step's gradients equal, bit for bit, the hand-made reduction: each rank's fp32 sum of its micro-batches
+rounded to bf16 once, averaged over dp in bf16 (micro-batches are summed in fp32, only the wire is bf16).
 
 Raises (exit code != 0) on any mismatch.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from typing import Any
@@ -141,6 +144,7 @@ def train(mesh: Any, mode: str, reduce_dtype: str | None) -> tuple[list[float], 
     and the gradients' dtypes after the steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Tanh(), nn.Linear(4 * WIDTH, WIDTH))
+    plain = copy.deepcopy(model)  # the first step's gradients by hand
     blocks = [model[0], model[2]]
     if mode == "fsdp":
         model = apply_fsdp(model, blocks, mesh["dp"], pp=1, precision=Precision(), reduce_dtype=reduce_dtype)
@@ -171,16 +175,35 @@ def train(mesh: Any, mode: str, reduce_dtype: str | None) -> tuple[list[float], 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(200 + dist.get_rank())
     per_step = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
         x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
         losses.clear()
         with Collectives():
             runtime.run(x, y, 2, ("x",), True)
         per_step.append(float(sum(losses)))
+        if step == 0:
+            check_first_gradients(plain, model, x, y, reduce_dtype)
         optimizer.step()
         grad_dtypes = {p.grad.dtype for p in model.parameters()}
         optimizer.zero_grad()
     return per_step, wire, grad_dtypes
+
+
+def check_first_gradients(plain: nn.Module, model: nn.Module, x: torch.Tensor, y: torch.Tensor, dtype: Any) -> None:
+    """The first step's gradients, by hand: each rank sums its 2 micro-batches' fp32 gradients, rounds the sum to
+    the reduce dtype, averages it over dp in that dtype. Equal
+    bit for bit: summing the micro-batches in the reduce dtype (torch's own accumulation) would differ."""
+    for xc, yc in zip(x.chunk(2), y.chunk(2)):
+        mse(plain(xc), yc).backward()
+    wire = {None: torch.float32, "bf16": torch.bfloat16}[dtype]
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        want = p.grad.to(wire)
+        dist.all_reduce(want, op=dist.ReduceOp.AVG)
+        want = want.float()
+        got = q.grad.full_tensor() if isinstance(q.grad, DTensor) else q.grad
+        assert got.dtype == torch.float32 and torch.equal(got, want), (
+            f"{name}: reduce dtype {dtype}: max diff {(got - want).abs().max().item():.3e}"
+        )
 
 
 def check_grad_reduce_dtype(mesh: Any) -> None:
