@@ -2,7 +2,8 @@
 fp32 reduction (``ThreeDStrategy(grad_reduce_dtype=...)``).
 
 The main job's model (GPT preset ``small``: 4 layers, hidden 128, sequence 64, byte vocabulary 256; AdamW, lr 1e-3,
-20 warm-up steps, cosine decay) trained for ``STEPS`` steps at dp=2 (2 processes, ``data_parallel="replicate"``,
+20 warm-up steps, cosine decay) trained for ``STEPS`` steps at dp2 x pp2 (4 processes, 1F1B with 4 micro-batches,
+so each rank sums 4 micro-batches' gradients before the reduction; ``data_parallel="replicate"``,
 ``--data-parallel fsdp`` for FSDP) on the first bytes of the Python standard library's sources (the main job's
 default corpus), 16 sequences per replica, in order (no shuffling), three times: ``grad_reduce_dtype=None``
 (fp32, the reference), ``"bf16"`` and ``"fp16"``. Everything else is identical and deterministic, so the loss
@@ -19,13 +20,13 @@ from typing import Any
 
 from .common import Record
 
-ID, TITLE = "N1", "gradient compression numerics: loss with bf16 / fp16 reduction vs fp32 reduction (dp=2)"
-STEPS, BATCH, DP = 100, 16, 2
+ID, TITLE = "N1", "gradient compression numerics: loss with bf16 / fp16 reduction vs fp32 reduction (dp2 x pp2)"
+STEPS, BATCH, DP, PP, MICRO = 100, 16, 2, 2, 4
 DTYPES: tuple[str | None, ...] = (None, "bf16", "fp16")
 
 
 def worker(grad_reduce_dtype: str | None, steps: int, tiny: bool, data_parallel: str = "replicate") -> list[float]:
-    """Runs on the 2 ranks: trains the GPT; returns the per-step logged training loss (rank 0's view)."""
+    """Runs on the 4 ranks: trains the GPT; returns the per-step logged training loss (rank 0's view)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader
@@ -52,8 +53,14 @@ def worker(grad_reduce_dtype: str | None, steps: int, tiny: bool, data_parallel:
 
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=DP,
-        strategy=ThreeDStrategy(print_layout=False, data_parallel=data_parallel, grad_reduce_dtype=grad_reduce_dtype),
+        devices=DP * PP,
+        strategy=ThreeDStrategy(
+            pp=PP,
+            micro_batches=MICRO,
+            print_layout=False,
+            data_parallel=data_parallel,
+            grad_reduce_dtype=grad_reduce_dtype,
+        ),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -88,12 +95,12 @@ def run(out: Path, tiny: bool = False, data_parallel: str = "replicate") -> Reco
     curves: dict[str, list[float]] = {}
     for dtype in DTYPES:
         args = {"grad_reduce_dtype": dtype, "steps": steps, "tiny": tiny, "data_parallel": data_parallel}
-        curves[dtype or "fp32"] = launch("n1_grad_reduce:worker", DP, args, timeout=900)
+        curves[dtype or "fp32"] = launch("n1_grad_reduce:worker", DP * PP, args, timeout=900)
     reference = curves["fp32"]
     diffs = {name: compare(reference, curve) for name, curve in curves.items() if name != "fp32"}
     lines = [
-        f"GPT {'tiny' if tiny else 'small'}, dp={DP} ({data_parallel}), {steps} steps, {BATCH} sequences per "
-        f"replica; fp32-reduction loss: first {reference[0]:.4f}, last {reference[-1]:.4f}",
+        f"GPT {'tiny' if tiny else 'small'}, dp{DP} x pp{PP} ({data_parallel}, m={MICRO}), {steps} steps, {BATCH} "
+        f"sequences per replica; fp32-reduction loss: first {reference[0]:.4f}, last {reference[-1]:.4f}",
         "reduce dtype | max |diff| (step) | max rel | final |diff| | final rel",
     ]
     for name, d in diffs.items():
@@ -105,11 +112,11 @@ def run(out: Path, tiny: bool = False, data_parallel: str = "replicate") -> Reco
     return Record(
         f"{ID}{suffix}",
         TITLE,
-        {name: d["final_rel"] for name, d in diffs.items()},
+        {name: round(d["final_rel"] * 1e6, 2) for name, d in diffs.items()},
         {"fp32": 0.0},
         0.0,
-        {name: d["max_rel"] for name, d in diffs.items()},
-        "relative loss difference",
+        {name: round(d["max_rel"] * 1e6, 2) for name, d in diffs.items()},
+        "ppm of the fp32-reduction loss (measured: final step; ratio: largest over the steps)",
         {"curves": curves, "diffs": diffs, "steps": steps, "data_parallel": data_parallel},
         lines,
     )
