@@ -5,6 +5,9 @@ body split by a partitioner (defaults: ``1f1b``, ``uniform``); the record names 
 
 ``P1`` (the planner against measured layouts, ``benchmarks/p1_planner.py``) runs by id only, not in ``all``.
 
+``python -m benchmarks B5 --grad-reduce-dtype bf16`` counts the data-parallel gradient bytes with gradient
+compression, under replicate and fsdp (record ``B5_grad_bf16``).
+
 ``--model hf_llama`` (or ``hf_llama_tied``) runs the benchmarks that have a Hugging Face Llama variant (a module
 listing it in ``MODELS``) on that model instead of the example GPT and writes ``DIR/ID_hf_llama.json``.
 """
@@ -26,7 +29,8 @@ from .common import environment, fmt, report
 from .hf_llama import MODEL_NAMES
 
 # Benchmarks run by id only, never by ``all`` (minutes long): P1 checks the planner against measured layouts.
-EXTRA_BENCHMARKS: dict[str, str] = {"P1": "p1_planner"}
+# N1 measures the loss with gradient compression (grad_reduce_dtype) against fp32 reduction (three 100-step runs).
+EXTRA_BENCHMARKS: dict[str, str] = {"P1": "p1_planner", "N1": "n1_grad_reduce"}
 BENCHMARKS: dict[str, str] = {**CORE_BENCHMARKS, **EXTRA_BENCHMARKS}
 
 
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "--data-parallel",
         default="replicate",
         choices=("replicate", "fsdp"),
-        help="B4 only: ThreeDStrategy(data_parallel=...); fsdp writes B4_fsdp.json",
+        help="B4 and N1 only: ThreeDStrategy(data_parallel=...); fsdp writes B4_fsdp.json / N1_fsdp.json",
     )
     parser.add_argument(
         "--schedule",
@@ -70,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         "--partitioner",
         default=None,
         help="B1 only: how the body is split into stages (uniform (default), parameters, compute, memory)",
+    )
+    parser.add_argument(
+        "--grad-reduce-dtype",
+        default=None,
+        choices=("bf16", "fp16"),
+        help="B5 only: ThreeDStrategy(grad_reduce_dtype=...) under replicate and fsdp; the data-parallel gradient "
+        "bytes against the formula (record B5_grad_<dtype>)",
     )
     args = parser.parse_args(argv)
     b1_options = {k: v for k, v in (("schedule", args.schedule), ("partitioner", args.partitioner)) if v is not None}
@@ -87,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             ids = [i for i in ids if i not in without]  # 'all' with a model: the benchmarks that have it
         elif without:
             parser.error(f"benchmark(s) {without} have no --model {args.model} variant")
-    if args.data_parallel != "replicate" and (ids != ["B4"] or args.model != "gpt"):
-        parser.error("--data-parallel fsdp is measured by B4 with the example GPT only")
+    if args.data_parallel != "replicate" and (ids not in (["B4"], ["N1"]) or args.model != "gpt"):
+        parser.error("--data-parallel fsdp is measured by B4 and N1 with the example GPT only")
+    if args.grad_reduce_dtype is not None and (ids != ["B5"] or args.model != "gpt"):
+        parser.error("--grad-reduce-dtype is measured by B5 with the example GPT only")
     if b1_options and ids != ["B1"]:
         parser.error("--schedule and --partitioner apply to B1 alone: run `python -m benchmarks B1 --schedule ...`")
     out = Path(args.out)
@@ -100,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.data_parallel != "replicate":
                 record = module.run(out, tiny=args.tiny, data_parallel=args.data_parallel)
+            elif args.grad_reduce_dtype is not None:
+                record = module.run(out, tiny=args.tiny, grad_reduce_dtype=args.grad_reduce_dtype)
             elif b1_options:
                 record = module.run(out, tiny=args.tiny, **b1_options)
             elif args.model == "gpt":

@@ -17,6 +17,12 @@ Formulas (b = sequences per micro-batch, s = sequence, h = hidden, m = micro-bat
 * DDP: one all-reduce per gradient bucket per step (each layer the stage holds is a bucket; for the Llama, each
   decoder layer, plus the rest of the stage), together the stage's local gradient elements (an independent count).
 
+``--grad-reduce-dtype bf16`` (or ``fp16``, record ``B5_grad_bf16``): the same step with ``grad_reduce_dtype`` set,
+once with ``data_parallel="replicate"`` and once with ``"fsdp"``, counting the data-parallel gradient reduction
+in bytes: replicate's all-reduces and FSDP's reduce-scatters must carry exactly ``2 x`` the stage's local gradient
+elements (the count the default run checks in elements, fp32: ``4 x``), i.e. half the default's bytes; FSDP's
+parameter all-gathers stay fp32 (``4 x elements / dp``, one per unit per step under a pipeline).
+
 Every measured/formula ratio is reported as it is. The embedding and LM head's TP collectives (outside the
 transformer layers) get their own lines, and so does traffic outside the schedule (the log relay).
 """
@@ -121,7 +127,9 @@ def _input_tensors(name: str, args: tuple[Any, ...]) -> list[Any]:
     """The tensors an op sends or reduces (for all-gathers: the input, not the gathered output)."""
     import torch
 
-    if name.startswith("allgather"):  # c10d.allgather_(output_lists, input_tensors, ...)
+    if name.startswith("allgather") or name in ("_allgather_base_", "_reduce_scatter_base_"):
+        # c10d.allgather_(output_lists, input_tensors, ...); FSDP's c10d._allgather_base_ / _reduce_scatter_base_
+        # (output, input, ...): count the input
         candidates = args[1] if len(args) > 1 else []
     else:
         candidates = args[0] if args else []
@@ -130,8 +138,11 @@ def _input_tensors(name: str, args: tuple[Any, ...]) -> list[Any]:
     return [t for t in candidates if isinstance(t, torch.Tensor)]
 
 
-def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
-    """Runs on the 8 ranks: audits step 1; returns every rank's records and its local gradient counts."""
+def worker(
+    tiny: bool, micro_batches: int, batch: int, data_parallel: str = "replicate", grad_reduce_dtype: str | None = None
+) -> dict[str, Any]:
+    """Runs on the 8 ranks: audits step 1; returns every rank's records and its local gradient counts
+    (``data_parallel`` / ``grad_reduce_dtype``: the strategy's settings, for ``--grad-reduce-dtype``)."""
     import lightning as L
     import torch.distributed as dist
 
@@ -192,18 +203,74 @@ def worker(tiny: bool, micro_batches: int, batch: int) -> dict[str, Any]:
                 "records": self.mode.records,
                 "grad_elements_exact": sum(gpt_local_numel(n, shape, TP) for n, shape in owned.items()),
                 "layers": list(keep),
+                # FSDP pads each gradient's dim 0 to a multiple of dp: none when every dim 0 is a multiple of dp x tp
+                "fsdp_unpadded": all(shape[0] % (dp * TP) == 0 for shape in owned.values()),
             }
             self.mode = None
 
     audit = Audit()
     config = model_config(tiny)
-    fit_3d(config, audit, tp=TP, pp=PP, micro_batches=micro_batches, batch=batch, steps=2, devices=DEVICES)
+    dp = DEVICES // (TP * PP)
+    settings: dict[str, Any] = {}  # the default run passes none (unchanged)
+    if grad_reduce_dtype is not None or data_parallel != "replicate":
+        settings = {"data_parallel": data_parallel, "grad_reduce_dtype": grad_reduce_dtype}
+    fit_3d(config, audit, tp=TP, pp=PP, micro_batches=micro_batches, batch=batch, steps=2, devices=DEVICES, **settings)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, audit.result)
     return {"ranks": gathered, "config": config}
 
 
-def analyse(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
+REDUCE_BYTES = {None: 4, "bf16": 2, "fp16": 2}
+"""Bytes per gradient element on the data-parallel wire, by ``grad_reduce_dtype`` (``None``: fp32)."""
+
+
+def _bare(op: str) -> str:
+    """An op name without underscores (``_reduce_scatter_base`` -> ``reducescatterbase``)."""
+    return op.replace("_", "")
+
+
+def _check_grad_reduction(
+    ranks: list[dict[str, Any]], check: Any, data_parallel: str, grad_reduce_dtype: str | None
+) -> None:
+    """The data-parallel gradient reduction in bytes (``--grad-reduce-dtype``): replicate's all-reduces or FSDP's
+    reduce-scatters (and its fp32 parameter all-gathers) against the exact local gradient elements."""
+    size = REDUCE_BYTES[grad_reduce_dtype]
+    name = grad_reduce_dtype or "fp32"
+    dp = DEVICES // (TP * PP)
+    op = "allreduce" if data_parallel == "replicate" else "reducescatter"  # c10d.allreduce_, _reduce_scatter_base_
+    label = "DDP all-reduce" if data_parallel == "replicate" else "FSDP reduce-scatter"
+    for r in ranks:
+        recs = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
+        reduce = [x for x in recs if _bare(x["op"]).startswith(op)]
+        elements = r["grad_elements_exact"]
+        if data_parallel == "fsdp":
+            assert r["fsdp_unpadded"], "a dim 0 not a multiple of dp x tp: FSDP pads it, the formula would not hold"
+        check(f"{label} calls per step", len(reduce), len(r["layers"]), "one per layer held, per optimizer step")
+        check(f"{label} elements per step", sum(x["elements"] for x in reduce), elements, "local gradients")
+        measured = sum(x["bytes"] for x in reduce)
+        check(f"{label} bytes per step ({name})", measured, size * elements, f"{size} B x local gradient elements")
+        check(
+            f"{label} bytes / the default's fp32 bytes",
+            measured / (4 * elements),
+            size / 4,
+            "the default run reduces the same elements in fp32 (4 B each)",
+        )
+        if data_parallel == "fsdp":
+            gathers = [x for x in recs if _bare(x["op"]).startswith("allgather")]
+            check("FSDP all-gather calls per step", len(gathers), len(r["layers"]), "one per unit (no reshard, pp > 1)")
+            check(
+                "FSDP all-gather bytes per step (fp32 parameters)",
+                sum(x["bytes"] for x in gathers),
+                4 * elements // dp,
+                "4 B x the rank's shard (local elements / dp); not compressed",
+            )
+        other = [x["op"] for x in recs if x not in reduce and not _bare(x["op"]).startswith("allgather")]
+        check("other data-parallel collectives per step", len(other), 0, f"none expected: {other[:3]}")
+
+
+def analyse(
+    res: dict[str, Any], m: int, batch: int, data_parallel: str = "replicate", grad_reduce_dtype: str | None = None
+) -> dict[str, Any]:
     """Compare the records with the formulas; returns the checks (measured, formula, ratio) and notes."""
     from .common import hidden, seq_len, vocab
 
@@ -215,7 +282,7 @@ def analyse(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
 
     def check(name: str, measured: float, formula: float, note: str = "") -> None:
         prev = checks.get(name)
-        ratio = measured / formula if formula else float("nan")
+        ratio = _ratio(measured, formula)
         if prev is None or abs(ratio - 1) > abs(prev["ratio"] - 1):  # keep the worst case over ranks
             checks[name] = {"measured": measured, "formula": formula, "ratio": ratio, "note": note}
 
@@ -261,16 +328,21 @@ def analyse(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
                 "TP head all-gather input elements", sum(head_fwd) / max(1, len(head_fwd)), b * s * v // TP, "b s V/tp"
             )
             check("TP head all-reduces per micro-batch (bwd)", len(head_bwd) / m, 1, "input gradient of lm_head")
-    # data parallel: one all-reduce per gradient bucket per step (a replicate group per body layer held)
-    for r in ranks:
-        ddp = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
-        check(
-            "DDP all-reduce calls per step",
-            len(ddp),
-            len(r["layers"]),
-            "one per layer held (its own bucket), per optimizer step, not per micro-batch",
-        )
-        check("DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients")
+    if grad_reduce_dtype is not None or data_parallel != "replicate":
+        _check_grad_reduction(ranks, check, data_parallel, grad_reduce_dtype)
+    else:
+        # data parallel: one all-reduce per gradient bucket per step (a replicate group per body layer held)
+        for r in ranks:
+            ddp = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
+            check(
+                "DDP all-reduce calls per step",
+                len(ddp),
+                len(r["layers"]),
+                "one per layer held (its own bucket), per optimizer step, not per micro-batch",
+            )
+            check(
+                "DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients"
+            )
     unexplained = [
         (r["rank"], x["dim"], x["op"], x["phase"], x["layer"])
         for r in ranks
@@ -293,12 +365,15 @@ def analyse(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
     }
 
 
-def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
-    """Launch the eight processes, check the formulas, build the record."""
+def run(out: Path, tiny: bool = False, model: str = "gpt", grad_reduce_dtype: str | None = None) -> Record:
+    """Launch the eight processes, check the formulas, build the record (``grad_reduce_dtype``: see the module
+    text; record ``B5_grad_<dtype>``)."""
     from .common import launch
 
     if model != "gpt":
         return run_llama(out, tiny, model)
+    if grad_reduce_dtype is not None:
+        return run_grad_reduce(out, tiny, grad_reduce_dtype)
 
     m, batch = (2, 4) if tiny else (4, 8)
     res = launch("b5_comm:worker", DEVICES, {"tiny": tiny, "micro_batches": m, "batch": batch}, timeout=300)
@@ -338,6 +413,43 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
     return Record(
         ID,
         TITLE,
+        {k: c["measured"] for k, c in checks.items()},
+        {k: c["formula"] for k, c in checks.items()},
+        1.0,
+        {k: round(c["ratio"], 4) for k, c in checks.items()},
+        "",
+        details,
+        lines,
+    )
+
+
+def run_grad_reduce(out: Path, tiny: bool, grad_reduce_dtype: str) -> Record:
+    """B5 ``--grad-reduce-dtype``: the data-parallel gradient bytes of one step under ``replicate`` and under
+    ``fsdp`` with that reduce dtype, against the exact formula (``B5_grad_<dtype>``)."""
+    from .common import launch
+
+    if grad_reduce_dtype not in REDUCE_BYTES or grad_reduce_dtype is None:
+        raise ValueError(f"--grad-reduce-dtype: bf16 or fp16, got {grad_reduce_dtype!r}")
+    m, batch = (2, 4) if tiny else (4, 8)
+    checks: dict[str, dict[str, Any]] = {}
+    details: dict[str, Any] = {
+        "layout": "dp2 x pp2 x tp2 on 8 processes, step 1",
+        "grad_reduce_dtype": grad_reduce_dtype,
+    }
+    lines = [f"grad_reduce_dtype={grad_reduce_dtype}: data-parallel gradient bytes of one step; worst rank per check"]
+    for mode in ("replicate", "fsdp"):
+        args = {"tiny": tiny, "micro_batches": m, "batch": batch, "data_parallel": mode}
+        res = launch("b5_comm:worker", DEVICES, {**args, "grad_reduce_dtype": grad_reduce_dtype}, timeout=300)
+        result = analyse(res, m, batch, mode, grad_reduce_dtype)
+        details[mode] = result
+        lines.append(f"-- data_parallel={mode}: check | measured | formula | ratio")
+        for name, c in result["checks"].items():
+            flag = "" if abs(c["ratio"] - 1) < 5e-4 else "   <-- not 1.000"
+            lines.append(f"{name}: {c['measured']:g} | {c['formula']:g} | {c['ratio']:.4f}{flag}  ({c['note']})")
+            checks[f"{mode}: {name}"] = c
+    return Record(
+        f"{ID}_grad_{grad_reduce_dtype}",
+        f"{TITLE}: gradient reduction in {grad_reduce_dtype} (replicate, fsdp)",
         {k: c["measured"] for k, c in checks.items()},
         {k: c["formula"] for k, c in checks.items()},
         1.0,

@@ -31,6 +31,7 @@ from .core.topology import hsdp_problem
 
 NONFINITE_MODES = ("raise", "skip", "off")
 DATA_PARALLEL_MODES = ("replicate", "fsdp", "hsdp")
+GRAD_REDUCE_DTYPES = ("bf16", "fp16")
 TIMEOUT_FIELDS = ("timeout", "train_timeout")
 
 
@@ -107,6 +108,13 @@ class ThreeDSettings:
         dp_shard: ``data_parallel="hsdp"`` only: the ranks each parameter is sharded over, a divisor of dp with
             ``1 < dp_shard < dp``; ``None`` (default) takes the data-parallel ranks of one node (``dp //
             num_nodes``: shard within a node, replicate across nodes), which needs a job of several nodes.
+            sharded over dp, one reduce-scatter per optimizer step; needs dp > 1). See ``core/fsdp.py``.
+        grad_reduce_dtype: the dtype gradients cross the data-parallel wire in (gradient compression):
+            ``"bf16"`` or ``"fp16"`` halve the bytes of the all-reduce (``replicate``) or reduce-scatter (``fsdp``)
+            of fp32 gradients; ``None`` (default) keeps today's: the gradients' own dtype (fp32 under
+            ``bf16-mixed`` FSDP). Gradients land back in the parameters' dtype (the optimizer sees fp32), and
+            ``fp16`` divides by about sqrt(dp) before and after the sum, so its range holds; an overflow becomes
+            inf, which ``on_nonfinite`` sees as usual. Needs dp > 1. See ``core/data_parallel.py``.
     """
 
     tp: int = 1
@@ -133,6 +141,7 @@ class ThreeDSettings:
     activation_checkpointing: str | int | bool | None = None
     data_parallel: str = "replicate"
     dp_shard: int | None = None
+    grad_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -184,6 +193,7 @@ class ThreeDSettings:
                 "(tp * pp) > 1)."
             )
         self._check_dp_shard()
+        self._check_grad_reduce_dtype()
 
     def _check_dp_shard(self) -> None:
         if self.dp_shard is not None:
@@ -198,6 +208,17 @@ class ThreeDSettings:
             problem = hsdp_problem(self.dp, self.dp_shard or 1)  # dp=1 is reported whatever dp_shard is
             if problem is not None:
                 raise ValueError(problem)
+
+    def _check_grad_reduce_dtype(self) -> None:
+        if self.grad_reduce_dtype is None:
+            return
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise ValueError(
+                f"ThreeDStrategy: grad_reduce_dtype must be one of {GRAD_REDUCE_DTYPES} or None (the gradients' own "
+                f"dtype), got {self.grad_reduce_dtype!r}."
+            )
+        if self.dp == 1:
+            raise ValueError(grad_reduce_dp1_message(self.grad_reduce_dtype, "dp=1"))
 
     def _check_stages(self) -> None:
         if self.stages is None:
@@ -276,6 +297,15 @@ class ThreeDSettings:
     def min_micro_batches(self) -> int:
         """The fewest micro-batches the schedule accepts at this ``pp`` (1 for GPipe)."""
         return min_micro_batches(self.schedule, self.pp)
+
+
+def grad_reduce_dp1_message(dtype: str, dp_text: str) -> str:
+    """The refusal of ``grad_reduce_dtype`` without data parallelism (``dp_text`` says how dp came to be 1)."""
+    return (
+        f"ThreeDStrategy(grad_reduce_dtype={dtype!r}) sets the dtype of the data-parallel gradient reduction, but "
+        f"{dp_text}: no gradient is reduced over data-parallel ranks, so there is nothing to compress. Leave "
+        "grad_reduce_dtype=None at dp=1, or use more processes (dp = world // (tp * pp) > 1)."
+    )
 
 
 def _is_int(value: Any) -> bool:

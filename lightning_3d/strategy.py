@@ -69,7 +69,7 @@ from .core.step import HeldGrads
 from .core.tied import TiedWeights, canonical_names
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
-from .settings import ThreeDSettings
+from .settings import ThreeDSettings, grad_reduce_dp1_message
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -263,6 +263,13 @@ class ThreeDStrategy(ParallelStrategy):
                     f"(tp * pp) = {world} // ({self.settings.tp} * {self.settings.pp}) = 1: there is nothing to shard "
                     "over. Use data_parallel='replicate' at dp=1, or more processes."
                 )
+            if self.settings.grad_reduce_dtype is not None and self.topology.shape[0] == 1:
+                raise ValueError(
+                    grad_reduce_dp1_message(
+                        self.settings.grad_reduce_dtype,
+                        f"dp = world // (tp * pp) = {world} // ({self.settings.tp} * {self.settings.pp}) = 1",
+                    )
+                )
 
     def _launched_processes(self) -> list[Any]:
         """The processes this rank's launcher started (rank 0 under Lightning's launcher; none elsewhere)."""
@@ -391,6 +398,7 @@ class ThreeDStrategy(ParallelStrategy):
             s.activation_checkpointing,
             data_parallel=s.data_parallel,
             dp_mesh=self._sharding_mesh(),
+            grad_reduce_dtype=s.grad_reduce_dtype,
         )
         self._compiled = built.compiled
         if built.compiled is not None:

@@ -259,6 +259,39 @@ def test_cli_model_option_is_refused_where_there_is_no_variant():
     assert _import("benchmarks.b4_state").MODELS == ("gpt", "hf_llama", "hf_llama_tied")
 
 
+def _dp_rank(ops: list[tuple[str, int, int]], elements: int) -> dict:
+    """One rank's B5 result with the given data-parallel (op, elements, bytes) records, 2 layers held."""
+    records = [{"op": op, "dim": "dp", "elements": n, "bytes": b, "in_schedule": True} for op, n, b in ops]
+    return {"records": records, "grad_elements_exact": elements, "layers": ["0", "1"], "fsdp_unpadded": True}
+
+
+def test_b5_grad_reduce_counts_bytes_against_the_formula():
+    """B5 --grad-reduce-dtype's check: bf16 bytes are 2 per gradient element, half the fp32 default's; fp32 bytes on
+    the wire (no compression) are seen as twice the formula."""
+    b5 = _import("benchmarks.b5_comm")
+
+    def checks(mode: str, ops: list[tuple[str, int, int]]) -> dict:
+        found: dict = {}
+        b5._check_grad_reduction([_dp_rank(ops, 100)], lambda n, m, f, note="": found.update({n: (m, f)}), mode, "bf16")
+        return found
+
+    ok = checks("replicate", [("allreduce", 60, 120), ("allreduce", 40, 80)])
+    assert ok["DDP all-reduce bytes per step (bf16)"] == (200, 200)
+    assert ok["DDP all-reduce bytes / the default's fp32 bytes"] == (0.5, 0.5)
+    fp32 = checks("replicate", [("allreduce", 60, 240), ("allreduce", 40, 160)])
+    assert fp32["DDP all-reduce bytes per step (bf16)"] == (400, 200)
+    gathers = [("_allgather_base", 30, 120), ("_allgather_base", 20, 80)]
+    fsdp = checks("fsdp", [("_reduce_scatter_base", 60, 120), ("_reduce_scatter_base", 40, 80), *gathers])
+    assert fsdp["FSDP reduce-scatter calls per step"] == (2, 2)
+    assert fsdp["FSDP reduce-scatter bytes per step (bf16)"] == (200, 200)
+    assert fsdp["FSDP all-gather bytes per step (fp32 parameters)"] == (200, 200)
+    assert fsdp["other data-parallel collectives per step"] == (0, 0)
+    main = _import("benchmarks.__main__").main
+    for argv in (["B4", "--grad-reduce-dtype", "bf16"], ["B5", "--grad-reduce-dtype", "fp8"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--out", "/nonexistent"])
+
+
 @pytest.mark.slow
 def test_b8_no_host_synchronisation_per_micro_batch():
     """B8's counter over a real fit: one rank with two interleaved stages (m=4) adds at most one host

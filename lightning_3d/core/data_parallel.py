@@ -18,6 +18,18 @@ step.
 Over a dp group ``replicate``'s "reduce-scatter" spans one rank: torch copies the flattened gradients into a
 second buffer before the all-reduce. :class:`_SameBufferReduce` hands torch the flattened input back as that
 output, so the copy is a no-op (one flattening copy per bucket remains, as in DDP).
+
+Gradient compression (``grad_reduce_dtype="bf16"`` / ``"fp16"``): ``replicate`` gets a ``MixedPrecisionPolicy``
+with that ``reduce_dtype`` and no ``param_dtype`` (parameters and the forward unchanged). FSDP2's ``foreach_reduce``
+then flattens each bucket's gradients into a buffer of the reduce dtype (the cast is the flattening copy), all-reduces
+it there (half the bytes of fp32) and casts the result back to the parameters' dtype before it lands in ``.grad``,
+so the optimizer, clipping and the non-finite check see fp32 gradients. The mean over dp: bf16 has fp32's exponent
+range, so it is reduced with ``AVG`` like fp32; fp16 (largest 65504) is divided by a power of two near sqrt(dp)
+before the ``SUM`` and by the rest of dp after it (torch's ``_get_gradient_divide_factors``), so the sum of dp
+gradients overflows only where a single gradient, divided by sqrt(dp), already would. An overflow becomes inf in the
+fp32 gradient, and the non-finite agreement (``on_nonfinite``) sees it like any other inf, unchanged. Only the wire is
+narrowed: the micro-batches' (and accumulation batches') gradients are summed locally in their own dtype (fp32)
+until the bucket syncs (torch would sum them in the reduce dtype: ``accumulate_unreduced_grads_as_computed``).
 """
 
 from __future__ import annotations
@@ -29,9 +41,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from . import torch_compat
+
+REDUCE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""``grad_reduce_dtype``'s names and the dtypes they stand for."""
+
+
+def torch_reduce_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a ``grad_reduce_dtype`` name (``None``: the gradients' own dtype)."""
+    if name is None:
+        return None
+    if name not in REDUCE_DTYPES:
+        raise ValueError(
+            f"lightning_3d: grad_reduce_dtype must be one of {tuple(REDUCE_DTYPES)} or None, got {name!r}."
+        )
+    return REDUCE_DTYPES[name]
 
 
 class _SameBufferReduce:
@@ -93,7 +119,9 @@ def bucket_units(module: nn.Module, candidates: Sequence[nn.Module]) -> list[nn.
     return units
 
 
-def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, blocks: Sequence[nn.Module] = ()) -> nn.Module:
+def apply_data_parallel(
+    module: nn.Module, dp_mesh: DeviceMesh, blocks: Sequence[nn.Module] = (), reduce_dtype: str | None = None
+) -> nn.Module:
     """Wrap a stage module for data parallelism over ``dp_mesh`` with ``replicate`` (no-op when the dp size is 1).
 
     Each of ``blocks`` that shares no parameter with the rest of the stage becomes its own gradient bucket
@@ -104,15 +132,29 @@ def apply_data_parallel(module: nn.Module, dp_mesh: DeviceMesh, blocks: Sequence
         dp_mesh: the 1-D data-parallel sub-mesh.
         blocks: the stage's blocks, in forward order; each must run its own ``forward`` once per forward of
             the stage (true of a ``Sequential``'s layers and of a model's transformer blocks).
+        reduce_dtype: ``grad_reduce_dtype``: ``"bf16"`` / ``"fp16"`` all-reduce the gradients in that dtype (see the
+            module text); ``None`` in the gradients' own dtype.
 
     Returns:
         The wrapped module (the same object: ``replicate`` works in place), or ``module`` when dp is 1.
+
+    Raises:
+        ValueError: ``reduce_dtype`` is set at dp 1 (nothing is reduced; ``ThreeDSettings`` refuses it earlier).
     """
+    dtype = torch_reduce_dtype(reduce_dtype)
     if dp_mesh.size() == 1:
+        if dtype is not None:
+            raise ValueError(
+                f"lightning_3d: grad_reduce_dtype={reduce_dtype!r} at dp=1: no gradient is reduced over data-parallel "
+                "ranks, nothing to compress."
+            )
         return module
+    policy = None if dtype is None else MixedPrecisionPolicy(reduce_dtype=dtype)
     for unit in bucket_units(module, blocks):
-        torch_compat.replicate(unit, mesh=dp_mesh)
-    torch_compat.replicate(module, mesh=dp_mesh)
+        torch_compat.replicate(unit, mesh=dp_mesh, mp_policy=policy)
+    torch_compat.replicate(module, mesh=dp_mesh, mp_policy=policy)
+    if dtype is not None:
+        torch_compat.accumulate_unreduced_grads_as_computed(module)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_custom_reduce_scatter(_SameBufferReduce())  # type: ignore[arg-type]  # duck-typed comm

@@ -31,6 +31,12 @@ the optimizer and checkpoints always see the sharded parameters.
 Mixed precision from Lightning's precision: ``"bf16-mixed"`` computes with bf16 copies of the parameters and
 reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); every other
 precision (``"32-true"``, ``"64-true"``, ``"bf16-true"``) uses the parameters' own dtype (no policy).
+``grad_reduce_dtype`` (``"bf16"`` / ``"fp16"``) overrides the reduction's dtype in either case (the policy's
+``reduce_dtype``; under ``bf16-mixed`` "bf16" reduces the bf16 gradients as they are): the reduce-scatter moves half
+the bytes of fp32, and the sharded gradients land back in the parameters' dtype. fp16's range: see
+``data_parallel.py`` (torch divides by about sqrt(dp) before and after the sum). The micro-batches' gradients are
+summed locally in the dtype autograd computes them in (fp32 under ``32-true``; bf16 under ``bf16-mixed``, where the
+default fp32 reduction sums them in fp32) until the step's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -43,15 +49,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from . import torch_compat
+from .data_parallel import torch_reduce_dtype
+
 SHARDED_MODES = ("fsdp", "hsdp")  # the ``data_parallel`` modes wrapped here
 FSDP_ATTR = "_lightning_3d_fsdp"  # marks stage modules wrapped here (``replicate``'s modules are FSDPModules too)
 
 
-def mixed_precision_policy(precision: Precision) -> MixedPrecisionPolicy:
-    """FSDP's policy for Lightning's precision: bf16 compute / fp32 reduction under ``bf16-mixed``, else none."""
+def mixed_precision_policy(precision: Precision, reduce_dtype: str | None = None) -> MixedPrecisionPolicy:
+    """FSDP's policy for Lightning's precision: bf16 compute / fp32 reduction under ``bf16-mixed``, else none;
+    ``reduce_dtype`` (``grad_reduce_dtype``: ``"bf16"`` / ``"fp16"``) replaces the reduction's dtype."""
+    dtype = torch_reduce_dtype(reduce_dtype)
     if getattr(precision, "precision", None) == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=dtype or torch.float32)
+    return MixedPrecisionPolicy(reduce_dtype=dtype)
 
 
 def apply_fsdp(
@@ -61,6 +72,7 @@ def apply_fsdp(
     *,
     pp: int,
     precision: Precision,
+    reduce_dtype: str | None = None,
 ) -> nn.Module:
     """Shard a stage module over ``dp_mesh`` with FSDP2: each of its blocks first, then the stage module itself.
 
@@ -71,6 +83,7 @@ def apply_fsdp(
             ``("dp_replicate", "dp_shard")`` one (shard over the second, replicate over the first).
         pp: the pipeline degree (``reshard_after_forward`` is ``False`` under a pipeline, see the module text).
         precision: Lightning's precision plugin (decides the mixed-precision policy).
+        reduce_dtype: ``grad_reduce_dtype``: the gradient reduce-scatter's dtype (``None``: the policy's).
 
     Returns:
         The stage module (``fully_shard`` works in place and returns it).
@@ -80,12 +93,14 @@ def apply_fsdp(
     """
     if dp_mesh.size() == 1:
         raise ValueError("lightning_3d: data_parallel='fsdp' needs dp > 1 (nothing to shard over at dp=1).")
-    policy = mixed_precision_policy(precision)
+    policy = mixed_precision_policy(precision, reduce_dtype)
     reshard = False if pp > 1 else None  # None: torch's default (blocks reshard after forward, the root not)
     for block in blocks:
         if any(True for _ in block.parameters()):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if reduce_dtype is not None:  # sum micro-batches in the gradients' dtype, reduce in the narrower one
+        torch_compat.accumulate_unreduced_grads_as_computed(module)
     setattr(module, FSDP_ATTR, True)
     return module
 

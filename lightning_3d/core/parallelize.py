@@ -327,16 +327,28 @@ def build_stages(
     checkpointing: int | str | None = None,
     data_parallel: str = "replicate",
     dp_mesh: DeviceMesh | None = None,
+    grad_reduce_dtype: str | None = None,
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
     ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
     data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``, FSDP2
     sharding over dp (``fsdp.py``); ``"hsdp"``: the same over ``dp_mesh``, HSDP's (dp_replicate, dp_shard) view of
-    dp (``None``: ``mesh["dp"]``)."""
+    dp (``None``: ``mesh["dp"]``); ``grad_reduce_dtype`` (``"bf16"``/``"fp16"``) is the dtype of either's gradient
+    reduction."""
     dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
     if model.split is not None:
         return _build_split_stages(
-            module, model, mesh, device, precision, seed, compile_kwargs, checkpointing, data_parallel, dp_mesh
+            module,
+            model,
+            mesh,
+            device,
+            precision,
+            seed,
+            compile_kwargs,
+            checkpointing,
+            data_parallel,
+            dp_mesh,
+            grad_reduce_dtype,
         )
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
@@ -374,9 +386,11 @@ def build_stages(
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
         if data_parallel in SHARDED_MODES:  # every layer of the stage its own unit (a Sequential body has no ties)
-            wrapped = apply_fsdp(container, held, dp_mesh, pp=mesh["pp"].size(), precision=precision)
+            wrapped = apply_fsdp(
+                container, held, dp_mesh, pp=mesh["pp"].size(), precision=precision, reduce_dtype=grad_reduce_dtype
+            )
         else:
-            wrapped = apply_data_parallel(container, mesh["dp"], blocks=held)
+            wrapped = apply_data_parallel(container, mesh["dp"], blocks=held, reduce_dtype=grad_reduce_dtype)
         stages.append(StageSpec(s, wrapped))
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
 
@@ -409,6 +423,7 @@ def _build_split_stages(
     checkpointing: int | str | None = None,
     data_parallel: str = "replicate",
     dp_mesh: DeviceMesh | None = None,
+    grad_reduce_dtype: str | None = None,
 ) -> BuiltStages:
     split = model.split
     dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
@@ -462,9 +477,16 @@ def _build_split_stages(
         if container is not None:
             blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
         if data_parallel in SHARDED_MODES:  # embeddings, norm and head in the stage's root unit
-            wrapped = apply_fsdp(stage_module, blocks, dp_mesh, pp=mesh["pp"].size(), precision=precision)
+            wrapped = apply_fsdp(
+                stage_module,
+                blocks,
+                dp_mesh,
+                pp=mesh["pp"].size(),
+                precision=precision,
+                reduce_dtype=grad_reduce_dtype,
+            )
         else:
-            wrapped = apply_data_parallel(stage_module, mesh["dp"], blocks=blocks)
+            wrapped = apply_data_parallel(stage_module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
         stages.append(StageSpec(s, wrapped))
     # after tensor and data parallelism have put their parameter objects in place
     # (under a V schedule the first and the last stage share a rank: a tied weight is then one tensor, nothing to sum)

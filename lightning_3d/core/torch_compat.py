@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -152,13 +153,41 @@ def unflatten_mesh(mesh: Any, dim: str, sizes: Sequence[int], names: Sequence[st
 
 
 # ---------------------------------------------------------------------------------------------- modules, tensors
-def replicate(module: nn.Module, mesh: Any) -> nn.Module:
-    """torch's FSDP2-based ``replicate`` (DDP semantics over ``mesh``), which lives in a private module."""
+def replicate(module: nn.Module, mesh: Any, mp_policy: Any = None) -> nn.Module:
+    """torch's FSDP2-based ``replicate`` (DDP semantics over ``mesh``), which lives in a private module.
+
+    ``mp_policy``: a ``MixedPrecisionPolicy`` (e.g. its ``reduce_dtype``); ``None`` keeps torch's default."""
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
     except ImportError as err:
         raise _missing("torch.distributed._composable.replicate_with_fsdp.replicate", "data parallelism") from err
-    return torch_replicate(module, mesh=mesh)
+    if mp_policy is None:
+        return torch_replicate(module, mesh=mesh)
+    return torch_replicate(module, mesh=mesh, mp_policy=mp_policy)
+
+
+def accumulate_unreduced_grads_as_computed(module: nn.Module) -> None:
+    """Keep the gradients FSDP2 / ``replicate`` have not reduced yet in the dtype autograd computed them in.
+
+    With a ``reduce_dtype`` in the policy, torch moves a parameter's gradient into the reduce dtype after every
+    backward that does not reduce (``FSDPParam.to_accumulated_grad_if_needed``), so micro-batches and accumulation
+    batches would be summed in that dtype: meant for a wider reduce dtype (bf16 gradients summed in fp32), a
+    precision loss for a narrower one (fp32 gradients summed in bf16). Without that step the gradients stay on the
+    unsharded parameter in their own dtype, exactly as without a policy, and only the reduction's buffer is of the
+    reduce dtype (the cast is its flattening copy). Applies to every FSDP unit under ``module``.
+    """
+    purpose = "gradient compression (grad_reduce_dtype)"
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = _private(_private(sub, "_get_fsdp_state", purpose)(), "_fsdp_param_group", purpose)
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            _private(fsdp_param, "to_accumulated_grad_if_needed", purpose)  # present: torch still has the step
+            fsdp_param.to_accumulated_grad_if_needed = _keep_grad
+
+
+def _keep_grad() -> None:
+    """Instead of ``FSDPParam.to_accumulated_grad_if_needed``: the gradient stays where autograd put it."""
 
 
 def is_replicated(module: nn.Module) -> bool:

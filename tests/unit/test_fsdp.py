@@ -47,6 +47,26 @@ def test_mixed_precision_policy_follows_lightning_precision() -> None:
         assert policy.param_dtype is None and policy.reduce_dtype is None
 
 
+def test_grad_reduce_dtype_overrides_the_reduction_dtype_only() -> None:
+    bf16_mixed = MixedPrecision("bf16-mixed", "cpu")
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        policy = mixed_precision_policy(bf16_mixed, name)
+        assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == dtype
+        policy = mixed_precision_policy(Precision(), name)
+        assert policy.param_dtype is None and policy.reduce_dtype == dtype
+    with pytest.raises(ValueError, match="grad_reduce_dtype must be one of"):
+        mixed_precision_policy(Precision(), "fp8")
+
+
+def test_grad_reduce_dtype_with_inferred_dp_one_is_refused_when_the_trainer_is_built() -> None:
+    """Refused in the launching process, before any collective, naming why (nothing is reduced)."""
+    strategy = ThreeDStrategy(pp=2, grad_reduce_dtype="bf16")  # (fsdp at dp=1 is refused for its own reason)
+    with pytest.raises(ValueError, match=r"grad_reduce_dtype='bf16'.*dp = world // \(tp \* pp\) = 2 // \(1 \* 2\) = 1"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    strategy = ThreeDStrategy(pp=2, grad_reduce_dtype="fp16")
+    assert L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False).strategy.topology.shape[0] == 2
+
+
 def test_dp_group_of_one_changes_nothing(gloo_world: dist.ProcessGroup) -> None:
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])

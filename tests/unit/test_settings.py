@@ -49,8 +49,8 @@ def test_defaults():
     assert (s.on_nonfinite, s.check_consistency, s.fail_fast) == ("raise", True, True)
     assert (s.process_group_backend, s.print_layout) == (None, True)
     assert s.compile is False and s.stages is None and s.activation_checkpointing is None
-    assert s.data_parallel == "replicate" and s.dp_shard is None
-    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 24
+    assert s.data_parallel == "replicate" and s.dp_shard is None and s.grad_reduce_dtype is None
+    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 25
 
 
 def test_micro_batches_default_to_the_schedules_minimum():
@@ -267,3 +267,12 @@ def test_stages_are_checked_and_kept_as_tuples():
     assert "stages and partitioner='parameters' cannot be combined" in _error(
         pp=2, partitioner="parameters", stages=[["h.0"], ["h.1"]]
     )
+
+
+def test_grad_reduce_dtype_is_checked():
+    assert ThreeDSettings(grad_reduce_dtype="bf16").grad_reduce_dtype == "bf16"  # dp inferred: checked at launch
+    assert ThreeDSettings(dp=2, grad_reduce_dtype="fp16", data_parallel="fsdp").grad_reduce_dtype == "fp16"
+    assert "grad_reduce_dtype must be one of ('bf16', 'fp16') or None" in _error(grad_reduce_dtype="fp8")
+    assert "grad_reduce_dtype must be one of" in _error(grad_reduce_dtype="bfloat16")
+    message = _error(dp=1, grad_reduce_dtype="bf16")
+    assert "grad_reduce_dtype='bf16'" in message and "dp=1: no gradient is reduced" in message
