@@ -34,7 +34,7 @@ from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
 from .compile import CompiledBlocks, check_compilable, compile_blocks
 from .data_parallel import apply_data_parallel
 from .fsdp import apply_fsdp
-from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
+from .materialize import ShardedInit, check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec, stage_ranks
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
@@ -345,10 +345,17 @@ def build_stages(
     partition.prune_body(body, keep)
     precision.convert_module(module)
     tp = mesh["tp"].size()
+    # FSDP on a meta model: shard while on meta, then allocate and fill only this rank's shards (materialize.py)
+    deferred = None
+    if model.is_meta and data_parallel == "fsdp":
+        named = torch_compat.child_modules(body.module)
+        deferred = ShardedInit([(f"{body.fqn}.{n}", named[n]) for n in keep])  # type: ignore[misc]
     for name in keep:
         layer = torch_compat.child_modules(body.module)[name]
         assert layer is not None
-        if model.is_meta:
+        if deferred is not None:
+            pass
+        elif model.is_meta:
             materialize(layer, device, seed, prefix=f"{body.fqn}.{name}")
         else:
             layer.to(device)
@@ -357,7 +364,8 @@ def build_stages(
             parallelize_module(layer, mesh["tp"], styles)
     if not model.is_meta:
         sync_replicas(body.module, mesh)
-    module.to(device)  # anything outside the body (metric states, buffers)
+    if deferred is None:
+        module.to(device)  # anything outside the body (metric states, buffers)
     layers = torch_compat.child_modules(body.module)
     checkpointed, compiled = _checkpoint_and_compile(
         [f"{body.fqn}.{n}" for n in block_names],
@@ -375,6 +383,10 @@ def build_stages(
         else:
             wrapped = apply_data_parallel(container, mesh["dp"], blocks=held)
         stages.append(StageSpec(s, wrapped))
+    if deferred is not None:
+        deferred.allocate([s.module for s in stages], device)
+        deferred.fill(device, seed)
+        module.to(device)
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
 
 
@@ -423,9 +435,16 @@ def _build_split_stages(
     container = split.container
     blocks_of = {container.block_fqn(b): b for b in container.names} if container is not None else {}
     initializers = library_initializers(module) if model.is_meta else {}
+    # FSDP on a meta model split at its blocks: shard while on meta, then allocate and fill only this rank's shards
+    # (materialize.py); without a block container the one module is materialised whole, as under replicate
+    deferred = None
+    if model.is_meta and data_parallel == "fsdp" and held_names:
+        deferred = ShardedInit([(n, module.get_submodule(n)) for n in held_names], initializers)
     for name in held_names or [""]:  # one module at a time: whole only while it is being sharded
         sub = module.get_submodule(name)
-        if model.is_meta:
+        if deferred is not None:
+            pass  # stays on meta until its shards are allocated
+        elif model.is_meta:
             retie(module, split.aliases, name)  # a head tied to an embedding materialised before it
             materialize(sub, device, seed, prefix=name, initializers=initializers)
         else:
@@ -438,8 +457,10 @@ def _build_split_stages(
         if styles:
             parallelize_module(sub, mesh["tp"], styles)
     if model.is_meta and has_meta_tensors(module):  # modules on every stage: rotary tables, parameter-free
-        materialize(module, device, seed, prefix="", initializers=initializers)
-    module.to(device)
+        exclude = deferred.modules if deferred is not None else ()
+        materialize(module, device, seed, prefix="", initializers=initializers, exclude=exclude)
+    if deferred is None:
+        module.to(device)
     if not model.is_meta:
         sync_replicas(module, mesh)
     install_alias_hooks(module, split.aliases)
@@ -461,6 +482,10 @@ def _build_split_stages(
         else:
             wrapped = apply_data_parallel(stage_module, mesh["dp"], blocks=blocks)
         stages.append(StageSpec(s, wrapped))
+    if deferred is not None:
+        deferred.allocate([s.module for s in stages], device)
+        deferred.fill(device, seed)
+        module.to(device)
     # after tensor and data parallelism have put their parameter objects in place
     # (under a V schedule the first and the last stage share a rank: a tied weight is then one tensor, nothing to sum)
     across_ranks = split.stage_to_rank[0] != split.stage_to_rank[-1]
