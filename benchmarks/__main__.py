@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="gpt",
-        choices=("gpt", *MODEL_NAMES),
+        choices=("gpt", *MODEL_NAMES, "xl-shallow"),
         help="gpt (default): the example GPT; hf_llama / hf_llama_tied: a Hugging Face LlamaForCausalLM (GQA; "
-        "untied / tied embeddings), for B2..B5 (records ID_MODEL.json)",
+        "untied / tied embeddings), for B2..B5 (records ID_MODEL.json); xl-shallow: B4 --data-parallel fsdp's "
+        "peak memory against share + one layer (B4_fsdp_xl-shallow.json)",
     )
     parser.add_argument(
         "--data-parallel",
@@ -87,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
             ids = [i for i in ids if i not in without]  # 'all' with a model: the benchmarks that have it
         elif without:
             parser.error(f"benchmark(s) {without} have no --model {args.model} variant")
-    if args.data_parallel != "replicate" and (ids != ["B4"] or args.model != "gpt"):
-        parser.error("--data-parallel fsdp is measured by B4 with the example GPT only")
+    if args.data_parallel != "replicate" and (ids != ["B4"] or args.model not in ("gpt", "xl-shallow")):
+        parser.error("--data-parallel fsdp is measured by B4 with the example GPT (gpt or xl-shallow) only")
+    if args.model == "xl-shallow" and args.data_parallel != "fsdp":
+        parser.error(
+            "--model xl-shallow is B4's FSDP memory record: `python -m benchmarks B4 --data-parallel fsdp "
+            "--model xl-shallow`"
+        )
     if b1_options and ids != ["B1"]:
         parser.error("--schedule and --partitioner apply to B1 alone: run `python -m benchmarks B1 --schedule ...`")
     out = Path(args.out)
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         try:
             if args.data_parallel != "replicate":
-                record = module.run(out, tiny=args.tiny, data_parallel=args.data_parallel)
+                record = module.run(out, tiny=args.tiny, model=args.model, data_parallel=args.data_parallel)
             elif b1_options:
                 record = module.run(out, tiny=args.tiny, **b1_options)
             elif args.model == "gpt":

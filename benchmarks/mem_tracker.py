@@ -40,11 +40,14 @@ def peak_tracker() -> Any:
                 st = ref()
                 if st is None:
                     continue
-                ptr = st.data_ptr()
+                try:
+                    ptr, nbytes = st.data_ptr(), st.nbytes()
+                except RuntimeError:  # a storage torch invalidated (e.g. swapped out by swap_tensors)
+                    continue
                 if ptr in seen:
                     continue
                 seen.add(ptr)
-                total += st.nbytes()
+                total += nbytes
             return total
 
         def reset_peak(self) -> None:
@@ -53,7 +56,8 @@ def peak_tracker() -> Any:
         def _note(self, values: Any) -> bool:
             new = False
             for t in tree_leaves(values):
-                if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.is_meta:
+                # plain tensors only: DTensors come back as their local tensors, fake tensors hold no memory
+                if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta:
                     continue
                 try:
                     st = t.untyped_storage()

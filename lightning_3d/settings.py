@@ -100,6 +100,11 @@ class ThreeDSettings:
             parameters, gradients and optimizer states whole, gradients all-reduced once per optimizer step) or
             ``"fsdp"`` (FSDP2 ``fully_shard`` over the dp dimension: parameters, gradients and optimizer states
             sharded over dp, one reduce-scatter per optimizer step; needs dp > 1). See ``core/fsdp.py``.
+        fsdp_reshard_after_forward: under ``data_parallel="fsdp"``, whether each FSDP unit frees its gathered
+            parameters after its forward. ``None`` (default): ``False`` under a pipeline (one all-gather per unit
+            per step instead of two per micro-batch; under a pipeline torch keeps the units gathered through the
+            backward anyway, so resharding saves little memory, measured in the README's B4/FSDP part) and torch's
+            own choice at pp = 1; ``True`` or ``False`` forces it for every unit. Only with ``"fsdp"``.
     """
 
     tp: int = 1
@@ -125,6 +130,7 @@ class ThreeDSettings:
     compile: bool | Mapping[str, Any] = False
     activation_checkpointing: str | int | bool | None = None
     data_parallel: str = "replicate"
+    fsdp_reshard_after_forward: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -175,6 +181,16 @@ class ThreeDSettings:
                 "ThreeDStrategy(data_parallel='fsdp') shards over the data-parallel ranks, but dp=1: there is "
                 "nothing to shard over. Use data_parallel='replicate' at dp=1, or more processes (dp = world // "
                 "(tp * pp) > 1)."
+            )
+        if self.fsdp_reshard_after_forward not in (None, True, False):
+            raise ValueError(
+                "ThreeDStrategy: fsdp_reshard_after_forward must be True, False or None (the default: False under "
+                f"a pipeline, torch's choice at pp=1), got {self.fsdp_reshard_after_forward!r}."
+            )
+        if self.fsdp_reshard_after_forward is not None and self.data_parallel != "fsdp":
+            raise ValueError(
+                "ThreeDStrategy: fsdp_reshard_after_forward applies to data_parallel='fsdp' only, but data_parallel="
+                f"{self.data_parallel!r}. Leave it None, or set data_parallel='fsdp'."
             )
 
     def _check_stages(self) -> None:

@@ -383,6 +383,7 @@ class ThreeDStrategy(ParallelStrategy):
             compile_kwargs(s.compile),
             s.activation_checkpointing,
             data_parallel=s.data_parallel,
+            fsdp_reshard_after_forward=s.fsdp_reshard_after_forward,
         )
         self._compiled = built.compiled
         if built.compiled is not None:

@@ -53,6 +53,7 @@ def apply_fsdp(
     *,
     pp: int,
     precision: Precision,
+    reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """Shard a stage module over ``dp_mesh`` with FSDP2: each of its blocks first, then the stage module itself.
 
@@ -62,6 +63,7 @@ def apply_fsdp(
         dp_mesh: the 1-D data-parallel sub-mesh (of the (dp, pp, tp) root mesh).
         pp: the pipeline degree (``reshard_after_forward`` is ``False`` under a pipeline, see the module text).
         precision: Lightning's precision plugin (decides the mixed-precision policy).
+        reshard_after_forward: the ``fsdp_reshard_after_forward`` setting: ``None`` chooses by ``pp`` (above).
 
     Returns:
         The stage module (``fully_shard`` works in place and returns it).
@@ -72,7 +74,9 @@ def apply_fsdp(
     if dp_mesh.size() == 1:
         raise ValueError("lightning_3d: data_parallel='fsdp' needs dp > 1 (nothing to shard over at dp=1).")
     policy = mixed_precision_policy(precision)
-    reshard = False if pp > 1 else None  # None: torch's default (blocks reshard after forward, the root not)
+    reshard = reshard_after_forward
+    if reshard is None:
+        reshard = False if pp > 1 else None  # None: torch's default (blocks reshard after forward, the root not)
     for block in blocks:
         if any(True for _ in block.parameters()):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)

@@ -326,14 +326,24 @@ def build_stages(
     compile_kwargs: Mapping[str, Any] | None = None,
     checkpointing: int | str | None = None,
     data_parallel: str = "replicate",
+    fsdp_reshard_after_forward: bool | None = None,
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
     ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
     data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``, FSDP2
-    sharding over dp (``fsdp.py``)."""
+    sharding over dp (``fsdp.py``; ``fsdp_reshard_after_forward``: the setting of that name)."""
     if model.split is not None:
         return _build_split_stages(
-            module, model, mesh, device, precision, seed, compile_kwargs, checkpointing, data_parallel
+            module,
+            model,
+            mesh,
+            device,
+            precision,
+            seed,
+            compile_kwargs,
+            checkpointing,
+            data_parallel,
+            fsdp_reshard_after_forward,
         )
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
@@ -379,7 +389,14 @@ def build_stages(
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
         if data_parallel == "fsdp":  # every layer of the stage its own unit (a Sequential body has no ties)
-            wrapped = apply_fsdp(container, held, mesh["dp"], pp=mesh["pp"].size(), precision=precision)
+            wrapped = apply_fsdp(
+                container,
+                held,
+                mesh["dp"],
+                pp=mesh["pp"].size(),
+                precision=precision,
+                reshard_after_forward=fsdp_reshard_after_forward,
+            )
         else:
             wrapped = apply_data_parallel(container, mesh["dp"], blocks=held)
         stages.append(StageSpec(s, wrapped))
@@ -417,6 +434,7 @@ def _build_split_stages(
     compile_kwargs: Mapping[str, Any] | None = None,
     checkpointing: int | str | None = None,
     data_parallel: str = "replicate",
+    fsdp_reshard_after_forward: bool | None = None,
 ) -> BuiltStages:
     split = model.split
     assert split is not None
@@ -478,7 +496,14 @@ def _build_split_stages(
         if container is not None:
             blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
         if data_parallel == "fsdp":  # embeddings, norm and head in the stage's root unit
-            wrapped = apply_fsdp(stage_module, blocks, mesh["dp"], pp=mesh["pp"].size(), precision=precision)
+            wrapped = apply_fsdp(
+                stage_module,
+                blocks,
+                mesh["dp"],
+                pp=mesh["pp"].size(),
+                precision=precision,
+                reshard_after_forward=fsdp_reshard_after_forward,
+            )
         else:
             wrapped = apply_data_parallel(stage_module, mesh["dp"], blocks=blocks)
         stages.append(StageSpec(s, wrapped))

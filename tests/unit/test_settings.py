@@ -49,8 +49,8 @@ def test_defaults():
     assert (s.on_nonfinite, s.check_consistency, s.fail_fast) == ("raise", True, True)
     assert (s.process_group_backend, s.print_layout) == (None, True)
     assert s.compile is False and s.stages is None and s.activation_checkpointing is None
-    assert s.data_parallel == "replicate"
-    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 23
+    assert s.data_parallel == "replicate" and s.fsdp_reshard_after_forward is None
+    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 24
 
 
 def test_micro_batches_default_to_the_schedules_minimum():
