@@ -295,3 +295,19 @@ def test_b1_schedule_and_partitioner_options_reach_the_record(tmp_path):
     zbv = details["timeline"]["zbvzerobubble"]
     assert zbv["theory_source"] == "action list" and details["timeline"]["1f1b"]["theory_source"] == "formula"
     assert zbv["stages_per_rank"] == 2 and all(0.0 <= r["theory"] < 1.0 for r in zbv["ranks"].values())
+
+
+def test_peak_tracker_follows_live_tensor_bytes():
+    """benchmarks/mem_tracker.py: the peak is the most bytes alive at once, freed tensors stop counting."""
+    torch = _import("torch")
+    tracker = _import("benchmarks.mem_tracker").peak_tracker()
+    with tracker:
+        a = torch.zeros(1000, 1000)  # 4 MB
+        b = torch.zeros(1000, 1000)
+        del a, b
+        c = torch.zeros(500, 1000)
+        assert tracker.live() == 2_000_000 and tracker.peak == 8_000_000
+        tracker.reset_peak()
+        c.untyped_storage().resize_(0)  # how FSDP2 frees its gathered parameters
+        d = torch.ones(10)  # noqa: F841 (alive while counted)
+        assert tracker.live() == 40 and tracker.peak == 2_000_000
