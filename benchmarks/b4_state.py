@@ -246,6 +246,23 @@ def worker_memory(tiny: bool = False, reshard: bool | None = None, steps: int = 
 
         setattr(dist, name, counted)
     config = xl_shallow_config(tiny)
+    import lightning_3d.strategy as strategy_module
+
+    build = strategy_module.build_stages
+    phases: dict[str, int] = {}
+
+    def build_measured(*args: Any, **kwargs: Any) -> Any:  # the peak of building the stages alone
+        tracker = probe.tracker
+        before = tracker.peak
+        tracker.reset_peak()
+        phases["live_before_build"] = tracker.live()
+        built = build(*args, **kwargs)
+        phases["build_peak"], phases["live_after_build"] = tracker.peak, tracker.live()
+        phases["at_peak"] = getattr(tracker, "at_peak", None)
+        tracker.peak = max(before, tracker.peak)
+        return built
+
+    strategy_module.build_stages = build_measured
 
     class Probe(L.Callback):
         def __init__(self) -> None:
@@ -253,6 +270,7 @@ def worker_memory(tiny: bool = False, reshard: bool | None = None, steps: int = 
             self.record: dict[str, Any] = {"steps": []}
             self.seed = 0
             self.start = 0.0
+            self.live_at_start = 0
 
         def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
             self.seed = torch.initial_seed() % (2**62)  # what the strategy broadcasts from rank 0 (seed=None)
@@ -260,7 +278,7 @@ def worker_memory(tiny: bool = False, reshard: bool | None = None, steps: int = 
 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             strategy = trainer.strategy
-            setup_peak = self.tracker.peak
+            setup_peak, self.live_at_start = self.tracker.peak, self.tracker.live()
             coords, keep, owned = owned_parameters(strategy)
             prefix = strategy.stage_plan.body_fqn
             block_full = max(
@@ -291,6 +309,8 @@ def worker_memory(tiny: bool = False, reshard: bool | None = None, steps: int = 
                 exact_bytes=exact_params * 4 + 4 * len(owned),
                 block_full_bytes=block_full,
                 init_max_abs_diff=init_diff,
+                live_at_fit_start=self.live_at_start,
+                **phases,
             )
             self.tracker.__enter__()
             self.tracker.reset_peak()

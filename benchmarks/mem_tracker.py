@@ -6,13 +6,17 @@ returns or receives (weakly: a freed storage stops counting), and after every op
 storage sums the bytes of the live ones; the peak is the largest such sum. Storages resized in place (FSDP2 frees
 its gathered parameters with ``resize_(0)`` and regrows them) count with their size at that moment. Tensors that
 existed before the mode was entered count once an operator touches them. DTensor operators are seen on their local
-tensors (the mode lets DTensor run first).
+tensors (the mode lets DTensor run first). With ``B4_DEBUG=1`` in the environment it also keeps, at each new peak,
+the operator and the 24 largest live storages (``tracker.at_peak``): what a peak is made of.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
+
+DEBUG = os.environ.get("B4_DEBUG") == "1"
 
 
 def peak_tracker() -> Any:
@@ -76,7 +80,15 @@ def peak_tracker() -> Any:
             self._note((args, kwargs))
             out = func(*args, **kwargs)
             if self._note(out) or func.namespace in ("c10d", "_c10d_functional"):
-                self.peak = max(self.peak, self.live())
+                live = self.live()
+                if live > self.peak and DEBUG:
+                    sizes = []
+                    for r in self.storages.values():
+                        st = r()
+                        if st is not None:
+                            sizes.append((st.nbytes(), st.data_ptr()))
+                    self.at_peak = (str(func), sorted(set(sizes), reverse=True)[:24])
+                self.peak = max(self.peak, live)
             return out
 
     return PeakTracker()

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from . import torch_compat
 from .tied import canonical_names
 
 
@@ -182,28 +183,68 @@ class ShardedInit:
         """Compute each module's full initial values (one module at a time) and copy this rank's slices in."""
         done: set[int] = set()
         while self._pending:
-            name, twin, pairs, inits = self._pending.pop(0)
-            materialize(twin, device, base_seed, prefix=name, initializers=inits)
-            with torch.no_grad():
-                for real, full in pairs:
-                    values = dict(_own_tensors(full))
-                    for tname, target in _own_tensors(real):
-                        if id(target) in done:  # a weight tied to an earlier module: its first owner's values
-                            continue
-                        done.add(id(target))
-                        _copy_slice(target, values[tname])
-            del twin, pairs  # the full copy goes before the next module's is made
+            # in a function of its own, so that no local keeps a part of this copy alive into the next one's
+            _fill_one(*self._pending.pop(0), device, base_seed, done)
+
+
+def _fill_one(
+    name: str,
+    twin: nn.Module,
+    pairs: list[tuple[nn.Module, nn.Module]],
+    inits: Mapping[int, Initializer],
+    device: torch.device,
+    base_seed: int,
+    done: set[int],
+) -> None:
+    materialize(twin, device, base_seed, prefix=name, initializers=inits)
+    with torch.no_grad():
+        for real, full in pairs:
+            values = dict(_own_tensors(full))
+            for tname, target in _own_tensors(real):
+                if id(target) in done:  # a weight tied to an earlier module: its first owner's values
+                    continue
+                done.add(id(target))
+                _copy_slice(target, values[tname])
 
 
 def _copy_slice(target: torch.Tensor, full: torch.Tensor) -> None:
     """Copy into ``target`` (a plain tensor, or a DTensor sharded any way) its part of the full tensor ``full``."""
-    if isinstance(target, DTensor):
+    full = full.detach()
+    if not isinstance(target, DTensor):
+        target.copy_(full.to(target.device, target.dtype))
+        return
+    local = _local_view(full, target)
+    if local is None:  # a placement the view does not know: DTensor's own split (it may copy)
         local = distribute_tensor(
-            full.detach().to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None
+            full.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None
         ).to_local()
-        target.to_local().copy_(local)
-    else:
-        target.copy_(full.detach().to(target.device, target.dtype))
+    target.to_local().copy_(local)
+
+
+def _local_view(full: torch.Tensor, target: DTensor) -> torch.Tensor | None:
+    """This rank's part of ``full`` as a view (no copy) for ``target``'s mesh and placements, as DTensor splits:
+    ``torch.chunk`` per sharded mesh dimension, an empty slice past the last chunk. ``None`` for placements other
+    than shard / strided shard / replicate. A strided shard (FSDP2 over tensor parallelism's dim-0 shards) splits
+    the later dimensions' shards, so with one the dimensions are applied last to first."""
+    strided = torch_compat.strided_shard_type()
+    placements, mesh = target.placements, target.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    order = list(range(len(placements)))
+    if any(isinstance(p, strided) for p in placements):
+        order.reverse()
+    local = full
+    for i in order:
+        placement = placements[i]
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, strided)):
+            return None
+        dim = placement.dim
+        chunks = torch.chunk(local, mesh.size(i), dim=dim)
+        local = chunks[coordinate[i]] if coordinate[i] < len(chunks) else local.narrow(dim, 0, 0)
+    return local
 
 
 @dataclass
