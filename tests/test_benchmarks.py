@@ -311,3 +311,22 @@ def test_peak_tracker_follows_live_tensor_bytes():
         c.untyped_storage().resize_(0)  # how FSDP2 frees its gathered parameters
         d = torch.ones(10)  # noqa: F841 (alive while counted)
         assert tracker.live() == 40 and tracker.peak == 2_000_000
+
+
+@pytest.mark.slow
+def test_b4_fsdp_builds_each_rank_as_shards_plus_one_layer(tmp_path):
+    """Under FSDP at tp2 x pp2 x dp2, a model built on the meta device is materialised as shards: building the
+    stages never holds more live tensor bytes than the rank's parameter share plus one block's full weights (the
+    whole stage would be twice that), the initial parameters are exactly one process's, and one all-gather and
+    one reduce-scatter per FSDP unit (two blocks and the stage root) run per step under the pipeline."""
+    args = ["B4", "--data-parallel", "fsdp", "--model", "xl-shallow", "--tiny", "--out", tmp_path]
+    run_lightning("bench_run.py", args, timeout=420)
+    record = json.loads((tmp_path / "B4_fsdp_xl-shallow.json").read_text())
+    _check_keys(record)
+    run = record["details"]["runs"]["False"]
+    assert run["init_max_abs_diff"] == [0.0]
+    for r in run["ranks"]:
+        assert r["live_before_build"] == 0, r
+        assert r["build_peak"] <= r["exact_param_bytes"] + r["block_full_bytes"], r
+        assert r["all_gathers_per_step"] == [3] * len(r["all_gathers_per_step"]), r
+        assert all(s["reduce_scatters"] == 3 for s in r["steps"]), r

@@ -18,7 +18,10 @@ runs several micro-batch forwards before their backwards, and resharding after e
 stage's parameters again for every micro-batch (forward and backward); not resharding gathers once per step,
 at the price of holding the stage's gathered parameters (1 / pp of the tp-local model) from the first forward
 to the step's post-backward. At pp = 1 torch's default (reshard each block after its forward, the root not)
-keeps the peak at one gathered block. Evaluation batches reshard at their end (``reshard_after_eval``) so that
+keeps the peak at one gathered block. The ``fsdp_reshard_after_forward`` setting forces either choice; measured
+(README, B4/FSDP): under a pipeline ``True`` triples the all-gathers per step and leaves the step's peak unchanged,
+because torch's ``PipelineStage`` keeps every unit gathered (and its gradients unsharded) from a micro-batch's
+backward to the last one's. Evaluation batches reshard at their end (``reshard_after_eval``) so that
 the optimizer and checkpoints always see the sharded parameters.
 
 Mixed precision from Lightning's precision: ``"bf16-mixed"`` computes with bf16 copies of the parameters and
