@@ -326,7 +326,7 @@ def test_b4_fsdp_builds_each_rank_as_shards_plus_one_layer(tmp_path):
     run = record["details"]["runs"]["False"]
     assert run["init_max_abs_diff"] == [0.0]
     for r in run["ranks"]:
-        assert r["live_before_build"] == 0, r
+        assert r["live_before_build"] <= 4096, r  # nothing of the model before the build (mesh tables)
         assert r["build_peak"] <= r["exact_param_bytes"] + r["block_full_bytes"] + 4096, r  # + mesh rank tables
         assert r["setup_ok"], r
         assert r["all_gathers_per_step"] == [3] * len(r["all_gathers_per_step"]), r
