@@ -363,11 +363,9 @@ def build_stages(
     for name in keep:
         layer = torch_compat.child_modules(body.module)[name]
         assert layer is not None
-        if deferred is not None:
-            pass
-        elif model.is_meta:
+        if deferred is None and model.is_meta:
             materialize(layer, device, seed, prefix=f"{body.fqn}.{name}")
-        else:
+        elif deferred is None:
             layer.to(device)
         styles = model.tp_plan.styles_for(name) if tp > 1 else {}
         if styles:
@@ -460,12 +458,10 @@ def _build_split_stages(
         deferred = ShardedInit([(n, module.get_submodule(n)) for n in held_names], initializers)
     for name in held_names or [""]:  # one module at a time: whole only while it is being sharded
         sub = module.get_submodule(name)
-        if deferred is not None:
-            pass  # stays on meta until its shards are allocated
-        elif model.is_meta:
+        if deferred is None and model.is_meta:  # (with deferred: on meta until its shards are allocated)
             retie(module, split.aliases, name)  # a head tied to an embedding materialised before it
             materialize(sub, device, seed, prefix=name, initializers=initializers)
-        else:
+        elif deferred is None:
             sub.to(device)
         styles: dict[str, Any] = {}
         if tp > 1 and model.hf_plan is not None:
