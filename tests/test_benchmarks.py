@@ -253,7 +253,13 @@ def test_llama_comm_analysis_reports_extra_and_missing_collectives():
 
 def test_cli_model_option_is_refused_where_there_is_no_variant():
     main = _import("benchmarks.__main__").main
-    for argv in (["B1", "--model", "hf_llama"], ["B2", "--model", "hf_llama_tied"], ["B4", "--model", "nope"]):
+    for argv in (
+        ["B1", "--model", "hf_llama"],
+        ["B2", "--model", "hf_llama_tied"],
+        ["B4", "--model", "nope"],
+        ["B4", "--model", "xl-shallow"],  # FSDP's memory record: with --data-parallel fsdp only
+        ["B1", "--data-parallel", "fsdp", "--model", "xl-shallow"],
+    ):
         with pytest.raises(SystemExit):
             main([*argv, "--out", "/nonexistent"])
     assert _import("benchmarks.b4_state").MODELS == ("gpt", "hf_llama", "hf_llama_tied")
