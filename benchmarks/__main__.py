@@ -54,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="gpt",
-        choices=("gpt", *MODEL_NAMES),
+        choices=("gpt", *MODEL_NAMES, "xl-shallow"),
         help="gpt (default): the example GPT; hf_llama / hf_llama_tied: a Hugging Face LlamaForCausalLM (GQA; "
-        "untied / tied embeddings), for B2..B5 (records ID_MODEL.json)",
+        "untied / tied embeddings), for B2..B5 (records ID_MODEL.json); xl-shallow: B4 --data-parallel fsdp's "
+        "peak memory against share + one layer (B4_fsdp_xl-shallow.json)",
     )
     parser.add_argument(
         "--data-parallel",
@@ -92,14 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [i for i in ids if i not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmark id(s) {unknown}; choose from {', '.join(BENCHMARKS)} or 'all'")
-    if args.model != "gpt":
+    if args.model not in ("gpt", "xl-shallow"):  # xl-shallow: B4's FSDP memory record (checked below)
         without = [i for i in ids if args.model not in getattr(_module(i), "MODELS", ("gpt",))]
         if without and [i.lower() for i in args.ids] == ["all"]:
             ids = [i for i in ids if i not in without]  # 'all' with a model: the benchmarks that have it
         elif without:
             parser.error(f"benchmark(s) {without} have no --model {args.model} variant")
-    if args.data_parallel != "replicate" and (ids not in (["B4"], ["N1"]) or args.model != "gpt"):
-        parser.error("--data-parallel fsdp is measured by B4 and N1 with the example GPT only")
+    if args.data_parallel != "replicate" and (
+        ids not in (["B4"], ["N1"])
+        or args.model not in ("gpt", "xl-shallow")
+        or (ids == ["N1"] and args.model != "gpt")
+    ):
+        parser.error(
+            "--data-parallel fsdp is measured by B4 (with the example GPT: gpt or xl-shallow) and N1 (gpt) only"
+        )
+    if args.model == "xl-shallow" and args.data_parallel != "fsdp":
+        parser.error(
+            "--model xl-shallow is B4's FSDP memory record: `python -m benchmarks B4 --data-parallel fsdp "
+            "--model xl-shallow`"
+        )
     if args.grad_reduce_dtype is not None and (ids != ["B5"] or args.model != "gpt"):
         parser.error("--grad-reduce-dtype is measured by B5 with the example GPT only")
     if b1_options and ids != ["B1"]:
@@ -111,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         env = environment()
         start = time.monotonic()
         try:
-            if args.data_parallel != "replicate":
+            if args.data_parallel != "replicate" and bench_id == "B4":
+                record = module.run(out, tiny=args.tiny, model=args.model, data_parallel=args.data_parallel)
+            elif args.data_parallel != "replicate":
                 record = module.run(out, tiny=args.tiny, data_parallel=args.data_parallel)
             elif args.grad_reduce_dtype is not None:
                 record = module.run(out, tiny=args.tiny, grad_reduce_dtype=args.grad_reduce_dtype)

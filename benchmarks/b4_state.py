@@ -25,6 +25,18 @@ state. No RSS probe.
 the exact share is then 1 / (dp x pp x tp): the stage's tensor-parallel share of parameters, gradients and Adam
 moments divided by dp (FSDP2 pads a tensor whose first dimension dp does not divide, so the worst rank may hold
 a few rows more), plus the unsharded 4-byte ``step`` per tensor. No RSS probe.
+
+``--data-parallel fsdp --model xl-shallow`` (record ``B4_fsdp_xl-shallow``): the issue's goal "every rank's peak
+memory <= its share + one layer's full weights" at tp2 x pp2 x dp2 under FSDP, measured with a CPU tracker of live
+tensor bytes (:mod:`benchmarks.mem_tracker`, not RSS). The model: the xl GPT's 16 heads at half its width (1024;
+the full xl, 19 GB of weights and Adam states over 8 ranks, does not fit the shared CPU machine) and 4 layers
+(two blocks per stage, so that "one layer" and "the stage" differ), sequence 32, vocabulary 256; ``--tiny``:
+width 64, 4 heads. Per rank: the peak during setup (``configure_model`` on meta to the start of training)
+against its parameter share + the largest block's full (unsharded) weights, and the peak of each training step
+after the first against its whole share (parameters + gradients + AdamW moments, counted as in B4) + that block;
+also FSDP's all-gathers per step and the step time, once per ``fsdp_reshard_after_forward`` choice (``False``,
+the default under a pipeline, and ``True``; ``--tiny``: the default only). The initial parameters are checked
+against one process materialising the whole model with the same seed (gathered to rank 0, max abs difference).
 """
 
 from __future__ import annotations
@@ -39,8 +51,11 @@ from .hf_llama import MODEL_NAMES
 
 ID, TITLE = "B4", "state bytes per rank (params + grads + AdamW) at dp2 x pp2 x tp2, and peak RSS"
 TP, PP, DEVICES = 2, 2, 8
+XL_SHALLOW = "xl-shallow"
+SLACK = 4096
+"""Bytes of non-model tensors (device-mesh rank tables) the FSDP memory goal allows beside share + one layer."""
 MODELS: tuple[str, ...] = ("gpt", *MODEL_NAMES)
-"""The models this benchmark runs on (``--model``)."""
+"""The models this benchmark runs on (``--model``); ``xl-shallow`` too, with ``--data-parallel fsdp`` only."""
 
 
 def _peak_rss() -> int:
@@ -203,10 +218,220 @@ def worker_llama(model: str, tiny: bool = False) -> dict[str, Any]:
     return {"ranks": gathered, "config": config}
 
 
+def xl_shallow_config(tiny: bool) -> dict[str, Any]:
+    """The GPT of the FSDP memory record: the xl's 16 heads at half its width, 4 layers (``tiny``: width 64)."""
+    if tiny:
+        return {"preset": "tiny", "n_embd": 64, "n_head": 4, "n_layer": 4, "block_size": 16}
+    return {"preset": "xl", "n_embd": 1024, "n_head": 16, "n_layer": 4, "block_size": 32, "vocab_size": 256}
+
+
+def worker_memory(tiny: bool = False, reshard: bool | None = None, steps: int = 3) -> dict[str, Any]:
+    """Runs on the 8 ranks under FSDP: peak live tensor bytes in setup and per step, shares, all-gathers."""
+    import time
+
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    from lightning_3d.core.materialize import materialize
+
+    from .common import build_gpt, fit_3d, gpt_local_numel, owned_parameters
+    from .mem_tracker import peak_tracker
+
+    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    for name in counts:  # FSDP2's collectives (tensor parallelism's go through other functions)
+        real = getattr(dist, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    config = xl_shallow_config(tiny)
+    import lightning_3d.strategy as strategy_module
+
+    build = strategy_module.build_stages
+    phases: dict[str, int] = {}
+
+    def build_measured(*args: Any, **kwargs: Any) -> Any:  # the peak of building the stages alone
+        tracker = probe.tracker
+        before = tracker.peak
+        tracker.reset_peak()
+        phases["live_before_build"] = tracker.live()
+        built = build(*args, **kwargs)
+        phases["build_peak"], phases["live_after_build"] = tracker.peak, tracker.live()
+        phases["at_peak"] = getattr(tracker, "at_peak", None)
+        tracker.peak = max(before, tracker.peak)
+        return built
+
+    strategy_module.build_stages = build_measured
+
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.tracker = peak_tracker()
+            self.record: dict[str, Any] = {"steps": []}
+            self.seed = 0
+            self.start = 0.0
+            self.live_at_start = 0
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            self.seed = torch.initial_seed() % (2**62)  # what the strategy broadcasts from rank 0 (seed=None)
+            self.tracker.__enter__()
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            strategy = trainer.strategy
+            setup_peak, self.live_at_start = self.tracker.peak, self.tracker.live()
+            coords, keep, owned = owned_parameters(strategy)
+            prefix = strategy.stage_plan.body_fqn
+            block_full = max(
+                sum(4 * math.prod(shape) for n, shape in owned.items() if n.startswith(f"{prefix}.{k}."))
+                for k in keep
+                if k not in ("0", str(config["n_layer"] + 1))  # the embedding and the head are not blocks
+            )
+            exact_params = sum(gpt_local_numel(n, shape, TP) for n, shape in owned.items()) * 4
+            exact_params /= strategy.device_mesh["dp"].size()
+            self.tracker.__exit__(None, None, None)  # the check below gathers the whole model on rank 0
+            full = strategy.full_state_dict()
+            init_diff = None
+            if full is not None:
+                with torch.device("meta"):
+                    ref = build_gpt(config, build=False)
+                    ref.configure_model()
+                materialize(ref.body, torch.device("cpu"), self.seed, prefix="body")  # one device, whole model
+                want = ref.state_dict()
+                init_diff = max(float((full[k] - want[k]).abs().max()) for k in want)
+                if set(full) != set(want):
+                    init_diff = float("inf")
+            del full
+            self.record.update(
+                rank=trainer.global_rank,
+                coords=coords,
+                setup_peak=setup_peak,
+                exact_param_bytes=exact_params,
+                exact_bytes=exact_params * 4 + 4 * len(owned),
+                block_full_bytes=block_full,
+                init_max_abs_diff=init_diff,
+                live_at_fit_start=self.live_at_start,
+                **phases,
+            )
+            self.tracker.__enter__()
+            self.tracker.reset_peak()
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            for name in counts:
+                counts[name] = 0
+            self.tracker.reset_peak()
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            seconds = time.perf_counter() - self.start
+            self.record["steps"].append(
+                {
+                    "peak": self.tracker.peak,
+                    "seconds": seconds,
+                    "all_gathers": counts["all_gather_single"],
+                    "reduce_scatters": counts["reduce_scatter_single"],
+                }
+            )
+            if batch_idx == 0:
+                self.record.update(_state_bytes(trainer, pl_module))
+
+        def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+            self.tracker.__exit__(None, None, None)
+
+    probe = Probe()
+    kwargs: dict[str, Any] = {"data_parallel": "fsdp"}
+    if reshard is not None:
+        kwargs["fsdp_reshard_after_forward"] = reshard
+    fit_3d(config, probe, tp=TP, pp=PP, micro_batches=2, batch=2, steps=steps, devices=DEVICES, **kwargs)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, probe.record)
+    return {"ranks": gathered, "config": config}
+
+
+def run_memory(out: Path, tiny: bool) -> Record:
+    """FSDP memory against the goal (share + one layer), per ``fsdp_reshard_after_forward`` choice."""
+    from .common import launch
+
+    choices: list[bool] = [False] if tiny else [False, True]
+    runs: dict[str, Any] = {}
+    lines = []
+    config = xl_shallow_config(tiny)
+    lines.append(
+        f"GPT n_embd {config['n_embd']}, {config['n_head']} heads, {config['n_layer']} layers, sequence "
+        f"{config['block_size']}, tp2 x pp2 x dp2, data_parallel='fsdp', 2 micro-batches of 1, AdamW; live tensor "
+        "bytes (benchmarks/mem_tracker.py)"
+    )
+    worst_over = 0.0
+    for reshard in choices:
+        res = launch("b4_state:worker_memory", DEVICES, {"tiny": tiny, "reshard": reshard}, timeout=600)
+        ranks = sorted(res["ranks"], key=lambda r: r["rank"])
+        per_rank = []
+        lines.append(f"fsdp_reshard_after_forward={reshard}:")
+        lines.append(
+            "rank (dp,pp,tp) | setup peak MB | params share + block MB | step peak MB | share + block MB | "
+            "all-gathers/step | step s | setup ok | step ok"
+        )
+        for r in ranks:
+            later = r["steps"][1:] or r["steps"]  # the first step also infers shapes and creates Adam's state
+            share = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+            # + a few bytes of bookkeeping tensors (device-mesh rank tables: 32 bytes measured)
+            setup_goal = r["exact_param_bytes"] + r["block_full_bytes"] + SLACK
+            step_goal = share + r["block_full_bytes"] + SLACK
+            step_peak = max(s["peak"] for s in later)
+            row = {
+                **r,
+                "share_bytes": share,
+                "setup_goal_bytes": setup_goal,
+                "setup_ok": r["setup_peak"] <= setup_goal,
+                "step_peak": step_peak,
+                "step_goal_bytes": step_goal,
+                "step_ok": step_peak <= step_goal,
+                "all_gathers_per_step": [s["all_gathers"] for s in later],
+                "step_seconds": [s["seconds"] for s in later],
+            }
+            per_rank.append(row)
+            worst_over = max(worst_over, step_peak / step_goal, r["setup_peak"] / setup_goal)
+            c = r["coords"]
+            lines.append(
+                f"{r['rank']:4d} ({c['dp']},{c['pp']},{c['tp']})     | {r['setup_peak'] / 2**20:13.1f} | "
+                f"{setup_goal / 2**20:23.1f} | {step_peak / 2**20:12.1f} | {step_goal / 2**20:16.1f} | "
+                f"{max(row['all_gathers_per_step']):16d} | {min(row['step_seconds']):6.2f} | "
+                f"{'yes' if row['setup_ok'] else 'NO':>8} | {'yes' if row['step_ok'] else 'NO':>7}"
+            )
+        diffs = [r["init_max_abs_diff"] for r in ranks if r["init_max_abs_diff"] is not None]
+        lines.append(f"initial parameters vs one process materialising the whole model: max abs diff {diffs}")
+        runs[str(reshard)] = {"ranks": per_rank, "init_max_abs_diff": diffs}
+    details = {
+        "config": config,
+        "layout": "tp2 x pp2 x dp2, data_parallel='fsdp', 8 CPU processes, 2 micro-batches, AdamW",
+        "runs": runs,
+        "goal": f"every rank's peak <= its share + one layer's (block's) full weights + {SLACK} bytes",
+    }
+    default = runs["False"]["ranks"]
+    worst = max(default, key=lambda r: r["step_peak"] / r["step_goal_bytes"])
+    return Record(
+        f"{ID}_fsdp_{XL_SHALLOW}",
+        f"{TITLE} (data_parallel='fsdp', peak live bytes vs share + one layer)",
+        worst["step_peak"] / 2**20,
+        worst["step_goal_bytes"] / 2**20,
+        worst["step_goal_bytes"] / 2**20,
+        worst_over,
+        "MB (worst rank's step peak)",
+        details,
+        lines,
+        "MB (its share + one block)",
+    )
+
+
 def run(out: Path, tiny: bool = False, model: str = "gpt", data_parallel: str = "replicate") -> Record:
     """Launch the eight processes and build the record (``B4``, or ``B4_fsdp`` under ``data_parallel="fsdp"``)."""
     from .common import launch
 
+    if model == XL_SHALLOW:
+        if data_parallel != "fsdp":
+            raise ValueError("B4 --model xl-shallow measures FSDP memory: add --data-parallel fsdp")
+        return run_memory(out, tiny)
     if model != "gpt":
         return run_llama(out, tiny, model)
 

@@ -115,6 +115,11 @@ class ThreeDSettings:
             ``bf16-mixed`` FSDP). Gradients land back in the parameters' dtype (the optimizer sees fp32), and
             ``fp16`` divides by about sqrt(dp) before and after the sum, so its range holds; an overflow becomes
             inf, which ``on_nonfinite`` sees as usual. Needs dp > 1. See ``core/data_parallel.py``.
+        fsdp_reshard_after_forward: under ``data_parallel="fsdp"``, whether each FSDP unit frees its gathered
+            parameters after its forward. ``None`` (default): ``False`` under a pipeline (one all-gather per unit
+            per step instead of two per micro-batch; under a pipeline torch keeps the units gathered through the
+            backward anyway, so resharding saves little memory, measured in the README's B4/FSDP part) and torch's
+            own choice at pp = 1; ``True`` or ``False`` forces it for every unit. Only with ``"fsdp"``.
     """
 
     tp: int = 1
@@ -142,6 +147,7 @@ class ThreeDSettings:
     data_parallel: str = "replicate"
     dp_shard: int | None = None
     grad_reduce_dtype: str | None = None
+    fsdp_reshard_after_forward: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -194,6 +200,16 @@ class ThreeDSettings:
             )
         self._check_dp_shard()
         self._check_grad_reduce_dtype()
+        if self.fsdp_reshard_after_forward not in (None, True, False):
+            raise ValueError(
+                "ThreeDStrategy: fsdp_reshard_after_forward must be True, False or None (the default: False under "
+                f"a pipeline, torch's choice at pp=1), got {self.fsdp_reshard_after_forward!r}."
+            )
+        if self.fsdp_reshard_after_forward is not None and self.data_parallel != "fsdp":
+            raise ValueError(
+                "ThreeDStrategy: fsdp_reshard_after_forward applies to data_parallel='fsdp' only, but data_parallel="
+                f"{self.data_parallel!r}. Leave it None, or set data_parallel='fsdp'."
+            )
 
     def _check_dp_shard(self) -> None:
         if self.dp_shard is not None:

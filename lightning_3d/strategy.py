@@ -399,6 +399,7 @@ class ThreeDStrategy(ParallelStrategy):
             data_parallel=s.data_parallel,
             dp_mesh=self._sharding_mesh(),
             grad_reduce_dtype=s.grad_reduce_dtype,
+            fsdp_reshard_after_forward=s.fsdp_reshard_after_forward,
         )
         self._compiled = built.compiled
         if built.compiled is not None:

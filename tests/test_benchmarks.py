@@ -253,7 +253,13 @@ def test_llama_comm_analysis_reports_extra_and_missing_collectives():
 
 def test_cli_model_option_is_refused_where_there_is_no_variant():
     main = _import("benchmarks.__main__").main
-    for argv in (["B1", "--model", "hf_llama"], ["B2", "--model", "hf_llama_tied"], ["B4", "--model", "nope"]):
+    for argv in (
+        ["B1", "--model", "hf_llama"],
+        ["B2", "--model", "hf_llama_tied"],
+        ["B4", "--model", "nope"],
+        ["B4", "--model", "xl-shallow"],  # FSDP's memory record: with --data-parallel fsdp only
+        ["B1", "--data-parallel", "fsdp", "--model", "xl-shallow"],
+    ):
         with pytest.raises(SystemExit):
             main([*argv, "--out", "/nonexistent"])
     assert _import("benchmarks.b4_state").MODELS == ("gpt", "hf_llama", "hf_llama_tied")
@@ -328,3 +334,39 @@ def test_b1_schedule_and_partitioner_options_reach_the_record(tmp_path):
     zbv = details["timeline"]["zbvzerobubble"]
     assert zbv["theory_source"] == "action list" and details["timeline"]["1f1b"]["theory_source"] == "formula"
     assert zbv["stages_per_rank"] == 2 and all(0.0 <= r["theory"] < 1.0 for r in zbv["ranks"].values())
+
+
+def test_peak_tracker_follows_live_tensor_bytes():
+    """benchmarks/mem_tracker.py: the peak is the most bytes alive at once, freed tensors stop counting."""
+    torch = _import("torch")
+    tracker = _import("benchmarks.mem_tracker").peak_tracker()
+    with tracker:
+        a = torch.zeros(1000, 1000)  # 4 MB
+        b = torch.zeros(1000, 1000)
+        del a, b
+        c = torch.zeros(500, 1000)
+        assert tracker.live() == 2_000_000 and tracker.peak == 8_000_000
+        tracker.reset_peak()
+        c.untyped_storage().resize_(0)  # how FSDP2 frees its gathered parameters
+        d = torch.ones(10)  # noqa: F841 (alive while counted)
+        assert tracker.live() == 40 and tracker.peak == 2_000_000
+
+
+@pytest.mark.slow
+def test_b4_fsdp_builds_each_rank_as_shards_plus_one_layer(tmp_path):
+    """Under FSDP at tp2 x pp2 x dp2, a model built on the meta device is materialised as shards: building the
+    stages never holds more live tensor bytes than the rank's parameter share plus one block's full weights (the
+    whole stage would be twice that), the initial parameters are exactly one process's, and one all-gather and
+    one reduce-scatter per FSDP unit (two blocks and the stage root) run per step under the pipeline."""
+    args = ["B4", "--data-parallel", "fsdp", "--model", "xl-shallow", "--tiny", "--out", tmp_path]
+    run_lightning("bench_run.py", args, timeout=420)
+    record = json.loads((tmp_path / "B4_fsdp_xl-shallow.json").read_text())
+    _check_keys(record)
+    run = record["details"]["runs"]["False"]
+    assert run["init_max_abs_diff"] == [0.0]
+    for r in run["ranks"]:
+        assert r["live_before_build"] <= 4096, r  # nothing of the model before the build (mesh tables)
+        assert r["build_peak"] <= r["exact_param_bytes"] + r["block_full_bytes"] + 4096, r  # + mesh rank tables
+        assert r["setup_ok"], r
+        assert r["all_gathers_per_step"] == [3] * len(r["all_gathers_per_step"]), r
+        assert all(s["reduce_scatters"] == 3 for s in r["steps"]), r

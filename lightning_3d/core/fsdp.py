@@ -25,7 +25,10 @@ runs several micro-batch forwards before their backwards, and resharding after e
 stage's parameters again for every micro-batch (forward and backward); not resharding gathers once per step,
 at the price of holding the stage's gathered parameters (1 / pp of the tp-local model) from the first forward
 to the step's post-backward. At pp = 1 torch's default (reshard each block after its forward, the root not)
-keeps the peak at one gathered block. Evaluation batches reshard at their end (``reshard_after_eval``) so that
+keeps the peak at one gathered block. The ``fsdp_reshard_after_forward`` setting forces either choice; measured
+(README, B4/FSDP): under a pipeline ``True`` triples the all-gathers per step and leaves the step's peak unchanged,
+because torch's ``PipelineStage`` keeps every unit gathered (and its gradients unsharded) from a micro-batch's
+backward to the last one's. Evaluation batches reshard at their end (``reshard_after_eval``) so that
 the optimizer and checkpoints always see the sharded parameters.
 
 Mixed precision from Lightning's precision: ``"bf16-mixed"`` computes with bf16 copies of the parameters and
@@ -73,6 +76,7 @@ def apply_fsdp(
     pp: int,
     precision: Precision,
     reduce_dtype: str | None = None,
+    reshard_after_forward: bool | None = None,
 ) -> nn.Module:
     """Shard a stage module over ``dp_mesh`` with FSDP2: each of its blocks first, then the stage module itself.
 
@@ -84,6 +88,7 @@ def apply_fsdp(
         pp: the pipeline degree (``reshard_after_forward`` is ``False`` under a pipeline, see the module text).
         precision: Lightning's precision plugin (decides the mixed-precision policy).
         reduce_dtype: ``grad_reduce_dtype``: the gradient reduce-scatter's dtype (``None``: the policy's).
+        reshard_after_forward: the ``fsdp_reshard_after_forward`` setting: ``None`` chooses by ``pp`` (above).
 
     Returns:
         The stage module (``fully_shard`` works in place and returns it).
@@ -94,7 +99,9 @@ def apply_fsdp(
     if dp_mesh.size() == 1:
         raise ValueError("lightning_3d: data_parallel='fsdp' needs dp > 1 (nothing to shard over at dp=1).")
     policy = mixed_precision_policy(precision, reduce_dtype)
-    reshard = False if pp > 1 else None  # None: torch's default (blocks reshard after forward, the root not)
+    reshard = reshard_after_forward
+    if reshard is None:
+        reshard = False if pp > 1 else None  # None: torch's default (blocks reshard after forward, the root not)
     for block in blocks:
         if any(True for _ in block.parameters()):
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)

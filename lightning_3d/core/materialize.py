@@ -6,19 +6,28 @@ it (full size, one layer at a time), initialise every submodule with ``reset_par
 derived from the run seed and the submodule's name, then let tensor parallelism shard it, which frees the
 full copy. Seeding by name makes the initial model the same whatever the (tp, pp, dp) layout, and the same
 on every rank of a tensor-parallel group, with no communication.
+
+Under FSDP (``data_parallel="fsdp"``) a layer is never allocated in the model at full size: :class:`ShardedInit`
+keeps a meta copy of each held layer, the model is tensor-sharded and wrapped with ``fully_shard`` while still on
+the meta device, ``to_empty`` then allocates only this rank's shards, and each layer's full initial values are
+computed on its meta copy (the same :func:`materialize`, same seeds, so the same values as one device), one layer
+at a time, and only this rank's slice of each tensor is copied in before the copy is dropped. A rank's peak during
+setup is therefore its share plus one layer's full weights.
 """
 
 from __future__ import annotations
 
+import copy
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from . import torch_compat
 from .tied import canonical_names
 
 
@@ -79,6 +88,7 @@ def materialize(
     base_seed: int,
     prefix: str,
     initializers: Mapping[int, Initializer] | None = None,
+    exclude: Collection[nn.Module] = (),
 ) -> None:
     """Allocate the meta tensors of ``module`` on ``device`` and initialise them, children first, seeded by name.
 
@@ -86,9 +96,11 @@ def materialize(
     children's default initialisation (e.g. GPT-2's scaled residual projections). A module in ``initializers``
     is initialised by its library's initialiser instead. Tensors that are already real are left alone, so a
     weight tied to a module materialised earlier keeps its values (it is initialised once, by its first module).
+    The modules in ``exclude`` (and everything inside them) stay on the meta device.
     """
     initializers = initializers or {}
-    named = list(module.named_modules(prefix=prefix, remove_duplicate=False))
+    excluded = {id(m) for e in exclude for m in e.modules()}
+    named = [(n, m) for n, m in module.named_modules(prefix=prefix, remove_duplicate=False) if id(m) not in excluded]
     shared: dict[int, list[tuple[nn.Module, str]]] = {}  # a parameter registered in several modules (tied)
     for _, sub in named:
         for pname, param in sub.named_parameters(recurse=False):
@@ -118,6 +130,121 @@ def materialize(
         with torch.random.fork_rng(devices=devices, device_type=device.type):
             torch.manual_seed(module_seed(base_seed, name))
             init()
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        *module.named_parameters(recurse=False, remove_duplicate=False),
+        *module.named_buffers(recurse=False, remove_duplicate=False),
+    ]
+
+
+class ShardedInit:
+    """Initialise FSDP-sharded modules with their single-device values, never allocating more than one whole.
+
+    Build it on the meta-device modules before anything shards them (it keeps a meta copy of each); then shard and
+    wrap the real modules on the meta device, call :meth:`allocate` on the wrapped stage modules (``to_empty``:
+    only this rank's shards get memory) and :meth:`fill`, which initialises each copy in turn exactly as
+    :func:`materialize` would initialise the module itself and copies this rank's slice of every tensor in.
+
+    Args:
+        modules: ``(name, module)`` in materialisation order (the owner of a tied weight first), still on meta.
+        initializers: library initialisers of the real modules, by ``id`` (see :func:`library_initializers`).
+    """
+
+    def __init__(
+        self, modules: Sequence[tuple[str, nn.Module]], initializers: Mapping[int, Initializer] | None = None
+    ) -> None:
+        initializers = initializers or {}
+        self.modules = [m for _, m in modules]
+        self._pending: list[tuple[str, nn.Module, list[tuple[nn.Module, nn.Module]], dict[int, Initializer]]] = []
+        for name, module in modules:
+            twin = copy.deepcopy(module)  # meta: no memory
+            pairs = list(zip(module.modules(remove_duplicate=False), twin.modules(remove_duplicate=False), strict=True))
+            inits = {id(t): initializers[id(r)] for r, t in pairs if id(r) in initializers}
+            self._pending.append((name, twin, pairs, inits))
+
+    def allocate(self, wrapped: Iterable[nn.Module], device: torch.device) -> None:
+        """``to_empty`` the wrapped stage modules (FSDP re-registers its shards), keeping tensors that were real."""
+        for stage in wrapped:
+            kept = [
+                (owner, name, (t.to_local() if isinstance(t, DTensor) else t).detach().clone())
+                for owner in stage.modules()
+                for name, t in _own_tensors(owner)
+                if not t.is_meta
+            ]
+            stage.to_empty(device=device)
+            with torch.no_grad():
+                for owner, name, value in kept:
+                    t = getattr(owner, name)
+                    (t.to_local() if isinstance(t, DTensor) else t).copy_(value)
+
+    def fill(self, device: torch.device, base_seed: int) -> None:
+        """Compute each module's full initial values (one module at a time) and copy this rank's slices in."""
+        done: set[int] = set()
+        while self._pending:
+            # in a function of its own, so that no local keeps a part of this copy alive into the next one's
+            _fill_one(*self._pending.pop(0), device, base_seed, done)
+
+
+def _fill_one(
+    name: str,
+    twin: nn.Module,
+    pairs: list[tuple[nn.Module, nn.Module]],
+    inits: Mapping[int, Initializer],
+    device: torch.device,
+    base_seed: int,
+    done: set[int],
+) -> None:
+    materialize(twin, device, base_seed, prefix=name, initializers=inits)
+    with torch.no_grad():
+        for real, full in pairs:
+            values = dict(_own_tensors(full))
+            for tname, target in _own_tensors(real):
+                if id(target) in done:  # a weight tied to an earlier module: its first owner's values
+                    continue
+                done.add(id(target))
+                _copy_slice(target, values[tname])
+
+
+def _copy_slice(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy into ``target`` (a plain tensor, or a DTensor sharded any way) its part of the full tensor ``full``."""
+    full = full.detach()
+    if not isinstance(target, DTensor):
+        target.copy_(full.to(target.device, target.dtype))
+        return
+    local = _local_view(full, target)
+    if local is None:  # a placement the view does not know: DTensor's own split (it may copy)
+        local = distribute_tensor(
+            full.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None
+        ).to_local()
+    target.to_local().copy_(local)
+
+
+def _local_view(full: torch.Tensor, target: DTensor) -> torch.Tensor | None:
+    """This rank's part of ``full`` as a view (no copy) for ``target``'s mesh and placements, as DTensor splits:
+    ``torch.chunk`` per sharded mesh dimension, an empty slice past the last chunk. ``None`` for placements other
+    than shard / strided shard / replicate. A strided shard (FSDP2 over tensor parallelism's dim-0 shards) splits
+    the later dimensions' shards, so with one the dimensions are applied last to first."""
+    strided = torch_compat.strided_shard_type()
+    placements, mesh = target.placements, target.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    order = list(range(len(placements)))
+    if any(isinstance(p, strided) for p in placements):
+        order.reverse()
+    local = full
+    for i in order:
+        placement = placements[i]
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, (Shard, strided)):
+            return None
+        dim = placement.dim
+        chunks = torch.chunk(local, mesh.size(i), dim=dim)
+        local = chunks[coordinate[i]] if coordinate[i] < len(chunks) else local.narrow(dim, 0, 0)
+    return local
 
 
 @dataclass

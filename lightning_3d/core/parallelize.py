@@ -34,7 +34,7 @@ from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
 from .compile import CompiledBlocks, check_compilable, compile_blocks
 from .data_parallel import apply_data_parallel
 from .fsdp import SHARDED_MODES, apply_fsdp
-from .materialize import check_materializable, has_meta_tensors, library_initializers, materialize
+from .materialize import ShardedInit, check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec, stage_ranks
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
@@ -328,13 +328,14 @@ def build_stages(
     data_parallel: str = "replicate",
     dp_mesh: DeviceMesh | None = None,
     grad_reduce_dtype: str | None = None,
+    fsdp_reshard_after_forward: bool | None = None,
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
     ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
     data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``, FSDP2
     sharding over dp (``fsdp.py``); ``"hsdp"``: the same over ``dp_mesh``, HSDP's (dp_replicate, dp_shard) view of
     dp (``None``: ``mesh["dp"]``); ``grad_reduce_dtype`` (``"bf16"``/``"fp16"``) is the dtype of either's gradient
-    reduction."""
+    reduction; ``fsdp_reshard_after_forward``: the setting of that name."""
     dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
     if model.split is not None:
         return _build_split_stages(
@@ -349,6 +350,7 @@ def build_stages(
             data_parallel,
             dp_mesh,
             grad_reduce_dtype,
+            fsdp_reshard_after_forward,
         )
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
@@ -360,19 +362,25 @@ def build_stages(
     partition.prune_body(body, keep)
     precision.convert_module(module)
     tp = mesh["tp"].size()
+    # FSDP on a meta model: shard while on meta, then allocate and fill only this rank's shards (materialize.py)
+    deferred = None
+    if model.is_meta and data_parallel == "fsdp":
+        named = torch_compat.child_modules(body.module)
+        deferred = ShardedInit([(f"{body.fqn}.{n}", named[n]) for n in keep])  # type: ignore[misc]
     for name in keep:
         layer = torch_compat.child_modules(body.module)[name]
         assert layer is not None
-        if model.is_meta:
+        if deferred is None and model.is_meta:
             materialize(layer, device, seed, prefix=f"{body.fqn}.{name}")
-        else:
+        elif deferred is None:
             layer.to(device)
         styles = model.tp_plan.styles_for(name) if tp > 1 else {}
         if styles:
             parallelize_module(layer, mesh["tp"], styles)
     if not model.is_meta:
         sync_replicas(body.module, mesh)
-    module.to(device)  # anything outside the body (metric states, buffers)
+    if deferred is None:
+        module.to(device)  # anything outside the body (metric states, buffers)
     layers = torch_compat.child_modules(body.module)
     checkpointed, compiled = _checkpoint_and_compile(
         [f"{body.fqn}.{n}" for n in block_names],
@@ -387,11 +395,21 @@ def build_stages(
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
         if data_parallel in SHARDED_MODES:  # every layer of the stage its own unit (a Sequential body has no ties)
             wrapped = apply_fsdp(
-                container, held, dp_mesh, pp=mesh["pp"].size(), precision=precision, reduce_dtype=grad_reduce_dtype
+                container,
+                held,
+                dp_mesh,
+                pp=mesh["pp"].size(),
+                precision=precision,
+                reduce_dtype=grad_reduce_dtype,
+                reshard_after_forward=fsdp_reshard_after_forward,
             )
         else:
             wrapped = apply_data_parallel(container, mesh["dp"], blocks=held, reduce_dtype=grad_reduce_dtype)
         stages.append(StageSpec(s, wrapped))
+    if deferred is not None:
+        deferred.allocate([s.module for s in stages], device)
+        deferred.fill(device, seed)
+        module.to(device)
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
 
 
@@ -424,6 +442,7 @@ def _build_split_stages(
     data_parallel: str = "replicate",
     dp_mesh: DeviceMesh | None = None,
     grad_reduce_dtype: str | None = None,
+    fsdp_reshard_after_forward: bool | None = None,
 ) -> BuiltStages:
     split = model.split
     dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
@@ -443,12 +462,17 @@ def _build_split_stages(
     container = split.container
     blocks_of = {container.block_fqn(b): b for b in container.names} if container is not None else {}
     initializers = library_initializers(module) if model.is_meta else {}
+    # FSDP on a meta model split at its blocks: shard while on meta, then allocate and fill only this rank's shards
+    # (materialize.py); without a block container the one module is materialised whole, as under replicate
+    deferred = None
+    if model.is_meta and data_parallel == "fsdp" and held_names:
+        deferred = ShardedInit([(n, module.get_submodule(n)) for n in held_names], initializers)
     for name in held_names or [""]:  # one module at a time: whole only while it is being sharded
         sub = module.get_submodule(name)
-        if model.is_meta:
+        if deferred is None and model.is_meta:  # (with deferred: on meta until its shards are allocated)
             retie(module, split.aliases, name)  # a head tied to an embedding materialised before it
             materialize(sub, device, seed, prefix=name, initializers=initializers)
-        else:
+        elif deferred is None:
             sub.to(device)
         styles: dict[str, Any] = {}
         if tp > 1 and model.hf_plan is not None:
@@ -458,8 +482,10 @@ def _build_split_stages(
         if styles:
             parallelize_module(sub, mesh["tp"], styles)
     if model.is_meta and has_meta_tensors(module):  # modules on every stage: rotary tables, parameter-free
-        materialize(module, device, seed, prefix="", initializers=initializers)
-    module.to(device)
+        exclude = deferred.modules if deferred is not None else ()
+        materialize(module, device, seed, prefix="", initializers=initializers, exclude=exclude)
+    if deferred is None:
+        module.to(device)
     if not model.is_meta:
         sync_replicas(module, mesh)
     install_alias_hooks(module, split.aliases)
@@ -484,10 +510,15 @@ def _build_split_stages(
                 pp=mesh["pp"].size(),
                 precision=precision,
                 reduce_dtype=grad_reduce_dtype,
+                reshard_after_forward=fsdp_reshard_after_forward,
             )
         else:
             wrapped = apply_data_parallel(stage_module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
         stages.append(StageSpec(s, wrapped))
+    if deferred is not None:
+        deferred.allocate([s.module for s in stages], device)
+        deferred.fill(device, seed)
+        module.to(device)
     # after tensor and data parallelism have put their parameter objects in place
     # (under a V schedule the first and the last stage share a rank: a tied weight is then one tensor, nothing to sum)
     across_ranks = split.stage_to_rank[0] != split.stage_to_rank[-1]

@@ -259,6 +259,14 @@ def fake_tensor_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
+def strided_shard_type() -> type:
+    """DTensor's ``_StridedShard`` placement: FSDP2 shards a parameter that tensor parallelism already split on
+    dim 0 with it (a shard of the later mesh dimensions' shards, i.e. split after them)."""
+    from torch.distributed.tensor import placement_types
+
+    return _private(placement_types, "_StridedShard", "copying FSDP2's 2-D shards out of a full tensor")
+
+
 # ---------------------------------------------------------------------------------------------- dispatch
 def in_backward() -> bool:
     """Whether the calling code runs inside an autograd backward pass."""

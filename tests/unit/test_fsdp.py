@@ -72,3 +72,11 @@ def test_dp_group_of_one_changes_nothing(gloo_world: dist.ProcessGroup) -> None:
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0])
     norm = global_grad_norm(params, tp_group=None, pp_group=None, dp_group=gloo_world)
     assert float(norm) == 5.0
+
+
+def test_reshard_after_forward_setting_is_checked() -> None:
+    assert ThreeDSettings(dp=2, data_parallel="fsdp", fsdp_reshard_after_forward=True).fsdp_reshard_after_forward
+    with pytest.raises(ValueError, match="fsdp_reshard_after_forward applies to data_parallel='fsdp' only"):
+        ThreeDSettings(fsdp_reshard_after_forward=False)
+    with pytest.raises(ValueError, match="must be True, False or None"):
+        ThreeDSettings(dp=2, data_parallel="fsdp", fsdp_reshard_after_forward="yes")  # type: ignore[arg-type]

@@ -97,6 +97,68 @@ def test_children_are_initialised_before_their_parents() -> None:
     assert torch.equal(block.proj.bias, nn.Linear(3, 3).bias)  # the child's own init of what the parent left
 
 
+# ------------------------------------------------------------------------------------ ShardedInit (FSDP)
+class TiedNet(nn.Module):
+    """An embedding, two blocks and a head tied to the embedding: the strategy's FSDP units in miniature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList(ScaledResidualWide() for _ in range(2))
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class ScaledResidualWide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.proj.weight, std=0.5)  # overrides the child's default, as GPT-2's scaled projections
+
+
+def test_sharded_init_gives_the_single_device_values_through_fsdp(gloo_world) -> None:
+    """Wrapped with fully_shard while on meta, allocated with to_empty and filled module by module: the same
+    values as materialising the whole model on one device (the tied head takes the embedding's), and a tensor
+    that was real before allocation keeps its value."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from lightning_3d.core.materialize import ShardedInit
+
+    with torch.device("meta"):
+        net, ref = TiedNet(), TiedNet()
+    net.register_buffer("scale", torch.full((3,), 2.0))  # real already (like a rotary table materialised first)
+    names = ["emb", "blocks.0", "blocks.1", "head"]
+    deferred = ShardedInit([(n, net.get_submodule(n)) for n in names])
+    mesh = init_device_mesh("cpu", (1,))
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    assert has_meta_tensors(net)
+    deferred.allocate([net], CPU)
+    deferred.fill(CPU, base_seed=5)
+    assert not has_meta_tensors(net) and not deferred._pending
+    materialize(ref, CPU, base_seed=5, prefix="")
+    got = {n: (t.full_tensor() if isinstance(t, DTensor) else t) for n, t in net.state_dict().items()}
+    want = ref.state_dict()
+    assert set(got) == set(want) | {"scale"}
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    assert torch.equal(got["head.weight"], want["emb.weight"])
+    assert torch.equal(got["scale"], torch.full((3,), 2.0))
+
+
+def test_materialize_can_leave_modules_on_meta() -> None:
+    with torch.device("meta"):
+        body = build()
+    materialize(body, CPU, base_seed=7, prefix="body", exclude=[body[0]])
+    assert body[0].weight.is_meta and not body[3].weight.is_meta
+
+
 # ------------------------------------------------------------------------------------ check_materializable
 class Scale(nn.Module):
     def __init__(self) -> None:

@@ -327,3 +327,9 @@ def test_p2p_wrappers_stack_and_come_off_in_any_order():
         remove_inner()
     assert torch_compat.current_wait_batch_p2p() is original
     assert torch_compat.p2p_functions_are_torchs()
+
+
+def test_strided_shard_is_a_placement_with_a_dim_and_split_factor():
+    strided = torch_compat.strided_shard_type()
+    placement = strided(0, split_factor=2)
+    assert placement.dim == 0 and placement.split_factor == 2
