@@ -1,0 +1,182 @@
+"""Pipeline schedules read from a CSV action list (``schedule="path/to/actions.csv"``).
+
+The file is torch's compute-only schedule format (what ``_PipelineScheduleRuntime._load_csv`` reads): one row
+per pp rank, one cell per time slot, each cell an action ``<stage><kind><micro-batch>`` or empty (idle):
+``F`` forward, ``B`` full backward, ``I`` input-gradient backward, ``W`` its deferred weight-gradient backward.
+``0F1`` is stage 0's forward of micro-batch 1. Communication (sends, receives) and the gradient reduction are
+added by torch's lowering, so the file holds computation only.
+
+Everything the rest of the project needs is read from the file: the number of pp ranks (rows), of stages
+(the highest stage index + 1), of micro-batches (forwards per stage) and the placement (the rank whose row
+runs a stage). :func:`read_csv_schedule` checks it once, with torch's own validation, and the settings compare
+it with ``pp``, ``stages_per_rank`` and ``micro_batches``, so a file that does not fit the run fails at
+construction with a message, not in the first step. :func:`write_csv_schedule` writes the action list of one
+of torch's named schedules, a known-good starting point to edit.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import types
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from torch import nn
+
+from . import torch_compat
+
+
+@dataclass(frozen=True)
+class CsvSchedule:
+    """What a CSV action list fixes about the run.
+
+    Attributes:
+        path: the file (absolute).
+        pp: pipeline ranks (rows).
+        num_stages: pipeline stages (highest stage index + 1).
+        micro_batches: micro-batches per batch (forwards of each stage).
+        placement: ``placement[s]`` is the pp rank that runs stage ``s``.
+        split_backward: whether the list splits backwards into input- (``I``) and weight-gradient (``W``) actions.
+    """
+
+    path: str
+    pp: int
+    num_stages: int
+    micro_batches: int
+    placement: tuple[int, ...]
+    split_backward: bool
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Stages each rank runs (every rank runs as many: checked when read)."""
+        return self.num_stages // self.pp
+
+
+def is_csv_schedule(name: object) -> bool:
+    """Whether ``name`` names a CSV action list (a path ending in ``.csv``) rather than a schedule."""
+    return isinstance(name, (str, os.PathLike)) and str(name).strip().lower().endswith(".csv")
+
+
+def read_csv_schedule(path: str | os.PathLike[str]) -> CsvSchedule:
+    """Read and check the action list in ``path`` (cached per file and modification time).
+
+    Raises:
+        ValueError: the file is missing, or is not a valid compute-only action list (the message says where).
+    """
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_file():
+        raise ValueError(
+            f"ThreeDStrategy(schedule={str(path)!r}): no such file ({resolved}). A schedule ending in .csv is a "
+            "CSV action list: one row per pp rank, one action per cell (e.g. 0F0,0F1,0B0,...)."
+        )
+    return _read(str(resolved), resolved.stat().st_mtime_ns)
+
+
+@lru_cache(maxsize=16)
+def _read(path: str, _mtime_ns: int) -> CsvSchedule:
+    where = f"ThreeDStrategy(schedule={path!r})"
+    with open(path, newline="") as handle:
+        rows = [row for row in csv.reader(handle)]
+    while rows and not any(cell.strip() for cell in rows[-1]):  # trailing blank lines
+        rows.pop()
+    if not rows:
+        raise ValueError(f"{where}: the file is empty; it needs one row of actions per pp rank.")
+    try:
+        order = torch_compat.parse_schedule_actions(rows)
+    except ValueError as bad:
+        raise ValueError(f"{where}: {bad}") from None
+    actions = [(rank, a) for rank, row in order.items() for a in row if a is not None]
+    comms = [f"{a} (rank {rank})" for rank, a in actions if not torch_compat.is_compute_action(a)]
+    if comms:
+        raise ValueError(
+            f"{where}: the file must hold computation only (F, B, I, W actions); communication and resharding "
+            f"are added by torch's lowering. Found {', '.join(comms[:4])}."
+        )
+    if not actions:
+        raise ValueError(f"{where}: the file holds no action.")
+    num_stages = 1 + max(a.stage_index for _, a in actions)
+    micro = {a.microbatch_index for _, a in actions if a.stage_index == 0 and str(a.computation_type.value) == "F"}
+    n_micro = len(micro)
+    pp = len(order)
+    try:
+        mapping = torch_compat.validate_schedule_actions(order, pp, num_stages, n_micro)
+    except ValueError as bad:
+        raise ValueError(f"{where} is not a valid action list: {bad}") from None
+    missing = [s for s in range(num_stages) if s not in mapping]
+    if missing:
+        raise ValueError(f"{where}: stages {missing} have no action (stages are numbered 0..{num_stages - 1}).")
+    if micro != set(range(n_micro)):
+        raise ValueError(f"{where}: micro-batches are numbered 0..m-1; stage 0 runs {sorted(micro)}.")
+    placement = tuple(mapping[s] for s in range(num_stages))
+    counts = [placement.count(r) for r in range(pp)]
+    if len(set(counts)) != 1:
+        raise ValueError(
+            f"{where}: every pp rank must run as many stages; the file places {counts} stages on ranks "
+            f"0..{pp - 1} (placement stage -> rank: {list(placement)})."
+        )
+    if counts[0] == 1 and placement != tuple(range(pp)):
+        raise ValueError(
+            f"{where}: with one stage per rank, stage s must run on pp rank s (row s); the file places stages on "
+            f"ranks {list(placement)}."
+        )
+    split = any(str(a.computation_type.value) in ("I", "W") for _, a in actions)
+    return CsvSchedule(path, pp, num_stages, n_micro, placement, split)
+
+
+def check_fits(schedule: CsvSchedule, pp: int, stages_per_rank: int) -> None:
+    """Raise ``ValueError`` unless the action list fits ``pp`` and ``stages_per_rank`` (the message says which
+    setting to change)."""
+    where = f"ThreeDStrategy(schedule={schedule.path!r})"
+    if schedule.pp != pp:
+        raise ValueError(
+            f"{where}: the action list has {schedule.pp} rows (pp ranks) but pp={pp}. Use pp={schedule.pp} or a "
+            f"file with {pp} rows."
+        )
+    if schedule.stages_per_rank != stages_per_rank:
+        raise ValueError(
+            f"{where}: the action list runs {schedule.num_stages} stages on {schedule.pp} ranks "
+            f"({schedule.stages_per_rank} per rank, placement stage -> rank {list(schedule.placement)}) but "
+            f"stages_per_rank={stages_per_rank}. Use stages_per_rank={schedule.stages_per_rank}."
+        )
+
+
+def write_csv_schedule(name: str, pp: int, stages_per_rank: int, micro_batches: int, path: str | os.PathLike) -> Path:
+    """Write the compute action list of torch's multi-stage schedule ``name`` (``"interleaved1f1b"``,
+    ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ...) at this shape to ``path``: a known-good CSV schedule.
+
+    The schedule computes its action list for every rank when built; it is built here over stand-in stages
+    (no process group, no model), and the gradient-reduction actions torch adds are left out (its lowering
+    adds them back when the file is loaded).
+    """
+    from .pipeline import is_multi_stage, schedule_class, stage_ranks
+
+    if not is_multi_stage(name):
+        raise ValueError(f"write_csv_schedule: {name!r} is not a multi-stage schedule.")
+    placement = stage_ranks(name, pp, stages_per_rank)
+    num_stages = pp * stages_per_rank
+    stand_ins = [
+        types.SimpleNamespace(
+            num_stages=num_stages,
+            group_size=pp,
+            group_rank=0,
+            stage_index=s,
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+            submod=nn.Identity(),
+            stage_index_to_group_rank={},
+        )
+        for s in range(num_stages)
+        if placement[s] == 0
+    ]
+    schedule = schedule_class(name)(stand_ins, micro_batches)
+    order = schedule.pipeline_order
+    rows = [
+        ["" if a is None else str(a) for a in order[rank] if a is None or torch_compat.is_compute_action(a)]
+        for rank in range(pp)
+    ]
+    out = Path(path)
+    with open(out, "w", newline="") as handle:
+        csv.writer(handle).writerows(rows)
+    return out
