@@ -252,7 +252,8 @@ class ThreeDSettings:
                 f"ThreeDStrategy: {problem}. Use e.g. micro_batches={' or '.join(map(str, sorted(near)))}."
             )
         # Only schedules that keep micro-batches of every stage in flight have a minimum above 1.
-        alternative = "" if is_multi_stage(self.schedule) or is_csv_schedule(self.schedule) else ", or schedule='gpipe' (any count, a larger bubble)"
+        fixed = is_multi_stage(self.schedule) or is_csv_schedule(self.schedule)
+        alternative = "" if fixed else ", or schedule='gpipe' (any count, a larger bubble)"
         raise ValueError(
             f"ThreeDStrategy: {problem}. Use micro_batches >= {minimum} (more shrinks the bubble){alternative}."
         )

@@ -281,7 +281,7 @@ def main() -> None:
     global COUNTER
     COUNTER = CollectiveCounter() if args.data_parallel == "fsdp" else None
     # a CSV schedule (NAME is its path) is tagged by the file's stem: case C writes OUT/C@<stem>.pt
-    runs = [(s.rsplit(":", 1)[0], int(s.rsplit(":", 1)[1]), f"@{Path(s.rsplit(':', 1)[0]).stem}") for s in args.schedules.split(",") if s]
+    runs = [(n, int(v), f"@{Path(n).stem}") for n, v in (s.rsplit(":", 1) for s in args.schedules.split(",") if s)]
     for schedule, stages_per_rank, tag in runs or [(args.schedule, args.stages_per_rank, "")]:
         args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag
         for case in args.cases.split(","):
