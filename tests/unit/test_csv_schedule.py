@@ -84,7 +84,7 @@ def test_settings_refuse_what_does_not_fit_the_file(tmp_path):
         ThreeDSettings(pp=2, stages_per_rank=2, schedule=str(tmp_path / "missing.csv"))
     with pytest.raises(ValueError, match="Use stages_per_rank=2"):
         ThreeDSettings(pp=2, schedule=name)
-    with pytest.raises(ValueError, match="2 rows .* but pp=4"):
+    with pytest.raises(ValueError, match=r"2 rows .* but pp=4"):
         ThreeDSettings(pp=4, stages_per_rank=2, schedule=name)
     with pytest.raises(ValueError, match="runs exactly 4 micro-batches"):
         ThreeDSettings(pp=2, stages_per_rank=2, schedule=name, micro_batches=8)
