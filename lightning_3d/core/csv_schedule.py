@@ -205,17 +205,13 @@ def zero_bubble_greedy_rows(pp: int, micro_batches: int) -> list[list[str]]:
     slot = 0
     while any(weights_done[r] < micro_batches for r in range(pp)):
 
-        def ran_before(key: tuple[str, int, int]) -> bool:
-            return done.get(key, slot) < slot
+        def ran_before(key: tuple[str, int, int], now: int = slot) -> bool:
+            return done.get(key, now) < now
 
         chosen = []
         for rank in range(pp):
             mb_i, mb_f = next_i[rank], next_f[rank]
-            if (
-                mb_i < mb_f
-                and ran_before(("F", rank, mb_i))
-                and (rank == pp - 1 or ran_before(("I", rank + 1, mb_i)))
-            ):
+            if mb_i < mb_f and ran_before(("F", rank, mb_i)) and (rank == pp - 1 or ran_before(("I", rank + 1, mb_i))):
                 action = ("I", mb_i)
             elif (
                 mb_f < micro_batches
