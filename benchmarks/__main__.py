@@ -71,7 +71,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="B1 only: how the body is split into stages (uniform (default), parameters, compute, memory)",
     )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="B1 only: every schedule at pp 2 and 4, m 4, 8, 16 (writes OUT/B1_sweep.json and OUT/B1_sweep.md)",
+    )
     args = parser.parse_args(argv)
+    if args.sweep:  # the B1 sweep (b1_pipeline.run_sweep): its own table and JSON
+        if [i.upper() for i in args.ids] != ["B1"]:
+            parser.error("--sweep applies to B1 alone: run `python -m benchmarks B1 --sweep --out DIR`")
+        from .b1_pipeline import run_sweep
+
+        run_sweep(Path(args.out), reps=1 if args.tiny else 3)
+        return 0
     b1_options = {k: v for k, v in (("schedule", args.schedule), ("partitioner", args.partitioner)) if v is not None}
     if [i.upper() for i in args.ids] == ["GPU"]:  # the GPU check (gpu_check.py): its own table and JSON
         from . import gpu_check
