@@ -101,8 +101,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"benchmark(s) {without} have no --model {args.model} variant")
     if args.data_parallel != "replicate" and (ids != ["B4"] or args.model != "gpt"):
         parser.error("--data-parallel fsdp is measured by B4 with the example GPT only")
+    if ids == ["B3"] and list(b1_options) == ["schedule"]:  # B3 for one schedule (b3_activations.run_schedule)
+        from .b3_activations import run_schedule
+
+        started, env = time.monotonic(), environment()
+        record = run_schedule(Path(args.out), b1_options["schedule"], tiny=args.tiny)
+        report(record, Path(args.out), env, time.monotonic() - started)
+        return 0
     if b1_options and ids != ["B1"]:
-        parser.error("--schedule and --partitioner apply to B1 alone: run `python -m benchmarks B1 --schedule ...`")
+        parser.error(
+            "--schedule and --partitioner apply to B1 alone (and --schedule to B3 alone): run `python -m benchmarks "
+            "B1 --schedule ...`"
+        )
     out = Path(args.out)
     summary, failed = {}, []
     for bench_id in ids:
