@@ -126,7 +126,7 @@ def test_other_schedules_match_single_device(parity_reference, tmp_path, schedul
 # every zero-bubble and V schedule (two stages per rank), in one launch per layout
 ZERO_BUBBLE = ["interleavedzerobubble", "zbvzerobubble", "dualpipev"]
 # a schedule read from a CSV action list (torch's _PipelineScheduleRuntime): ZBV zero-bubble at pp2, V placement, m4,
-# written from torch's own ScheduleZBVZeroBubble (lightning_3d.core.csv_schedule.write_csv_schedule)
+# written from torch's own ScheduleZBVZeroBubble (lightning_3d.core.pipeline.write_csv_schedule)
 CSV_SCHEDULE = Path(__file__).resolve().parents[1] / "conf" / "schedules" / "zbv_pp2_m4.csv"
 
 

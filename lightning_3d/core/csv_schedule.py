@@ -10,20 +10,17 @@ Everything the rest of the project needs is read from the file: the number of pp
 (the highest stage index + 1), of micro-batches (forwards per stage) and the placement (the rank whose row
 runs a stage). :func:`read_csv_schedule` checks it once, with torch's own validation, and the settings compare
 it with ``pp``, ``stages_per_rank`` and ``micro_batches``, so a file that does not fit the run fails at
-construction with a message, not in the first step. :func:`write_csv_schedule` writes the action list of one
-of torch's named schedules, a known-good starting point to edit.
+construction with a message, not in the first step. :func:`pipeline.write_csv_schedule` writes the action list
+of one of torch's named schedules, a known-good starting point to edit.
 """
 
 from __future__ import annotations
 
 import csv
 import os
-import types
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-from torch import nn
 
 from . import torch_compat
 
@@ -140,46 +137,6 @@ def check_fits(schedule: CsvSchedule, pp: int, stages_per_rank: int) -> None:
             f"({schedule.stages_per_rank} per rank, placement stage -> rank {list(schedule.placement)}) but "
             f"stages_per_rank={stages_per_rank}. Use stages_per_rank={schedule.stages_per_rank}."
         )
-
-
-def write_csv_schedule(name: str, pp: int, stages_per_rank: int, micro_batches: int, path: str | os.PathLike) -> Path:
-    """Write the compute action list of torch's multi-stage schedule ``name`` (``"interleaved1f1b"``,
-    ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ...) at this shape to ``path``: a known-good CSV schedule.
-
-    The schedule computes its action list for every rank when built; it is built here over stand-in stages
-    (no process group, no model), and the gradient-reduction actions torch adds are left out (its lowering
-    adds them back when the file is loaded).
-    """
-    from .pipeline import is_multi_stage, schedule_class, stage_ranks
-
-    if not is_multi_stage(name):
-        raise ValueError(f"write_csv_schedule: {name!r} is not a multi-stage schedule.")
-    placement = stage_ranks(name, pp, stages_per_rank)
-    num_stages = pp * stages_per_rank
-    stand_ins = [
-        types.SimpleNamespace(
-            num_stages=num_stages,
-            group_size=pp,
-            group_rank=0,
-            stage_index=s,
-            is_first=s == 0,
-            is_last=s == num_stages - 1,
-            submod=nn.Identity(),
-            stage_index_to_group_rank={},
-        )
-        for s in range(num_stages)
-        if placement[s] == 0
-    ]
-    schedule = schedule_class(name)(stand_ins, micro_batches)
-    order = schedule.pipeline_order
-    rows = [
-        ["" if a is None else str(a) for a in order[rank] if a is None or torch_compat.is_compute_action(a)]
-        for rank in range(pp)
-    ]
-    out = Path(path)
-    with open(out, "w", newline="") as handle:
-        csv.writer(handle).writerows(rows)
-    return out
 
 
 def zero_bubble_greedy_rows(pp: int, micro_batches: int) -> list[list[str]]:

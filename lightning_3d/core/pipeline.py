@@ -23,9 +23,13 @@ function here answers for it from the file.
 from __future__ import annotations
 
 import contextlib
+import csv
+import os
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -161,6 +165,44 @@ def micro_batch_problem(name: str, pp: int, micro_batches: int) -> str | None:
             f"{rounds} rounds (micro_batches // pp) and needs micro_batches divisible by them"
         )
     return None
+
+
+def write_csv_schedule(name: str, pp: int, stages_per_rank: int, micro_batches: int, path: str | os.PathLike) -> Path:
+    """Write the compute action list of torch's multi-stage schedule ``name`` (``"interleaved1f1b"``,
+    ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ...) at this shape to ``path``: a known-good CSV schedule.
+
+    The schedule computes its action list for every rank when built; it is built here over stand-in stages
+    (no process group, no model), and the gradient-reduction actions torch adds are left out (its lowering
+    adds them back when the file is loaded).
+    """
+    if not is_multi_stage(name):
+        raise ValueError(f"write_csv_schedule: {name!r} is not a multi-stage schedule.")
+    placement = stage_ranks(name, pp, stages_per_rank)
+    num_stages = pp * stages_per_rank
+    stand_ins = [
+        types.SimpleNamespace(
+            num_stages=num_stages,
+            group_size=pp,
+            group_rank=0,
+            stage_index=s,
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+            submod=nn.Identity(),
+            stage_index_to_group_rank={},
+        )
+        for s in range(num_stages)
+        if placement[s] == 0
+    ]
+    schedule = schedule_class(name)(stand_ins, micro_batches)
+    order = schedule.pipeline_order
+    rows = [
+        ["" if a is None else str(a) for a in order[rank] if a is None or torch_compat.is_compute_action(a)]
+        for rank in range(pp)
+    ]
+    out = Path(path)
+    with open(out, "w", newline="") as handle:
+        csv.writer(handle).writerows(rows)
+    return out
 
 
 class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):

@@ -35,7 +35,7 @@ def test_example_is_torchs_zbv_schedule_and_fixes_placement_and_micro_batches():
 
 
 def test_written_list_is_torchs_pipeline_order_without_reductions(tmp_path):
-    path = csv_schedule.write_csv_schedule("interleaved1f1b", 2, 2, 4, tmp_path / "i.csv")
+    path = pipeline.write_csv_schedule("interleaved1f1b", 2, 2, 4, tmp_path / "i.csv")
     stand_ins = [
         types.SimpleNamespace(
             num_stages=4, group_size=2, group_rank=0, stage_index=s, is_first=s == 0, is_last=s == 3,
@@ -88,3 +88,14 @@ def test_settings_refuse_what_does_not_fit_the_file(tmp_path):
         ThreeDSettings(pp=4, stages_per_rank=2, schedule=name)
     with pytest.raises(ValueError, match="runs exactly 4 micro-batches"):
         ThreeDSettings(pp=2, stages_per_rank=2, schedule=name, micro_batches=8)
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 16)])
+def test_greedy_zero_bubble_list_is_valid_and_has_zb_h1s_bubble(tmp_path, pp, m):
+    path = csv_schedule.write_zero_bubble_greedy_csv(pp, m, tmp_path / "zb.csv")
+    read = csv_schedule.read_csv_schedule(path)  # torch's validation: every F before its I before its W
+    assert (read.pp, read.stages_per_rank, read.micro_batches, read.split_backward) == (pp, 1, m, True)
+    rows = [line.split(",") for line in path.read_text().splitlines()]
+    idle = sum(cell == "" for row in rows for cell in row) / sum(len(row) for row in rows)
+    assert idle == pytest.approx((pp - 1) / (3 * m + pp - 1))  # Qi et al.'s ZB-H1 bubble, F = I = W
+    assert idle < (pp - 1) / (m + pp - 1)  # 1F1B's
