@@ -475,6 +475,9 @@ def sweep_worker(
             "theory": stats["theory"],
             "theory_source": stats.get("theory_source", "formula"),
             "span_ms": stats["span_ms"],
+            # every rank's compute (forward, backward, weight-gradient, loss): against the one-process step it
+            # says how much the schedule's split of the work costs besides the bubble
+            "compute_ms": sum(r["compute_ms"] for r in stats["ranks"].values()),
         }
     gathered: list[Any] = [None] * pp
     dist.all_gather_object(gathered, times)
@@ -491,7 +494,9 @@ def sweep_table(results: dict[str, Any], names: Sequence[str], ms: Sequence[int]
     """The sweep as a markdown table: one row per (pp, schedule), one column per m; each cell is the speed-up
     over one process divided by the ideal ``p m / (m + p - 1)``, then the measured / theoretical bubble."""
     lines = [
-        "| pp | schedule | " + " | ".join(f"m={m}: speed-up/ideal, bubble measured/theory" for m in ms) + " |",
+        "| pp | schedule | "
+        + " | ".join(f"m={m}: speed-up/ideal (speed-up), bubble measured/theory, compute/1-process" for m in ms)
+        + " |",
         "|---|---|" + "---|" * len(ms),
     ]
     for pp_key, per_pp in results.items():
@@ -504,7 +509,7 @@ def sweep_table(results: dict[str, Any], names: Sequence[str], ms: Sequence[int]
                     continue
                 cells.append(
                     f"{cell['ratio']:.2f} (x{cell['speedup']:.2f}), {cell['bubble_measured']:.0%}/"
-                    f"{cell['bubble_theory']:.0%}"
+                    f"{cell['bubble_theory']:.0%}, {cell['compute_over_baseline']:.2f}"
                 )
             lines.append(f"| {pp_key} | {name} | " + " | ".join(cells) + " |")
     return lines
@@ -588,6 +593,7 @@ def run_sweep(out: Path, reps: int = 3, warmup: int = 1) -> dict[str, Any]:
                     "bubble_measured": res["bubbles"][key]["measured"],
                     "bubble_theory": res["bubbles"][key]["theory"],
                     "theory_source": res["bubbles"][key]["theory_source"],
+                    "compute_over_baseline": res["bubbles"][key]["compute_ms"] / (base * 1e3),
                     "rounds_ms": [v * 1e3 for v in res["rounds"][key]],
                 }
         results[f"pp{pp}"] = {"processes": pp, "cells": cells}
