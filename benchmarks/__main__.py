@@ -3,6 +3,11 @@
 ``python -m benchmarks B1 --schedule NAME --partitioner NAME`` times a pipeline schedule (beside 1F1B) with the
 body split by a partitioner (defaults: ``1f1b``, ``uniform``); the record names both.
 
+``python -m benchmarks B1 --sweep --out DIR`` times every schedule at pp 2 and 4 with m = 4, 8, 16
+(``DIR/B1_sweep.json`` and ``DIR/B1_sweep.md``); ``python -m benchmarks B3 --schedule A,B,...`` measures the
+activation memory each schedule (a name or a CSV action list) keeps in flight per stage against its action list
+(``DIR/B3_<name>.json``).
+
 ``P1`` (the planner against measured layouts, ``benchmarks/p1_planner.py``) runs by id only, not in ``all``.
 
 ``--model hf_llama`` (or ``hf_llama_tied``) runs the benchmarks that have a Hugging Face Llama variant (a module
@@ -63,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--schedule",
         default=None,
-        help="B1 only: the pipeline schedule timed beside 1F1B (1f1b (default), gpipe, interleaved1f1b, "
-        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank)",
+        help="B1: the pipeline schedule timed beside 1F1B (1f1b (default), gpipe, interleaved1f1b, "
+        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank); B3: one or "
+        "several (A,B,...; a name or a CSV action list), each measured alone",
     )
     parser.add_argument(
         "--partitioner",
@@ -102,11 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_parallel != "replicate" and (ids != ["B4"] or args.model != "gpt"):
         parser.error("--data-parallel fsdp is measured by B4 with the example GPT only")
     if ids == ["B3"] and list(b1_options) == ["schedule"]:  # B3 for one schedule (b3_activations.run_schedule)
-        from .b3_activations import run_schedule
+        from .b3_activations import run_schedules
 
         started, env = time.monotonic(), environment()
-        record = run_schedule(Path(args.out), b1_options["schedule"], tiny=args.tiny)
-        report(record, Path(args.out), env, time.monotonic() - started)
+        for record in run_schedules(Path(args.out), b1_options["schedule"], tiny=args.tiny):  # A,B,...: one launch
+            report(record, Path(args.out), env, time.monotonic() - started)
         return 0
     if b1_options and ids != ["B1"]:
         parser.error(

@@ -472,9 +472,14 @@ def in_flight_theory(actions: list[Any], stage: int) -> dict[str, int]:
     return {"in_flight": peak, "deferred": peak_deferred}
 
 
-def schedule_worker(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
-    """Runs on both ranks (pp = 2): the schedule's split and placement; one tracked step of the schedule and one
-    of breadth-first order over the same stages (every micro-batch in flight: the bytes per micro-batch)."""
+def schedule_worker(schedules: list[str], m: int, tiny: bool) -> dict[str, Any]:
+    """Runs on both ranks (pp = 2): :func:`_one_schedule` for each schedule, in one launch."""
+    return {schedule: _one_schedule(schedule, m, tiny) for schedule in schedules}
+
+
+def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
+    """The schedule's split and placement; one tracked step of the schedule and one of breadth-first order over
+    the same stages (every micro-batch in flight: the bytes per micro-batch)."""
     import copy
     import gc
 
@@ -542,6 +547,20 @@ def schedule_worker(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
     return {"runs": result, "placement": placement, "stages_per_rank": spr}
 
 
+def run_schedules(out: Path, schedules: str, tiny: bool = False) -> list[Record]:
+    """``--schedule A,B,...``: :func:`run_schedule` for each, in one launch (one record each)."""
+    from lightning_3d.core.pipeline import check_schedule_name
+
+    from .common import launch
+
+    names = [n.strip() for n in schedules.split(",") if n.strip()]
+    for name in names:
+        check_schedule_name(name)
+    m = 4 if tiny else 8
+    res = launch("b3_activations:schedule_worker", 2, {"schedules": names, "m": m, "tiny": tiny}, timeout=900)
+    return [_schedule_record(name, res[name], m) for name in names]
+
+
 def run_schedule(out: Path, schedule: str, tiny: bool = False) -> Record:
     """``python -m benchmarks B3 --schedule NAME``: the activation memory one schedule keeps in flight per stage
     (pp = 2 on 2 processes, m = 8; m = 4 with ``tiny``) against its theory: the most micro-batches in flight
@@ -555,7 +574,11 @@ def run_schedule(out: Path, schedule: str, tiny: bool = False) -> Record:
 
     check_schedule_name(schedule)
     m = 4 if tiny else 8
-    res = launch("b3_activations:schedule_worker", 2, {"schedule": schedule, "m": m, "tiny": tiny}, timeout=300)
+    res = launch("b3_activations:schedule_worker", 2, {"schedules": [schedule], "m": m, "tiny": tiny}, timeout=300)
+    return _schedule_record(schedule, res[schedule], m)
+
+
+def _schedule_record(schedule: str, res: dict[str, Any], m: int) -> Record:
     runs = res["runs"]
     label = Path(schedule).name if schedule.lower().endswith(".csv") else schedule.lower()
     lines = [
