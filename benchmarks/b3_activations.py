@@ -455,7 +455,10 @@ def in_flight_theory(actions: list[Any], stage: int) -> dict[str, int]:
     ``W`` after its ``I``: torch's input-gradient backward keeps the graph for the weight-gradient one), and
     ``deferred`` the most whose ``I`` has run but not yet their ``W`` (held only for the weight-gradient)."""
     live = deferred = peak = peak_deferred = 0
+    flat = []  # an overlapped forward-backward (DualPipeV's OVERLAP_F_B) counts as its parts, in order
     for action in actions:
+        flat.extend(getattr(action, "sub_actions", None) or [action])
+    for action in flat:
         if action is None or getattr(action, "stage_index", None) != stage:
             continue
         kind = str(action.computation_type.value)

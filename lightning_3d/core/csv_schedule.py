@@ -146,11 +146,12 @@ def zero_bubble_greedy_rows(pp: int, micro_batches: int) -> list[list[str]]:
     Parallelism", 2023).
 
     Built by a greedy simulation in unit time slots (every action one slot, free communication): in each slot a
-    rank runs its next ready input-gradient, else its next ready forward (1F1B's limit: at most ``pp - rank``
-    forwards ahead of the input-gradients), else its oldest deferred weight-gradient, else idles. Its bubble is
-    then ZB-H1's, ``(pp - 1) / (3 m + pp - 1)`` against 1F1B's ``(pp - 1) / (m + pp - 1)``; the price is memory:
-    a rank may defer the weight-gradients (and keep their inputs) of up to ``m`` micro-batches. The rows are
-    time-aligned (an empty cell is an idle slot), so the list's idle share is the theoretical bubble.
+    rank runs its next ready input-gradient, else its next ready forward (while fewer than ``2 pp - rank``
+    micro-batches have not finished their weight-gradient: the activations it keeps in flight, against 1F1B's
+    ``pp - rank``), else its oldest deferred weight-gradient, else idles. Its bubble is then ZB-H1's,
+    ``(pp - 1) / (3 m + pp - 1)`` against 1F1B's ``(pp - 1) / (m + pp - 1)``; the price is up to twice 1F1B's
+    activation memory (``2 pp - rank`` micro-batches on rank ``rank``, whatever ``m``). The rows are time-aligned
+    (an empty cell is an idle slot), so the list's idle share is the theoretical bubble.
     """
     if micro_batches < pp:
         raise ValueError(f"the greedy zero-bubble schedule needs micro_batches >= pp ({micro_batches} < {pp}).")
@@ -173,7 +174,7 @@ def zero_bubble_greedy_rows(pp: int, micro_batches: int) -> list[list[str]]:
             elif (
                 mb_f < micro_batches
                 and (rank == 0 or ran_before(("F", rank - 1, mb_f)))
-                and mb_f - next_i[rank] < pp - rank
+                and mb_f - weights_done[rank] < 2 * pp - rank
             ):
                 action = ("F", mb_f)
             elif deferred[rank]:

@@ -99,3 +99,6 @@ def test_greedy_zero_bubble_list_is_valid_and_has_zb_h1s_bubble(tmp_path, pp, m)
     idle = sum(cell == "" for row in rows for cell in row) / sum(len(row) for row in rows)
     assert idle == pytest.approx((pp - 1) / (3 * m + pp - 1))  # Qi et al.'s ZB-H1 bubble, F = I = W
     assert idle < (pp - 1) / (m + pp - 1)  # 1F1B's
+    for rank, row in enumerate(rows):  # micro-batches between their forward and their weight-gradient
+        in_flight = [sum("F" in c for c in row[:t]) - sum("W" in c for c in row[:t]) for t in range(len(row) + 1)]
+        assert max(in_flight) <= 2 * pp - rank  # at most twice 1F1B's pp - rank, whatever m
