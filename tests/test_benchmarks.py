@@ -319,3 +319,11 @@ def test_b1_sweep_table_and_goals():
     assert lines[4].endswith("| not runnable | not runnable |")
     goals = {g["schedule"]: g["met"] for g in b1.zero_bubble_goals(results, [4, 8])}
     assert goals == {"csv": True, "zbvzerobubble": True}  # at or above 1F1B's speed-up at the same m
+
+
+def test_sweep_and_b3_schedule_options_are_refused_elsewhere(tmp_path):
+    main = _import("benchmarks.__main__").main
+    for argv in (["B2", "--sweep"], ["B1", "B3", "--sweep"], ["B2", "--schedule", "1f1b"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # refused before anything ran
