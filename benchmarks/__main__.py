@@ -3,6 +3,11 @@
 ``python -m benchmarks B1 --schedule NAME --partitioner NAME`` times a pipeline schedule (beside 1F1B) with the
 body split by a partitioner (defaults: ``1f1b``, ``uniform``); the record names both.
 
+``python -m benchmarks B1 --sweep --out DIR`` times every schedule at pp 2 and 4 with m = 4, 8, 16
+(``DIR/B1_sweep.json`` and ``DIR/B1_sweep.md``); ``python -m benchmarks B3 --schedule A,B,...`` measures the
+activation memory each schedule (a name or a CSV action list) keeps in flight per stage against its action list
+(``DIR/B3_<name>.json``).
+
 ``P1`` (the planner against measured layouts, ``benchmarks/p1_planner.py``) runs by id only, not in ``all``.
 
 ``python -m benchmarks B5 --grad-reduce-dtype bf16`` counts the data-parallel gradient bytes with gradient
@@ -68,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--schedule",
         default=None,
-        help="B1 only: the pipeline schedule timed beside 1F1B (1f1b (default), gpipe, interleaved1f1b, "
-        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank)",
+        help="B1: the pipeline schedule timed beside 1F1B (1f1b (default), gpipe, interleaved1f1b, "
+        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank); B3: one or "
+        "several (A,B,...; a name or a CSV action list), each measured alone",
     )
     parser.add_argument(
         "--partitioner",
@@ -83,7 +89,19 @@ def main(argv: list[str] | None = None) -> int:
         help="B5 only: ThreeDStrategy(grad_reduce_dtype=...) under replicate and fsdp; the data-parallel gradient "
         "bytes against the formula (record B5_grad_<dtype>)",
     )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="B1 only: every schedule at pp 2 and 4, m 4, 8, 16 (writes OUT/B1_sweep.json and OUT/B1_sweep.md)",
+    )
     args = parser.parse_args(argv)
+    if args.sweep:  # the B1 sweep (b1_pipeline.run_sweep): its own table and JSON
+        if [i.upper() for i in args.ids] != ["B1"]:
+            parser.error("--sweep applies to B1 alone: run `python -m benchmarks B1 --sweep --out DIR`")
+        from .b1_pipeline import run_sweep
+
+        run_sweep(Path(args.out), reps=1 if args.tiny else 3)
+        return 0
     b1_options = {k: v for k, v in (("schedule", args.schedule), ("partitioner", args.partitioner)) if v is not None}
     if [i.upper() for i in args.ids] == ["GPU"]:  # the GPU check (gpu_check.py): its own table and JSON
         from . import gpu_check
@@ -114,8 +132,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.grad_reduce_dtype is not None and (ids != ["B5"] or args.model != "gpt"):
         parser.error("--grad-reduce-dtype is measured by B5 with the example GPT only")
+    if ids == ["B3"] and list(b1_options) == ["schedule"]:  # B3 for one schedule (b3_activations.run_schedule)
+        from .b3_activations import run_schedules
+
+        started, env = time.monotonic(), environment()
+        for record in run_schedules(Path(args.out), b1_options["schedule"], tiny=args.tiny):  # A,B,...: one launch
+            report(record, Path(args.out), env, time.monotonic() - started)
+        return 0
     if b1_options and ids != ["B1"]:
-        parser.error("--schedule and --partitioner apply to B1 alone: run `python -m benchmarks B1 --schedule ...`")
+        parser.error(
+            "--schedule and --partitioner apply to B1 alone (and --schedule to B3 alone): run `python -m benchmarks "
+            "B1 --schedule ...`"
+        )
     out = Path(args.out)
     summary, failed = {}, []
     for bench_id in ids:

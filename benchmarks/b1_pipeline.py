@@ -21,7 +21,9 @@ imbalance alone allows,
 from __future__ import annotations
 
 import copy
+import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -354,3 +356,280 @@ def model_desc(tiny: bool) -> str:
     from .common import model_config
 
     return ", ".join(f"{k}={v}" for k, v in model_config(tiny).items())
+
+
+# ---------------------------------------------------------------------- the sweep: every schedule, pp 2 and 4
+#: ``python -m benchmarks B1 --sweep``: every schedule at pp = 2 and 4 with m = 4, 8, 16 (a short cell each).
+#: ``"csv"`` is a CSV action list (``schedule="path.csv"``): the greedy zero-bubble schedule with one stage per
+#: rank (``csv_schedule.zero_bubble_greedy_rows``), written for each pp and m.
+SWEEP_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved1f1b",
+    "loopedbfs",
+    "interleavedzerobubble",
+    "zbvzerobubble",
+    "dualpipev",
+    "csv",
+)
+SWEEP_PPS, SWEEP_MS = (2, 4), (4, 8, 16)
+#: eight blocks (two per stage at pp = 4 with two stages per rank), small enough for a 2-core machine
+SWEEP_MODEL: dict[str, Any] = {"preset": "small", "n_embd": 128, "n_head": 4, "n_layer": 8, "block_size": 64}
+ZERO_BUBBLE_SWEEP = ("interleavedzerobubble", "zbvzerobubble", "dualpipev", "csv")
+
+
+def sweep_csv_path(folder: str | Path, pp: int, m: int) -> Path:
+    """Where the sweep's CSV schedule for ``pp`` and ``m`` is written."""
+    return Path(folder) / f"zero_bubble_greedy_pp{pp}_m{m}.csv"
+
+
+def _sweep_schedule_name(name: str, csv_dir: str, pp: int, m: int) -> str:
+    return str(sweep_csv_path(csv_dir, pp, m)) if name == "csv" else name
+
+
+def sweep_worker(
+    names: list[str], ms: list[int], csv_dir: str, reps: int, warmup: int, model: dict[str, Any]
+) -> dict[str, Any]:
+    """Runs on every rank (pp = world size): per m, rank 0 alone runs the whole model (baseline), then each
+    schedule runs ``warmup + reps`` steps in alternation (rounds), then one recorded step per (schedule, m) for
+    the measured and theoretical bubble. Returns the slower rank's step times and the bubbles."""
+    import torch.distributed as dist
+
+    from lightning_3d.core import partition, torch_compat
+    from lightning_3d.core.pipeline import is_multi_stage, micro_batch_problem, stage_ranks
+    from lightning_3d.tools.timeline import ScheduleRecorder, bubble_stats, gather_timelines
+
+    from .common import build_gpt, build_schedule, gpt_loss, init_distributed, pipeline_step, token_batch
+
+    rank, pp = init_distributed()
+    whole = build_gpt(model)
+    piece = copy.deepcopy(whole)
+    x, y = token_batch(model, max(ms))
+    body = partition.find_body(piece)
+    uniform = partition.get_partitioner("uniform")
+    cells: dict[tuple[str, int], tuple[Any, bool, bool]] = {}
+    for name in names:
+        for m in ms:
+            sched_name = _sweep_schedule_name(name, csv_dir, pp, m)
+            if micro_batch_problem(sched_name, pp, m) is not None:
+                continue
+            spr = 1 if name == "csv" or not is_multi_stage(sched_name) else 2
+            placement = stage_ranks(sched_name, pp, spr)
+            plan = partition.plan_stages(body, pp, uniform, spr, placement)
+            mine = [
+                (s, partition.stage_container(body, plan.layer_names[s]))
+                for s in range(plan.num_stages)
+                if placement[s] == rank
+            ]
+            if name == "csv":
+                import torch
+                from torch.distributed.pipelining import PipelineStage
+
+                built = [PipelineStage(mod, s, plan.num_stages, torch.device("cpu")) for s, mod in mine]
+                sched = torch_compat.csv_schedule(built, m, sched_name, loss_fn=gpt_loss)
+            else:
+                sched = build_schedule(name, mine, plan.num_stages, m)
+            held = {s for s, _ in mine}
+            cells[name, m] = (sched, 0 in held, plan.num_stages - 1 in held)
+    params = list(piece.parameters()) + list(whole.parameters())
+
+    def zero() -> None:
+        for p in params:
+            p.grad = None
+
+    def step(name: str, m: int) -> None:
+        sched, first, last = cells[name, m]
+        pipeline_step(sched, first, last, x[:m], y[:m])
+
+    times: dict[str, list[float]] = {}
+    for round_ in range(warmup + reps):
+        for m in ms:
+            zero()
+            dist.barrier()
+            if rank == 0:
+                start = time.perf_counter()
+                for i in range(m):
+                    gpt_loss(whole(x[i : i + 1]), y[i : i + 1]).backward()
+                if round_ >= warmup:
+                    times.setdefault(f"base/{m}", []).append(time.perf_counter() - start)
+            dist.barrier()
+            for name in names:
+                if (name, m) not in cells:
+                    continue
+                zero()
+                dist.barrier()
+                start = time.perf_counter()
+                step(name, m)
+                if round_ >= warmup:
+                    times.setdefault(f"{name}/{m}", []).append(time.perf_counter() - start)
+    bubbles: dict[str, dict[str, Any]] = {}
+    for (name, m), (sched, _, _) in cells.items():
+        zero()
+        recorder = ScheduleRecorder()
+        dist.barrier()
+        with recorder.patch(sched):
+            step(name, m)
+        stats = bubble_stats(gather_timelines(recorder.timeline(sched, {"pp": rank})))
+        bubbles[f"{name}/{m}"] = {
+            "measured": stats["measured"],
+            "theory": stats["theory"],
+            "theory_source": stats.get("theory_source", "formula"),
+            "span_ms": stats["span_ms"],
+            # every rank's compute (forward, backward, weight-gradient, loss): against the one-process step it
+            # says how much the schedule's split of the work costs besides the bubble
+            "compute_ms": sum(r["compute_ms"] for r in stats["ranks"].values()),
+        }
+    gathered: list[Any] = [None] * pp
+    dist.all_gather_object(gathered, times)
+    rounds = {}
+    for key in gathered[0]:
+        if key.startswith("base/"):
+            rounds[key] = gathered[0][key]
+        else:  # the slowest rank's time, step by step
+            rounds[key] = [max(per_rank) for per_rank in zip(*(g[key] for g in gathered))]
+    return {"rounds": rounds, "bubbles": bubbles}
+
+
+def sweep_table(results: dict[str, Any], names: Sequence[str], ms: Sequence[int]) -> list[str]:
+    """The sweep as a markdown table: one row per (pp, schedule), one column per m; each cell is the speed-up
+    over one process divided by the ideal ``p m / (m + p - 1)``, then the measured / theoretical bubble."""
+    lines = [
+        "| pp | schedule | "
+        + " | ".join(f"m={m}: speed-up/ideal (speed-up), bubble measured/theory, compute/1-process" for m in ms)
+        + " |",
+        "|---|---|" + "---|" * len(ms),
+    ]
+    for pp_key, per_pp in results.items():
+        for name in names:
+            cells = []
+            for m in ms:
+                cell = per_pp["cells"].get(f"{name}/{m}")
+                if cell is None:
+                    cells.append("not runnable")
+                    continue
+                cells.append(
+                    f"{cell['ratio']:.2f} (x{cell['speedup']:.2f}), {cell['bubble_measured']:.0%}/"
+                    f"{cell['bubble_theory']:.0%}, {cell['compute_over_baseline']:.2f}"
+                )
+            lines.append(f"| {pp_key} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def zero_bubble_goals(results: dict[str, Any], ms: Sequence[int]) -> list[dict[str, Any]]:
+    """The issue's goal per (pp, m, zero-bubble schedule): its speed-up at or above 1F1B's at the same m."""
+    goals = []
+    for pp_key, per_pp in results.items():
+        for m in ms:
+            ref = per_pp["cells"].get(f"1f1b/{m}")
+            for name in ZERO_BUBBLE_SWEEP:
+                cell = per_pp["cells"].get(f"{name}/{m}")
+                if ref is None or cell is None:
+                    continue
+                goals.append(
+                    {
+                        "pp": pp_key,
+                        "m": m,
+                        "schedule": name,
+                        "speedup": cell["speedup"],
+                        "speedup_1f1b": ref["speedup"],
+                        "met": cell["speedup"] >= ref["speedup"],
+                    }
+                )
+    return goals
+
+
+def run_sweep(out: Path, reps: int = 3, warmup: int = 1) -> dict[str, Any]:
+    """``python -m benchmarks B1 --sweep --out DIR``: every schedule at pp = 2 (2 processes) and pp = 4 (4
+    processes), m = 4, 8, 16, against one process; writes ``DIR/B1_sweep.json`` and ``DIR/B1_sweep.md``.
+
+    A cell is ``warmup + reps`` steps (median of the timed ones; a step's time is the slowest rank's) plus one
+    step recorded with the timeline for the measured bubble (mean over pipeline ranks of 1 - compute / step)
+    beside the theoretical one (from the schedule's action list for the zero-bubble and CSV schedules, else
+    ``(p - 1) / (v m + p - 1)``). The baseline is rank 0 alone running the whole model over the same m
+    micro-batches (one sequence each), in the same rounds. The ideal is a balanced 1F1B pipeline's speed-up with
+    free communication, ``p m / (m + p - 1)``: a zero-bubble schedule can exceed it.
+    """
+    from lightning_3d.core.csv_schedule import write_zero_bubble_greedy_csv
+
+    from .common import environment, launch, loadavg
+
+    out.mkdir(parents=True, exist_ok=True)
+    csv_dir = out / "B1_sweep_schedules"
+    csv_dir.mkdir(exist_ok=True)
+    env = environment()
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    for pp in SWEEP_PPS:
+        for m in SWEEP_MS:
+            write_zero_bubble_greedy_csv(pp, m, sweep_csv_path(csv_dir, pp, m))
+        res = launch(
+            "b1_pipeline:sweep_worker",
+            pp,
+            {
+                "names": list(SWEEP_SCHEDULES),
+                "ms": list(SWEEP_MS),
+                "csv_dir": str(csv_dir.resolve()),
+                "reps": reps,
+                "warmup": warmup,
+                "model": SWEEP_MODEL,
+            },
+            timeout=600,
+        )
+        cells = {}
+        for m in SWEEP_MS:
+            base = median(res["rounds"][f"base/{m}"])
+            ideal = pp * m / (m + pp - 1)
+            for name in SWEEP_SCHEDULES:
+                key = f"{name}/{m}"
+                if key not in res["rounds"]:
+                    continue
+                t = median(res["rounds"][key])
+                cells[key] = {
+                    "ms": t * 1e3,
+                    "baseline_ms": base * 1e3,
+                    "speedup": base / t,
+                    "ideal_speedup": ideal,
+                    "ratio": base / t / ideal,
+                    "bubble_measured": res["bubbles"][key]["measured"],
+                    "bubble_theory": res["bubbles"][key]["theory"],
+                    "theory_source": res["bubbles"][key]["theory_source"],
+                    "compute_over_baseline": res["bubbles"][key]["compute_ms"] / (base * 1e3),
+                    "rounds_ms": [v * 1e3 for v in res["rounds"][key]],
+                }
+        results[f"pp{pp}"] = {"processes": pp, "cells": cells}
+    table = sweep_table(results, SWEEP_SCHEDULES, SWEEP_MS)
+    goals = zero_bubble_goals(results, SWEEP_MS)
+    seconds = time.monotonic() - started
+    record = {
+        "id": "B1_sweep",
+        "title": "every pipeline schedule at pp = 2 and 4, m = 4, 8, 16, against one process",
+        "model": SWEEP_MODEL,
+        "micro_batch": f"1 sequence x {SWEEP_MODEL['block_size']} tokens",
+        "rounds": {"warmup": warmup, "timed": reps, "statistic": "median; pipelined step = slowest rank"},
+        "ideal": "p m / (m + p - 1) (balanced 1F1B, free communication)",
+        "results": results,
+        "zero_bubble_goals": goals,
+        "table_markdown": table,
+        "environment": env,
+        "loadavg_end": loadavg(),
+        "seconds": seconds,
+    }
+    (out / "B1_sweep.json").write_text(json.dumps(record, indent=2, default=str))
+    load = f"load average {env['loadavg_start']} -> {record['loadavg_end']}"
+    met = sum(g["met"] for g in goals)
+    summary = [
+        f"B1 sweep ({env['time']}, {env['cpu_count']} cores, {load}, {seconds:.0f} s)",
+        "",
+        *table,
+        "",
+        f"zero-bubble schedules at or above 1F1B's speed-up at the same pp and m: {met} of {len(goals)} cells"
+        + "".join(
+            f"\n- not met: {g['schedule']} at {g['pp']} m={g['m']}: x{g['speedup']:.2f} vs 1F1B "
+            f"x{g['speedup_1f1b']:.2f}"
+            for g in goals
+            if not g["met"]
+        ),
+    ]
+    (out / "B1_sweep.md").write_text("\n".join(summary) + "\n")
+    print("\n".join(summary), flush=True)
+    return record

@@ -446,3 +446,196 @@ def run_llama(out: Path, tiny: bool, model: str) -> Record:
         lines,
         "MB (1F1B peak per stage)",
     )
+
+
+# ---------------------------------------------------------------------- one schedule (--schedule NAME)
+def in_flight_theory(actions: list[Any], stage: int) -> dict[str, int]:
+    """From one rank's action list, the most micro-batches of ``stage`` whose activations are held at once:
+    ``in_flight`` counts a micro-batch from its forward until its backward is complete (a full ``B``, or the
+    ``W`` after its ``I``: torch's input-gradient backward keeps the graph for the weight-gradient one), and
+    ``deferred`` the most whose ``I`` has run but not yet their ``W`` (held only for the weight-gradient)."""
+    live = deferred = peak = peak_deferred = 0
+    flat = []  # an overlapped forward-backward (DualPipeV's OVERLAP_F_B) counts as its parts, in order
+    for action in actions:
+        flat.extend(getattr(action, "sub_actions", None) or [action])
+    for action in flat:
+        if action is None or getattr(action, "stage_index", None) != stage:
+            continue
+        kind = str(action.computation_type.value)
+        if kind == "F":
+            live += 1
+        elif kind == "B":
+            live -= 1
+        elif kind == "I":
+            deferred += 1
+        elif kind == "W":
+            live -= 1
+            deferred -= 1
+        peak, peak_deferred = max(peak, live), max(peak_deferred, deferred)
+    return {"in_flight": peak, "deferred": peak_deferred}
+
+
+def schedule_worker(schedules: list[str], m: int, tiny: bool) -> dict[str, Any]:
+    """Runs on both ranks (pp = 2): :func:`_one_schedule` for each schedule, in one launch."""
+    return {schedule: _one_schedule(schedule, m, tiny) for schedule in schedules}
+
+
+def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
+    """The schedule's split and placement; one tracked step of the schedule and one of breadth-first order over
+    the same stages (every micro-batch in flight: the bytes per micro-batch)."""
+    import copy
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+
+    from lightning_3d.core import partition, torch_compat
+    from lightning_3d.core.csv_schedule import is_csv_schedule
+    from lightning_3d.core.pipeline import is_multi_stage, schedule_class, stage_ranks
+
+    from .common import build_gpt, gpt_loss, init_distributed, model_config, pipeline_step, token_batch
+
+    rank, pp = init_distributed()
+    config = model_config(tiny)
+    model = build_gpt(config)
+    x, y = token_batch(config, m)
+    csv = is_csv_schedule(schedule)
+    spr = 1 if not is_multi_stage(schedule) else (len(stage_ranks(schedule, pp, 1)) // pp if csv else 2)
+    placement = stage_ranks(schedule, pp, spr)
+    result: dict[str, Any] = {}
+    for run in ("schedule", "all_in_flight"):
+        piece = copy.deepcopy(model)
+        body = partition.find_body(piece)
+        plan = partition.plan_stages(body, pp, partition.get_partitioner("uniform"), spr, placement)
+        mine = [(s, partition.stage_container(body, plan.layer_names[s])) for s in range(plan.num_stages)]
+        mine = [(s, mod) for s, mod in mine if placement[s] == rank]
+        built = [PipelineStage(mod, s, plan.num_stages, torch.device("cpu")) for s, mod in mine]
+        if run == "all_in_flight":
+            cls = torch_compat.looped_bfs_placed(placement) if len(built) > 1 else schedule_class("gpipe")
+        else:
+            cls = None if csv else schedule_class(schedule)
+        if cls is None:
+            sched = torch_compat.csv_schedule(built, m, schedule, loss_fn=gpt_loss)
+        elif len(built) == 1 and not issubclass(cls, torch.distributed.pipelining.schedules.PipelineScheduleMulti):
+            sched = cls(built[0], m, loss_fn=gpt_loss)
+        else:
+            sched = cls(built, m, loss_fn=gpt_loss)
+        held = {s for s, _ in mine}
+        first, last = 0 in held, plan.num_stages - 1 in held
+        params = {p.untyped_storage().data_ptr() for p in piece.parameters()}
+        pipeline_step(sched, first, last, x, y)  # shapes are exchanged on the first step
+        for p in piece.parameters():
+            p.grad = None
+        gc.collect()
+        tracker = SavedTensorTracker(params)
+        dist.barrier()
+        with tracker.track(sched):
+            pipeline_step(sched, first, last, x, y)
+        gc.collect()
+        dist.barrier()
+        multi = isinstance(sched, torch.distributed.pipelining.schedules.PipelineScheduleMulti)
+        order = (getattr(sched, "pipeline_order", None) or {}) if multi else {}  # single-stage: the formula
+        theory = {str(s): in_flight_theory(list(order.get(rank, [])), s) for s, _ in mine} if order else {}
+        mine_out = {
+            "stages": sorted(held),
+            "peak_per_stage": {str(s): tracker.peak[s] for s in held},
+            "rank_peak": tracker.rank_peak,
+            "theory": theory,
+            "class": type(sched).__name__,
+        }
+        gathered: list[Any] = [None] * pp
+        dist.all_gather_object(gathered, mine_out)
+        result[run] = gathered
+    return {"runs": result, "placement": placement, "stages_per_rank": spr}
+
+
+def run_schedules(out: Path, schedules: str, tiny: bool = False) -> list[Record]:
+    """``--schedule A,B,...``: :func:`run_schedule` for each, in one launch (one record each)."""
+    from lightning_3d.core.pipeline import check_schedule_name
+
+    from .common import launch
+
+    names = [n.strip() for n in schedules.split(",") if n.strip()]
+    for name in names:
+        check_schedule_name(name)
+    m = 4 if tiny else 8
+    res = launch("b3_activations:schedule_worker", 2, {"schedules": names, "m": m, "tiny": tiny}, timeout=900)
+    return [_schedule_record(name, res[name], m) for name in names]
+
+
+def run_schedule(out: Path, schedule: str, tiny: bool = False) -> Record:
+    """``python -m benchmarks B3 --schedule NAME``: the activation memory one schedule keeps in flight per stage
+    (pp = 2 on 2 processes, m = 8; m = 4 with ``tiny``) against its theory: the most micro-batches in flight
+    on the stage (from the schedule's action list; 1F1B ``min(m, p - s)``, GPipe ``m``) times the stage's bytes
+    per micro-batch (measured with every micro-batch in flight: breadth-first order over the same stages).
+    Zero-bubble schedules also report the most micro-batches whose weight-gradient is deferred (``I`` run, ``W``
+    not yet): their activations stay saved until ``W`` (torch keeps the graph for it)."""
+    from lightning_3d.core.pipeline import check_schedule_name
+
+    from .common import launch
+
+    check_schedule_name(schedule)
+    m = 4 if tiny else 8
+    res = launch("b3_activations:schedule_worker", 2, {"schedules": [schedule], "m": m, "tiny": tiny}, timeout=300)
+    return _schedule_record(schedule, res[schedule], m)
+
+
+def _schedule_record(schedule: str, res: dict[str, Any], m: int) -> Record:
+    runs = res["runs"]
+    label = Path(schedule).name if schedule.lower().endswith(".csv") else schedule.lower()
+    lines = [
+        f"schedule {label} at pp=2, m={m} (stages per rank {res['stages_per_rank']}, placement {res['placement']})",
+        "stage | MB per micro-batch | peak MB | in flight: measured (peak / per micro-batch) | theory | deferred W",
+    ]
+    stages: dict[str, Any] = {}
+    ratios = []
+    for mine, full in zip(runs["schedule"], runs["all_in_flight"]):
+        for s in mine["stages"]:
+            per_mb = full["peak_per_stage"][str(s)] / m
+            peak = mine["peak_per_stage"][str(s)]
+            if mine["theory"]:
+                theory = mine["theory"][str(s)]
+            else:  # single-stage schedules: no action list on this torch; the formula
+                flight = m if label == "gpipe" else min(m, 2 - s)
+                theory = {"in_flight": flight, "deferred": 0}
+            measured = peak / per_mb if per_mb else 0.0
+            ratio = measured / theory["in_flight"] if theory["in_flight"] else None
+            if ratio is not None:
+                ratios.append(ratio)
+            stages[str(s)] = {
+                "bytes_per_microbatch": per_mb,
+                "peak_bytes": peak,
+                "measured_in_flight": measured,
+                "theory_in_flight": theory["in_flight"],
+                "theory_deferred_weight": theory["deferred"],
+                "ratio": ratio,
+            }
+            lines.append(
+                f"{s:5d} | {per_mb / 2**20:18.3f} | {peak / 2**20:7.2f} | {measured:45.2f} | "
+                f"{theory['in_flight']:6d} | {theory['deferred']:10d}"
+            )
+    rank_peaks = [r["rank_peak"] for r in runs["schedule"]]
+    lines.append("per rank peak MB: " + ", ".join(f"{b / 2**20:.2f}" for b in rank_peaks))
+    details = {
+        "schedule": label,
+        "class": runs["schedule"][0]["class"],
+        "m": m,
+        "placement": res["placement"],
+        "per_stage": stages,
+        "rank_peak_bytes": rank_peaks,
+        "raw": runs,
+    }
+    worst = min(ratios) if ratios else None
+    return Record(
+        f"{ID}_{label.removesuffix('.csv')}",
+        f"activation memory in flight under {label}: measured against the schedule's micro-batches in flight",
+        {k: v["measured_in_flight"] for k, v in stages.items()},
+        {k: v["bytes_per_microbatch"] / 2**20 for k, v in stages.items()},
+        {k: v["theory_in_flight"] for k, v in stages.items()},
+        worst,
+        "micro-batches in flight per stage (peak saved bytes / bytes per micro-batch)",
+        details,
+        lines,
+        "MB per micro-batch",
+    )

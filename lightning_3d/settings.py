@@ -20,6 +20,7 @@ from typing import Any
 from .core import partition
 from .core.checkpointing import checkpoint_every
 from .core.compile import compile_kwargs
+from .core.csv_schedule import check_fits, is_csv_schedule, read_csv_schedule
 from .core.pipeline import (
     check_schedule_name,
     is_multi_stage,
@@ -57,7 +58,10 @@ class ThreeDSettings:
             ``(pp - 1) / (m + pp - 1)``.
         schedule: ``"1f1b"`` (default) or ``"gpipe"``; with ``stages_per_rank > 1`` a multi-stage schedule:
             ``"interleaved1f1b"``, ``"loopedbfs"``, ``"interleavedzerobubble"``, or a V schedule
-            (``"zbvzerobubble"``, ``"dualpipev"``: exactly ``stages_per_rank=2``, ``micro_batches >= 2 * pp``).
+            (``"zbvzerobubble"``, ``"dualpipev"``: exactly ``stages_per_rank=2``, ``micro_batches >= 2 * pp``);
+            or the path of a CSV action list (``"path/actions.csv"``, torch's compute-only format: one row per pp
+            rank, cells such as ``0F1``, ``1B0``, ``0I2``, ``0W2``; it fixes the stage placement, and
+            ``stages_per_rank`` and ``micro_batches`` must match it; ``micro_batches=None`` takes its count).
         stages_per_rank: pipeline stages per rank (virtual stages for interleaved schedules).
         tp_plan: explicit tensor-parallel plan ``{"glob pattern of module name": "colwise" | "rowwise" |
             "colwise_gather" | "vocab" | "sequence" | "replicate" | ParallelStyle}``; it overrides the automatic
@@ -274,6 +278,9 @@ class ThreeDSettings:
 
     def _check_schedule(self) -> None:
         check_schedule_name(self.schedule)  # unknown names fail here, with torch's list and the runnable ones
+        if is_csv_schedule(self.schedule):  # the action list fixes pp, the stages per rank and their placement
+            check_fits(read_csv_schedule(self.schedule), self.pp, self.stages_per_rank)
+            return
         multi = is_multi_stage(self.schedule)
         if is_v_schedule(self.schedule) and self.stages_per_rank != 2:
             raise ValueError(
@@ -304,7 +311,8 @@ class ThreeDSettings:
                 f"ThreeDStrategy: {problem}. Use e.g. micro_batches={' or '.join(map(str, sorted(near)))}."
             )
         # Only schedules that keep micro-batches of every stage in flight have a minimum above 1.
-        alternative = "" if is_multi_stage(self.schedule) else ", or schedule='gpipe' (any count, a larger bubble)"
+        fixed = is_multi_stage(self.schedule) or is_csv_schedule(self.schedule)
+        alternative = "" if fixed else ", or schedule='gpipe' (any count, a larger bubble)"
         raise ValueError(
             f"ThreeDStrategy: {problem}. Use micro_batches >= {minimum} (more shrinks the bubble){alternative}."
         )

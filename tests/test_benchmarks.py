@@ -370,3 +370,35 @@ def test_b4_fsdp_builds_each_rank_as_shards_plus_one_layer(tmp_path):
         assert r["setup_ok"], r
         assert r["all_gathers_per_step"] == [3] * len(r["all_gathers_per_step"]), r
         assert all(s["reduce_scatters"] == 3 for s in r["steps"]), r
+
+
+def test_b3_in_flight_theory_counts_micro_batches_until_their_backward_is_complete():
+    from lightning_3d.core import torch_compat
+
+    b3 = _import("benchmarks.b3_activations")
+    one_f_one_b = torch_compat.parse_schedule_actions([["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"]])[0]
+    assert b3.in_flight_theory(one_f_one_b, 0) == {"in_flight": 2, "deferred": 0}
+    # input-gradients run, weight-gradients deferred: the activations stay until W
+    row = ["0F0", "0F1", "0I0", "1F0", "0I1", "0W0", "0F2", "0I2", "0W1", "0W2"]
+    split = torch_compat.parse_schedule_actions([row])
+    assert b3.in_flight_theory(split[0], 0) == {"in_flight": 2, "deferred": 2}
+    assert b3.in_flight_theory(split[0], 1) == {"in_flight": 1, "deferred": 0}
+
+
+def test_b1_sweep_table_and_goals():
+    b1 = _import("benchmarks.b1_pipeline")
+    cell = {"ratio": 0.9, "speedup": 1.5, "bubble_measured": 0.3, "bubble_theory": 0.2, "compute_over_baseline": 1.1}
+    results = {"pp2": {"cells": {"1f1b/4": cell, "csv/4": {**cell, "speedup": 1.6}, "zbvzerobubble/4": cell}}}
+    lines = b1.sweep_table(results, ["1f1b", "csv", "dualpipev"], [4, 8])
+    assert lines[2] == "| pp2 | 1f1b | 0.90 (x1.50), 30%/20%, 1.10 | not runnable |"
+    assert lines[4].endswith("| not runnable | not runnable |")
+    goals = {g["schedule"]: g["met"] for g in b1.zero_bubble_goals(results, [4, 8])}
+    assert goals == {"csv": True, "zbvzerobubble": True}  # at or above 1F1B's speed-up at the same m
+
+
+def test_sweep_and_b3_schedule_options_are_refused_elsewhere(tmp_path):
+    main = _import("benchmarks.__main__").main
+    for argv in (["B2", "--sweep"], ["B1", "B3", "--sweep"], ["B2", "--schedule", "1f1b"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # refused before anything ran

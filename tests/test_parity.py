@@ -11,6 +11,8 @@ parameters.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import copy_inits
@@ -123,6 +125,9 @@ def test_other_schedules_match_single_device(parity_reference, tmp_path, schedul
 
 # every zero-bubble and V schedule (two stages per rank), in one launch per layout
 ZERO_BUBBLE = ["interleavedzerobubble", "zbvzerobubble", "dualpipev"]
+# a schedule read from a CSV action list (torch's _PipelineScheduleRuntime): ZBV zero-bubble at pp2, V placement, m4,
+# written from torch's own ScheduleZBVZeroBubble (lightning_3d.core.pipeline.write_csv_schedule)
+CSV_SCHEDULE = Path(__file__).resolve().parents[1] / "conf" / "schedules" / "zbv_pp2_m4.csv"
 
 
 @pytest.mark.slow
@@ -132,7 +137,8 @@ def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_p
     (stage i and 3 - i on pp rank i), give single-device numbers: float64 step-1 gradients, float32 20 steps."""
     copy_inits(parity_reference, tmp_path)
     cases = ["mlp64", "gpt32"]
-    schedules = ",".join(f"{name}:2" for name in ZERO_BUBBLE)
+    names = ZERO_BUBBLE + ([str(CSV_SCHEDULE)] if tp == 1 else [])  # the CSV action list: at pp2 x dp2 only
+    schedules = ",".join(f"{name}:2" for name in names)
     run_lightning(
         "parity_run.py",
         ["--tp", tp, "--pp", 2, "--dp", dp, "--schedules", schedules, "--micro", 4, "--cases", ",".join(cases),
@@ -140,9 +146,9 @@ def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_p
         timeout=900,
     )  # fmt: skip
     problems = []
-    for name in ZERO_BUBBLE:
+    for name in names:
         for case in cases:
-            ref, got = load(parity_reference, case), load(tmp_path, f"{case}@{name}")
+            ref, got = load(parity_reference, case), load(tmp_path, f"{case}@{Path(name).stem}")
             found = compare(ref, got, case[3:5]) + check_replicas(got) + check_shares(got, ref, case[:3], tp)
             problems += [f"{name} {case}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])

@@ -14,14 +14,22 @@ weight-gradient ``W`` actions that fill the bubble) and the V schedules ``"zbvze
 and the last stage share rank 0). :func:`stage_ranks` is the placement every part of the project uses.
 Evaluation always runs forward-only, breadth-first order over the same placement: with no backward there is
 nothing to interleave.
+
+A schedule may also be a CSV action list (``schedule="path/to/actions.csv"``, see ``csv_schedule.py``): torch's
+``_PipelineScheduleRuntime`` runs it, the file fixes the stage placement and the micro-batch count, and every
+function here answers for it from the file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import os
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -36,6 +44,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from . import torch_compat
+from .csv_schedule import is_csv_schedule, read_csv_schedule
 from .fsdp import reshard_after_eval
 from .rng import BodyRandomness
 
@@ -59,13 +68,11 @@ _ROUND_SCHEDULES = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 
 
 def schedule_class(name: str) -> type:
-    """The torch schedule class for a (case-insensitive) name such as ``"1f1b"`` or ``"interleaved1f1b"``."""
+    """The torch schedule class for a (case-insensitive) name such as ``"1f1b"`` or ``"interleaved1f1b"`` (a
+    CSV action list: a ``PipelineScheduleMulti``, torch's runtime for action lists)."""
+    if is_csv_schedule(name):
+        return PipelineScheduleMulti
     return get_schedule_class(SINGLE_STAGE_SCHEDULES.get(name.lower(), name))
-
-
-def is_csv_schedule(name: str) -> bool:
-    """Whether ``name`` names a CSV action list (a path ending in ``.csv``) rather than a schedule."""
-    return name.strip().lower().endswith(".csv")
 
 
 def check_schedule_name(name: str) -> None:
@@ -80,10 +87,8 @@ def check_schedule_name(name: str) -> None:
     if not isinstance(name, str):
         raise ValueError(f"ThreeDStrategy(schedule={name!r}): a schedule is a name. {runnable}")
     if is_csv_schedule(name):
-        raise ValueError(
-            f"ThreeDStrategy(schedule={name!r}): schedules read from a CSV action list (torch's "
-            f"_PipelineScheduleRuntime) are not supported yet. {runnable}"
-        )
+        read_csv_schedule(name)  # a missing or invalid file fails here, saying why
+        return
     try:
         schedule_class(name)
     except ValueError as unknown:  # torch's message names torch's list
@@ -109,6 +114,8 @@ def stage_ranks(name: str, pp: int, stages_per_rank: int) -> list[int]:
     own placement for these schedules (``generate_stage_to_rank_mapping``), which the schedules' action lists
     assume; the model is split the same way so each rank holds the layers of the stages it runs.
     """
+    if is_csv_schedule(name):  # the file's placement (the settings check that it fits pp and stages_per_rank)
+        return list(read_csv_schedule(name).placement)
     num_stages = pp * stages_per_rank
     if not is_v_schedule(name):
         return [s % pp for s in range(num_stages)]
@@ -117,7 +124,9 @@ def stage_ranks(name: str, pp: int, stages_per_rank: int) -> list[int]:
 
 def min_micro_batches(name: str, pp: int) -> int:
     """Fewest micro-batches a schedule accepts: 1F1B-style schedules need one per stage in flight, V schedules
-    one per stage (``2 * pp``: two stages per rank)."""
+    one per stage (``2 * pp``: two stages per rank); a CSV action list exactly its own count."""
+    if is_csv_schedule(name):
+        return read_csv_schedule(name).micro_batches
     if schedule_class(name) is ScheduleGPipe:
         return 1
     return 2 * pp if is_v_schedule(name) else pp
@@ -130,6 +139,14 @@ def micro_batch_problem(name: str, pp: int, micro_batches: int) -> str | None:
     ``max(1, m // pp)`` and need ``m`` divisible by the number of rounds (torch raises in the first step
     otherwise).
     """
+    if is_csv_schedule(name):
+        fixed = read_csv_schedule(name).micro_batches
+        if micro_batches != fixed:
+            return (
+                f"micro_batches={micro_batches} under schedule={name!r}: the action list runs exactly {fixed} "
+                f"micro-batches per batch"
+            )
+        return None
     minimum = min_micro_batches(name, pp)
     if micro_batches < minimum:
         if is_v_schedule(name):
@@ -148,6 +165,44 @@ def micro_batch_problem(name: str, pp: int, micro_batches: int) -> str | None:
             f"{rounds} rounds (micro_batches // pp) and needs micro_batches divisible by them"
         )
     return None
+
+
+def write_csv_schedule(name: str, pp: int, stages_per_rank: int, micro_batches: int, path: str | os.PathLike) -> Path:
+    """Write the compute action list of torch's multi-stage schedule ``name`` (``"interleaved1f1b"``,
+    ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ...) at this shape to ``path``: a known-good CSV schedule.
+
+    The schedule computes its action list for every rank when built; it is built here over stand-in stages
+    (no process group, no model), and the gradient-reduction actions torch adds are left out (its lowering
+    adds them back when the file is loaded).
+    """
+    if not is_multi_stage(name):
+        raise ValueError(f"write_csv_schedule: {name!r} is not a multi-stage schedule.")
+    placement = stage_ranks(name, pp, stages_per_rank)
+    num_stages = pp * stages_per_rank
+    stand_ins = [
+        types.SimpleNamespace(
+            num_stages=num_stages,
+            group_size=pp,
+            group_rank=0,
+            stage_index=s,
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+            submod=nn.Identity(),
+            stage_index_to_group_rank={},
+        )
+        for s in range(num_stages)
+        if placement[s] == 0
+    ]
+    schedule = schedule_class(name)(stand_ins, micro_batches)
+    order = schedule.pipeline_order
+    rows = [
+        ["" if a is None else str(a) for a in order[rank] if a is None or torch_compat.is_compute_action(a)]
+        for rank in range(pp)
+    ]
+    out = Path(path)
+    with open(out, "w", newline="") as handle:
+        csv.writer(handle).writerows(rows)
+    return out
 
 
 class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
@@ -316,12 +371,14 @@ class PipelineRuntime:
         return self.stages[-1].index == self.num_stages - 1
 
     def _build(self, n_micro: int, train: bool, name: str) -> Any:
-        cls = schedule_class(name) if train else ScheduleGPipe
-        if len(self.stages) > 1 and (cls is ScheduleGPipe or not train):
+        csv_train = train and is_csv_schedule(name)
+        cls = schedule_class(name) if train and not csv_train else ScheduleGPipe
+        if len(self.stages) > 1 and not csv_train and (cls is ScheduleGPipe or not train):
             # forward-only or fill-drain order over several local stages, placed as the configured schedule places
-            # them (a V schedule's batch that falls back to GPipe, or its evaluation, keeps the V placement)
-            if is_v_schedule(self.schedule_name):
-                placement = stage_ranks(self.schedule_name, self.group_size, len(self.stages))
+            # them (a V schedule's or a CSV schedule's batch that falls back to GPipe, or its evaluation, keeps its
+            # placement)
+            placement = stage_ranks(self.schedule_name, self.group_size, len(self.stages))
+            if placement != [s % self.group_size for s in range(self.num_stages)]:
                 cls = torch_compat.looped_bfs_placed(placement, backward=train)
             else:
                 cls = schedule_class("loopedbfs")
@@ -330,6 +387,8 @@ class PipelineRuntime:
             stage.randomness = self.randomness
             stage.on_chunk = self.on_chunk
         kwargs = {"loss_fn": self.loss_fn, "scale_grads": False}
+        if csv_train:
+            return torch_compat.csv_schedule(built, n_micro, read_csv_schedule(name).path, **kwargs)
         if issubclass(cls, PipelineScheduleSingle):
             return cls(built[0], n_micro, **kwargs)
         return cls(built, n_micro, **kwargs)

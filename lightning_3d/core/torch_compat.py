@@ -366,6 +366,56 @@ def looped_bfs_placed(placement: Sequence[int], backward: bool = True) -> type:
     return PlacedLoopedBFS
 
 
+def parse_schedule_actions(rows: Sequence[Sequence[str]]) -> dict[int, list[Any]]:
+    """A CSV action list's rows (one per pp rank, one cell per time slot: ``"0F1"``, ``"1I0"``, ``""``) as torch's
+    schedule IR ``{pp rank: [action or None, ...]}`` (torch's ``_Action.from_str``, what ``_load_csv`` uses).
+
+    Raises:
+        ValueError: a cell is not an action (torch's message, with the rank and the slot).
+    """
+    action = _private(_schedules_module(), "_Action", "reading a CSV pipeline schedule")
+    order: dict[int, list[Any]] = {}
+    for rank, row in enumerate(rows):
+        parsed = []
+        for slot, cell in enumerate(row):
+            try:
+                parsed.append(action.from_str(cell))
+            except (RuntimeError, ValueError) as bad:
+                raise ValueError(f"pp rank {rank} (row {rank + 1}), slot {slot} (column {slot + 1}): {bad}") from None
+        order[rank] = parsed
+    return order
+
+
+def is_compute_action(action: Any) -> bool:
+    """Whether a schedule IR action computes (forward, backward, input- or weight-gradient) rather than
+    communicating or resharding."""
+    return bool(_private(action, "is_compute_op", "reading a CSV pipeline schedule"))
+
+
+def validate_schedule_actions(order: dict[int, list[Any]], pp: int, num_stages: int, n_micro: int) -> dict[int, int]:
+    """torch's check of an action list (every stage runs each micro-batch's forward once, then its backward, or
+    input- then weight-gradient; one rank per stage); returns ``{stage: pp rank}``.
+
+    Raises:
+        ValueError: torch's message (it raises ``AssertionError``).
+    """
+    check = _private(_schedules_module(), "_validate_schedule", "checking a CSV pipeline schedule")
+    try:
+        return dict(check(order, pp, num_stages, n_micro))
+    except AssertionError as bad:
+        raise ValueError(str(bad)) from None
+
+
+def csv_schedule(stages: Sequence[PipelineStage], n_micro: int, path: str, **kwargs: Any) -> Any:
+    """torch's ``_PipelineScheduleRuntime`` over ``stages`` running the compute-only action list in the CSV file
+    ``path`` (its ``_load_csv``: validated, stage-to-rank map taken from the list, communication lowered)."""
+    runtime = _private(_schedules_module(), "_PipelineScheduleRuntime", "running a schedule read from a CSV file")
+    _private(runtime, "_load_csv", "running a schedule read from a CSV file")
+    schedule = runtime(list(stages), n_micro, **kwargs)
+    schedule._load_csv(str(path))
+    return schedule
+
+
 def schedule_stages(schedule: Any) -> list[PipelineStage]:
     """The stages a torch pipeline schedule runs on this rank (one for single-stage schedules).
 

@@ -375,8 +375,11 @@ def theoretical_bubble(pp: int, n_micro: int, stages_per_rank: int = 1) -> float
     return (pp - 1) / (stages_per_rank * n_micro + pp - 1)
 
 
-#: torch's zero-bubble schedules: their theoretical bubble comes from their action list, not the 1F1B formula.
-ZERO_BUBBLE_CLASSES = frozenset({"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"})
+#: torch's zero-bubble schedules and its runtime for CSV action lists (``schedule="path.csv"``): their theoretical
+#: bubble comes from their action list, not the 1F1B formula.
+ZERO_BUBBLE_CLASSES = frozenset(
+    {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV", "_PipelineScheduleRuntime"}
+)
 
 
 def order_bubbles(pipeline_order: dict[int, Sequence[Any]]) -> dict[int, float]:

@@ -284,7 +284,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     global COUNTER
     COUNTER = CollectiveCounter() if args.data_parallel != "replicate" or args.hsdp_cases else None
-    runs = [(s.split(":")[0], int(s.split(":")[1]), f"@{s.split(':')[0]}") for s in args.schedules.split(",") if s]
+    # a CSV schedule (NAME is its path) is tagged by the file's stem: case C writes OUT/C@<stem>.pt
+    runs = [(n, int(v), f"@{Path(n).stem}") for n, v in (s.rsplit(":", 1) for s in args.schedules.split(",") if s)]
     for schedule, stages_per_rank, tag in runs or [(args.schedule, args.stages_per_rank, "")]:
         args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag
         for case in args.cases.split(","):

@@ -126,9 +126,13 @@ def test_sequential_body_follows_the_v_placement():
 
 
 @pytest.mark.parametrize("stages_per_rank", [1, 2])
-def test_csv_schedules_are_refused_as_not_supported_yet(tmp_path, stages_per_rank):
+def test_csv_schedules_that_do_not_fit_are_refused_at_construction(tmp_path, stages_per_rank):
+    """CSV action lists run (tests/unit/test_csv_schedule.py); one that is missing or does not fit the settings
+    is refused with what to change."""
     actions = tmp_path / "actions.csv"
-    actions.write_text("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n")  # even an existing, readable action list
-    for name in (str(actions), "missing/Actions.CSV"):
-        text = _error(pp=2, stages_per_rank=stages_per_rank, schedule=name, micro_batches=4)
-        assert "CSV action list" in text and "not supported yet" in text and "'1f1b'" in text
+    actions.write_text("0F0,0F1,0B0,0B1\n,1F0,1F1,1B0,1B1\n")  # a GPipe list of 2 micro-batches, one stage per rank
+    text = _error(pp=2, stages_per_rank=stages_per_rank, schedule=str(actions), micro_batches=4)
+    want = "runs exactly 2 micro-batches" if stages_per_rank == 1 else "Use stages_per_rank=1"
+    assert want in text, text
+    text = _error(pp=2, stages_per_rank=stages_per_rank, schedule="missing/Actions.CSV", micro_batches=4)
+    assert "no such file" in text and "CSV action list" in text

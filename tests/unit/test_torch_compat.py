@@ -58,6 +58,9 @@ CALLED = [
     (dist.distributed_c10d, "_set_pg_timeout", ["timeout", "group"]),
     (dist.distributed_c10d, "_get_default_group", []),
     (dist.distributed_c10d, "_get_default_store", []),
+    (schedules, "_validate_schedule", ["actions", "pp_group_size", "num_stages", "num_microbatches"]),
+    (schedules._Action, "from_str", ["action_string"]),
+    (schedules._PipelineScheduleRuntime, "_load_csv", ["self", "filename"]),
 ]
 
 
