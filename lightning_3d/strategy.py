@@ -452,6 +452,7 @@ class ThreeDStrategy(ParallelStrategy):
         if held is not None:
             if self._tied is not None:  # this batch's gradients of weights tied across stages: summed once
                 self._tied.sum_grads(held.params, held.grads)
+                self._reliability.scan_norms.clear()  # summed in place by a collective: the scan's norms are stale
             held.restore()
         flags, self._step_flags = self._step_flags, None
         self._reliability.after_backward(closure_loss, flags)  # ---- reliability: non-finite loss / gradients
@@ -480,6 +481,7 @@ class ThreeDStrategy(ParallelStrategy):
             tp_group=mesh["tp"].get_group() if self.tp > 1 else None,
             pp_group=mesh["pp"].get_group() if self.pp > 1 else None,
             dp_group=mesh["dp"].get_group() if self.settings.data_parallel == "fsdp" else None,
+            known=self._reliability.scan_norms,  # the non-finite scan's norms: no second pass over the gradients
         )
 
     # ------------------------------------------------------------------ evaluation
