@@ -14,8 +14,9 @@ Formulas (b = sequences per micro-batch, s = sequence, h = hidden, m = micro-bat
 
 * pipeline p2p per step and boundary: ``2 m b s h`` elements in ``2 m`` calls;
 * TP per transformer layer per micro-batch: 2 all-reduces of ``b s h`` in forward and 2 in backward;
-* DDP: one all-reduce per gradient bucket per step (each layer the stage holds is a bucket; for the Llama, each
-  decoder layer, plus the rest of the stage), together the stage's local gradient elements (an independent count).
+* DDP: one all-reduce per gradient bucket per step, together the stage's local gradient elements (an independent
+  count). Buckets follow ``data_parallel.per_block_buckets``: on gloo (this benchmark) one per stage; on NCCL each
+  layer the stage holds is a bucket (for the Llama, each decoder layer, plus the rest of the stage).
 
 ``--grad-reduce-dtype bf16`` (or ``fp16``, record ``B5_grad_bf16``): the same step with ``grad_reduce_dtype`` set,
 once with ``data_parallel="replicate"`` and once with ``"fsdp"``, counting the data-parallel gradient reduction
@@ -245,7 +246,11 @@ def _check_grad_reduction(
         elements = r["grad_elements_exact"]
         if data_parallel == "fsdp":
             assert r["fsdp_unpadded"], "a dim 0 not a multiple of dp x tp: FSDP pads it, the formula would not hold"
-        check(f"{label} calls per step", len(reduce), len(r["layers"]), "one per layer held, per optimizer step")
+        from lightning_3d.core.data_parallel import per_block_buckets
+
+        # FSDP: one unit per layer held; replicate: its buckets (data_parallel.per_block_buckets: one per stage on gloo)
+        calls = len(r["layers"]) if data_parallel == "fsdp" or per_block_buckets("gloo") else 1
+        check(f"{label} calls per step", len(reduce), calls, "one per unit or bucket, per optimizer step")
         check(f"{label} elements per step", sum(x["elements"] for x in reduce), elements, "local gradients")
         measured = sum(x["bytes"] for x in reduce)
         check(f"{label} bytes per step ({name})", measured, size * elements, f"{size} B x local gradient elements")
@@ -331,14 +336,19 @@ def analyse(
     if grad_reduce_dtype is not None or data_parallel != "replicate":
         _check_grad_reduction(ranks, check, data_parallel, grad_reduce_dtype)
     else:
-        # data parallel: one all-reduce per gradient bucket per step (a replicate group per body layer held)
+        # data parallel: one all-reduce per gradient bucket per step (data_parallel.per_block_buckets: a replicate group
+        # per body layer held on NCCL, one per stage on gloo, which B5 runs on)
+        from lightning_3d.core.data_parallel import per_block_buckets
+
+        per_block = per_block_buckets("gloo")
         for r in ranks:
             ddp = [x for x in r["records"] if x["dim"] == "dp" and x["in_schedule"]]
             check(
                 "DDP all-reduce calls per step",
                 len(ddp),
-                len(r["layers"]),
-                "one per layer held (its own bucket), per optimizer step, not per micro-batch",
+                len(r["layers"]) if per_block else 1,
+                "one per layer held (its own bucket) on NCCL, one per stage on gloo; per optimizer step, not per "
+                "micro-batch",
             )
             check(
                 "DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients"
@@ -593,6 +603,9 @@ def analyse_llama(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
     """Compare the Llama records with :func:`benchmarks.hf_llama.llama_comm_formulas` and the p2p, DDP and
     tied-embedding formulas; returns the checks (measured, formula, ratio; the worst rank's), the unexplained
     collectives and the traffic outside the schedule."""
+    from lightning_3d.core.data_parallel import per_block_buckets
+
+    per_block = per_block_buckets("gloo")  # the gradient buckets on gloo, which B5 runs on
     from .hf_llama import llama_comm_formulas, llama_sizes
 
     config = res["config"]
@@ -710,8 +723,9 @@ def analyse_llama(res: dict[str, Any], m: int, batch: int) -> dict[str, Any]:
         check(
             "DDP all-reduce calls per step",
             len(ddp),
-            r["layers"] + int(r["first"] or r["last"]),
-            "one per decoder layer held, one for the rest of the stage, per optimizer step, not per micro-batch",
+            r["layers"] + int(r["first"] or r["last"]) if per_block else 1,
+            "one per decoder layer held and one for the rest of the stage on NCCL, one per stage on gloo; per "
+            "optimizer step, not per micro-batch",
         )
         check("DDP all-reduce elements", sum(x["elements"] for x in ddp), r["grad_elements_exact"], "local gradients")
         # the tied embedding / head: one all-reduce of the local shard per step over the embedding group

@@ -2,11 +2,12 @@
 
 Two processes, one thread each, the benchmark GPT, 4 sequences per rank, forward + backward + AdamW. dp=2 is
 what the strategy does to a stage: ``lightning_3d.core.data_parallel.apply_data_parallel`` with the body's
-layers as blocks, so each layer is a ``replicate`` group (a gradient bucket) all-reduced as soon as autograd has
-produced its gradients, during the backward (the pipeline does this in the last micro-batch's backward).
-Baseline, in the same run: rank 0 alone training its own copy on the same per-rank batch while rank 1 waits in a
-barrier. A third variant, the body wrapped as ONE ``replicate`` group (one all-reduce after the whole backward,
-what lightning_3d did before), is timed beside them. Rounds alternate the three; medians after warm-up; a dp step
+layers as blocks, whose buckets follow the backend (``per_block_buckets``): on gloo, here, the body is ONE
+``replicate`` group, all-reduced once after the whole backward (gloo's all-reduce blocks the thread, so per-layer
+buckets cannot overlap the backward on a CPU). Baseline, in the same run: rank 0 alone training its own copy on
+the same per-rank batch while rank 1 waits in a barrier. A third variant, NCCL's choice forced on gloo (each layer
+a ``replicate`` group, a gradient bucket all-reduced as soon as autograd has produced its gradients, during the
+backward), is timed beside them. Rounds alternate the three; medians after warm-up; a dp step
 is the slower rank's; the spread of the per-round ratios is reported too (the machine may be shared). The time
 of one all-reduce of the gradient bytes is measured alone as well.
 
@@ -66,12 +67,12 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     dp_model = build_gpt(config)
     apply_data_parallel(dp_model.body, mesh, blocks=list(dp_model.body))  # what build_stages does to a stage
     dp_opt = torch.optim.AdamW(dp_model.parameters(), lr=1e-4)
-    whole = build_gpt(config)
-    apply_data_parallel(whole.body, mesh)  # no blocks: one group, reduced after the whole backward
-    whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-4)
+    per_layer = build_gpt(config)  # NCCL's choice forced: a bucket per layer, reduced during the backward
+    apply_data_parallel(per_layer.body, mesh, blocks=list(per_layer.body), per_block=True)
+    per_layer_opt = torch.optim.AdamW(per_layer.parameters(), lr=1e-4)
     grad_elems = sum(p.numel() for p in dp_model.parameters())
 
-    cpu: dict[str, list[float]] = {"single": [], "dp2": [], "dp2_whole": []}
+    cpu: dict[str, list[float]] = {"single": [], "dp2": [], "dp2_per_layer": []}
 
     def step(model: Any, opt: Any, key: str | None = None) -> float:
         start, start_cpu = time.perf_counter(), time.process_time()
@@ -82,7 +83,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
             cpu[key].append(time.process_time() - start_cpu)  # cannot inflate, unlike the wall clock
         return time.perf_counter() - start
 
-    times: dict[str, list[float]] = {"single": [], "dp2": [], "dp2_whole": [], "allreduce": []}
+    times: dict[str, list[float]] = {"single": [], "dp2": [], "dp2_per_layer": [], "allreduce": []}
     flat = torch.zeros(grad_elems)
     for r in range(warmup + rounds):
         dist.barrier()
@@ -95,9 +96,9 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
         if r >= warmup:
             times["dp2"].append(t)
         dist.barrier()
-        t = step(whole, whole_opt, "dp2_whole" if r >= warmup else None)
+        t = step(per_layer, per_layer_opt, "dp2_per_layer" if r >= warmup else None)
         if r >= warmup:
-            times["dp2_whole"].append(t)
+            times["dp2_per_layer"].append(t)
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(flat)
@@ -108,15 +109,15 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     dist.barrier()
     reduction = _reduction_breakdown(lambda: step(dp_model, dp_opt))
     dist.barrier()
-    reduction_whole = _reduction_breakdown(lambda: step(whole, whole_opt))
+    reduction_per_layer = _reduction_breakdown(lambda: step(per_layer, per_layer_opt))
     single_parts: dict[str, float] = {}
     dist.barrier()
     if rank == 0:
         single_parts = profile_breakdown(lambda: step(single, single_opt))
     dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (times["dp2"], times["dp2_whole"], times["allreduce"]))
-    for i, key in enumerate(("dp2", "dp2_whole", "allreduce")):
+    dist.all_gather_object(gathered, (times["dp2"], times["dp2_per_layer"], times["allreduce"]))
+    for i, key in enumerate(("dp2", "dp2_per_layer", "allreduce")):
         times[key] = [max(v) for v in zip(*(g[i] for g in gathered))]
     return {
         **times,
@@ -126,7 +127,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
         "profile_dp2_rank0": dp_parts,
         "profile_single": single_parts,
         "reduction_rank0": reduction,
-        "reduction_whole_rank0": reduction_whole,
+        "reduction_per_layer_rank0": reduction_per_layer,
     }
 
 
@@ -137,23 +138,23 @@ def run(out: Path, tiny: bool = False) -> Record:
     res = launch(
         "b7_data_parallel:worker", 2, {"batch": 4, "rounds": 1 if tiny else 8, "warmup": 1 if tiny else 2, "tiny": tiny}
     )
-    single, dp, whole, ar = (median(res[k]) * 1e3 for k in ("single", "dp2", "dp2_whole", "allreduce"))
+    single, dp, per_layer, ar = (median(res[k]) * 1e3 for k in ("single", "dp2", "dp2_per_layer", "allreduce"))
     per_round = sorted(s / d for s, d in zip(res["single"], res["dp2"]))
-    per_round_whole = sorted(s / d for s, d in zip(res["single"], res["dp2_whole"]))
-    red, red_whole = res["reduction_rank0"], res["reduction_whole_rank0"]
-    cpu_single, cpu_dp, cpu_whole = (median(res["cpu"][k]) * 1e3 for k in ("single", "dp2", "dp2_whole"))
+    per_round_per_layer = sorted(s / d for s, d in zip(res["single"], res["dp2_per_layer"]))
+    red, red_per_layer = res["reduction_rank0"], res["reduction_per_layer_rank0"]
+    cpu_single, cpu_dp, cpu_per_layer = (median(res["cpu"][k]) * 1e3 for k in ("single", "dp2", "dp2_per_layer"))
     lines = [
         f"one process {single:.1f} ms/step, dp=2 {dp:.1f} ms/step (4 sequences per rank) -> efficiency "
         f"{single / dp:.3f} (rounds {per_round[0]:.3f}-{per_round[-1]:.3f})",
-        f"  {res['buckets']} gradient buckets (one replicate group per layer), all-reduced during the backward; "
-        f"the body as one group (before): {whole:.1f} ms/step -> {single / whole:.3f} "
-        f"(rounds {per_round_whole[0]:.3f}-{per_round_whole[-1]:.3f})",
+        f"  {res['buckets']} gradient bucket(s) (the strategy's choice for gloo: one replicate group per stage); "
+        f"a bucket per layer (NCCL's choice, forced): {per_layer:.1f} ms/step -> {single / per_layer:.3f} "
+        f"(rounds {per_round_per_layer[0]:.3f}-{per_round_per_layer[-1]:.3f})",
         f"  un-overlapped reduction on the step's thread (profiled): {red['reduce_ms']:.1f} ms in "
         f"{red['buckets']} reductions, of which flattening copies {red['flatten_ms']:.1f} ms "
-        f"(one group: {red_whole['reduce_ms']:.1f} ms, copies {red_whole['flatten_ms']:.1f} ms)",
+        f"(a bucket per layer: {red_per_layer['reduce_ms']:.1f} ms, copies {red_per_layer['flatten_ms']:.1f} ms)",
         f"  CPU time per step (rank 0, all its threads; a busy machine does not inflate it): one process "
-        f"{cpu_single:.1f} ms, dp=2 {cpu_dp:.1f} ms ({cpu_single / cpu_dp:.3f}), one group {cpu_whole:.1f} ms "
-        f"({cpu_single / cpu_whole:.3f})",
+        f"{cpu_single:.1f} ms, dp=2 {cpu_dp:.1f} ms ({cpu_single / cpu_dp:.3f}), a bucket per layer "
+        f"{cpu_per_layer:.1f} ms ({cpu_single / cpu_per_layer:.3f})",
         f"  all-reduce of the {res['grad_bytes'] / 2**20:.1f} MB of gradients alone: {ar:.1f} ms; the rest of the "
         f"gap: {dp - single - ar:.1f} ms",
         f"  profile dp=2 rank 0: {breakdown_text(res['profile_dp2_rank0'])}",
@@ -162,20 +163,20 @@ def run(out: Path, tiny: bool = False) -> Record:
     details = {
         "single_ms": single,
         "dp2_ms": dp,
-        "dp2_whole_ms": whole,
-        "ratio_whole": single / whole,
+        "dp2_per_layer_ms": per_layer,
+        "ratio_per_layer": single / per_layer,
         "ratio_rounds": per_round,
-        "ratio_rounds_whole": per_round_whole,
+        "ratio_rounds_per_layer": per_round_per_layer,
         "allreduce_ms": ar,
-        "cpu_ms": {"single": cpu_single, "dp2": cpu_dp, "dp2_whole": cpu_whole},
+        "cpu_ms": {"single": cpu_single, "dp2": cpu_dp, "dp2_per_layer": cpu_per_layer},
         "cpu_ratio": cpu_single / cpu_dp,
         "grad_bytes": res["grad_bytes"],
         "buckets": res["buckets"],
         "unoverlapped_reduction_ms": red["reduce_ms"],
         "flatten_ms": red["flatten_ms"],
-        "unoverlapped_reduction_whole_ms": red_whole["reduce_ms"],
+        "unoverlapped_reduction_per_layer_ms": red_per_layer["reduce_ms"],
         "rounds_s": res,
-        "layout": "dp=2 on 2 processes (replicate per layer, as apply_data_parallel), 1 thread each; "
-        "baseline rank 0 alone",
+        "layout": "dp=2 on 2 processes (apply_data_parallel: one replicate group per stage on gloo), 1 thread each; "
+        "baseline rank 0 alone; dp2_per_layer: a replicate group per layer (NCCL's choice, forced)",
     }
     return Record(ID, TITLE, dp, single, 1.0, single / dp, "ms per step", details, lines)

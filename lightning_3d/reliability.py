@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from .core import torch_compat
 from .core.agreed import is_agreed, mark_agreed
+from .core.grad_norm import ScanNorms
 from .core.parallelize import ModelPlan
 from .core.pipeline import StageSpec
 from .core.topology import Topology
@@ -55,6 +56,8 @@ from .tools.dp_check import DPConsistencyCheck, DPDivergenceError
 from .tools.failure_watch import FailureWatch
 
 log = logging.getLogger(__name__)
+
+_GroupKey = tuple[int, torch.device, torch.dtype]  # gradients scanned together: (pipeline stage, device, dtype)
 
 
 class ConsistencyError(ValueError):
@@ -353,6 +356,9 @@ class Reliability:
         self._num_stages = 0
         self._stage_of: dict[int, int] = {}  # id(parameter) -> the pipeline stage holding it
         self._stage_index_cache: tuple[tuple[Any, ...], Tensor] | None = None
+        self._ones: dict[torch.device, Tensor] = {}
+        # the per-gradient 2-norms of the last non-finite scan, for gradient clipping in the same step
+        self.scan_norms = ScanNorms()
 
     @property
     def setup_timeout(self) -> timedelta | None:
@@ -475,9 +481,18 @@ class Reliability:
     def local_flags(self, held: Any, logs: Any) -> Tensor:
         """This rank's non-finite flags for one batch, on the device, without reading it.
 
-        One number per gradient of this batch (``_sums``: a fused 1-norm on an accelerator, a float32 sum on CPU; a
-        NaN or inf in any element makes it non-finite), counted into their stages' flags with one ``index_add_``,
-        and the last stage's loss.
+        One fused pass over the gradients, grouped by pipeline stage, device and dtype, into one flag per stage:
+
+        * when the Trainer clips gradients by norm (``gradient_clip_val``), the 2-norm of each gradient
+          (``torch._foreach_norm``, the call clipping makes): a non-finite norm is a non-finite gradient, and the
+          norms are kept in ``scan_norms`` for the clipping later in the same step to reuse (no second pass). A
+          finite gradient whose 2-norm overflows its dtype (float32: beyond ~1.8e19) counts as non-finite here,
+          as clipping by that norm would zero it (float16 gradients, whose norm overflows at 65504, take the
+          per-element check);
+        * otherwise torch's fused per-element check (``GradScaler``'s, ``torch_compat.foreach_non_finite``):
+          exactly the gradients holding a NaN or inf.
+
+        The last flag is the last stage's loss.
 
         Args:
             held: the batch's ``HeldGrads`` (``None``: no gradients).
@@ -489,17 +504,28 @@ class Reliability:
         num_stages = self._num_stages
         device = self._device()
         flags = torch.zeros(num_stages + 1, dtype=torch.float64, device=device)
+        self.scan_norms.clear()
         if held is not None:
-            present = [(p, g) for p, g in zip(held.params, held.grads, strict=True) if g is not None]
-            if present:
-                locals_ = [(p, _local(g).detach()) for p, g in present]
-                stage_index = self._stage_index([(p, g.dtype) for p, g in locals_], device)
-                groups: dict[torch.dtype, list[Tensor]] = {}
-                for _, g in locals_:
-                    groups.setdefault(g.dtype, []).append(g)
-                # gradients listed by dtype (``_stage_index`` lists their stages the same way)
-                norms = torch.cat([_sums(same).to(torch.float64) for same in groups.values()])
-                bad = (~torch.isfinite(norms)).to(device, torch.float64)
+            last = num_stages - 1
+            groups: dict[_GroupKey, tuple[list[Tensor], list[Tensor]]] = {}  # key: (stage, device, dtype)
+            for p, g in zip(held.params, held.grads, strict=True):
+                if g is not None:
+                    local = _local(g).detach()
+                    key = (self._stage_of.get(id(p), last), local.device, local.dtype)
+                    grads, locals_ = groups.setdefault(key, ([], []))
+                    grads.append(g)
+                    locals_.append(local)
+            if groups:
+                stage_index = self._group_stages(list(groups), device)
+                if self._clips_by_norm() and all(dtype != torch.float16 for _, _, dtype in groups):
+                    found = []
+                    for grads, locals_ in groups.values():
+                        norms = torch_compat.foreach_norm(locals_, 2.0)
+                        self.scan_norms.record(grads, norms)
+                        found.append((~torch.isfinite(torch.stack(norms))).any().to(device, torch.float64))
+                    bad = torch.stack(found)
+                else:
+                    bad = self._per_element_check(groups, device)
                 flags.index_add_(0, stage_index, bad)
         loss_total = getattr(logs, "loss_total", None) if logs is not None else None
         if isinstance(loss_total, Tensor):
@@ -508,18 +534,36 @@ class Reliability:
             flags[num_stages] = 1.0
         return flags
 
-    def _stage_index(self, params: list[tuple[Tensor, torch.dtype]], device: torch.device) -> Tensor:
-        """The pipeline stage of each parameter, listed by its gradient's dtype as ``local_flags`` lists the
-        gradients (a device tensor, built once per list of parameters and gradient dtypes)."""
-        key = tuple((id(p), dtype) for p, dtype in params)
+    def _clips_by_norm(self) -> bool:
+        """Whether the Trainer clips gradients by their norm (then the scan computes the norms clipping reuses)."""
+        trainer = getattr(self._module, "_trainer", None)
+        if trainer is None or not getattr(trainer, "gradient_clip_val", None):
+            return False
+        return getattr(trainer, "gradient_clip_algorithm", None) in (None, "norm")
+
+    def _per_element_check(
+        self, groups: dict[_GroupKey, tuple[list[Tensor], list[Tensor]]], device: torch.device
+    ) -> Tensor:
+        """One fused NaN/inf check per group of gradients (stage, device, dtype): ``1.0`` per group holding one."""
+        found = {d: torch.zeros(len(groups), dtype=torch.float32, device=d) for _, d, _ in groups}
+        for i, ((_, d, _), (_, locals_)) in enumerate(groups.items()):
+            torch_compat.foreach_non_finite(locals_, found[d][i : i + 1], self._one(d))
+        per_device = [f.to(device, torch.float64) for f in found.values()]
+        return per_device[0] if len(per_device) == 1 else torch.stack(per_device).sum(0)
+
+    def _one(self, device: torch.device) -> Tensor:
+        """A float32 ``[1.0]`` on ``device`` (the per-element check's unscale factor), made once per device."""
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return one
+
+    def _group_stages(self, keys: list[_GroupKey], device: torch.device) -> Tensor:
+        """The pipeline stage of each group of gradients (a device tensor, built once per list of groups)."""
         cached = self._stage_index_cache
-        if cached is None or cached[0] != key:
-            last = self._num_stages - 1
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for p, dtype in params:
-                by_dtype.setdefault(dtype, []).append(self._stage_of.get(id(p), last))
-            order = [stage for stages in by_dtype.values() for stage in stages]
-            cached = self._stage_index_cache = (key, torch.tensor(order, dtype=torch.long, device=device))
+        if cached is None or cached[0] != tuple(keys):
+            stages = torch.tensor([stage for stage, _, _ in keys], dtype=torch.long, device=device)
+            cached = self._stage_index_cache = (tuple(keys), stages)
         return cached[1]
 
     def after_backward(self, loss: Tensor, flags: list[float] | None = None) -> None:
@@ -619,25 +663,6 @@ def _local(t: Tensor) -> Tensor:
 class _Held:
     params: list[Any]
     grads: list[Any]
-
-
-def _sums(grads: list[Tensor]) -> Tensor:
-    """One number per gradient that is non-finite iff the gradient holds a NaN or inf (or overflows float32).
-
-    On an accelerator one fused 1-norm over the list (``torch._foreach_norm``: one kernel, not one per tensor); on CPU,
-    where that runs tensor by tensor and costs about 10x a plain sum, the float32 sum of each.
-    """
-    if grads[0].device.type == "cpu":
-        return torch.stack([g.sum(dtype=torch.float32) for g in grads])
-    return torch.stack(torch_compat.foreach_norm(grads, 1.0))
-
-
-def _by_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
-    """``tensors`` grouped by dtype (a fused norm and a stack need one dtype)."""
-    groups: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return list(groups.values())
 
 
 def _batch_idx(trainer: Any) -> int:

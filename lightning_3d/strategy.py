@@ -473,6 +473,7 @@ class ThreeDStrategy(ParallelStrategy):
         if held is not None:
             if self._tied is not None:  # this batch's gradients of weights tied across stages: summed once
                 self._tied.sum_grads(held.params, held.grads)
+                self._reliability.scan_norms.clear()  # summed in place by a collective: the scan's norms are stale
             held.restore()
         flags, self._step_flags = self._step_flags, None
         if self.loss_scaler is not None and flags is not None:  # 16-mixed: a non-finite gradient is an overflow
@@ -521,6 +522,7 @@ class ThreeDStrategy(ParallelStrategy):
             tp_group=mesh["tp"].get_group() if self.tp > 1 else None,
             pp_group=mesh["pp"].get_group() if self.pp > 1 else None,
             dp_group=self._grad_shard_group(),
+            known=self._reliability.scan_norms,  # the non-finite scan's norms: no second pass over the gradients
         )
 
     def _sharding_mesh(self) -> DeviceMesh:

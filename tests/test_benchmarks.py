@@ -185,9 +185,14 @@ def _llama_step_records(
             out.append(rec("tp", "all_gather_into_tensor", head, "fwd", "lm_head:Linear"))
             out.append(rec("tp", "all_reduce", bsh, "bwd", "lm_head:Linear"))
         out.append(rec("pp", "send", bsh))
-    per_layer = grads // (layers + 1)  # a bucket per decoder layer, the rest of the stage in one more
-    out += [rec("dp", "all_reduce", per_layer) for _ in range(layers)]
-    out.append(rec("dp", "all_reduce", grads - layers * per_layer))
+    from lightning_3d.core.data_parallel import per_block_buckets
+
+    if per_block_buckets("gloo"):
+        per_layer = grads // (layers + 1)  # a bucket per decoder layer, the rest of the stage in one more
+        out += [rec("dp", "all_reduce", per_layer) for _ in range(layers)]
+        out.append(rec("dp", "all_reduce", grads - layers * per_layer))
+    else:  # gloo: one bucket for the whole stage
+        out.append(rec("dp", "all_reduce", grads))
     if tied:
         out.append(rec("emb", "allreduce", tied, inside=False))
     return out

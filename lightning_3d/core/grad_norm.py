@@ -8,12 +8,18 @@ pp group. Data-parallel replicas hold identical (already all-reduced) gradients 
 under FSDP (``data_parallel="fsdp"``) each dp rank holds a disjoint shard of every gradient, so the per-rank
 totals are also summed over the dp group (``dp_group``); under HSDP (``data_parallel="hsdp"``) the gradients are
 sharded over dp_shard and equal over dp_replicate, so ``dp_group`` is the dp_shard group.
+
+``ScanNorms`` lets the clipping reuse the per-gradient 2-norms that the non-finite scan (``reliability.py``) already
+computed earlier in the same step: one pass over the gradients per step, not two. A norm is reused only for the very
+gradient tensor it was computed from, unchanged since (same object, same in-place version counter); anything else
+(accumulated or tied gradients, an unscaled or user-modified gradient) is computed again here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import weakref
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,6 +39,33 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
+class ScanNorms:
+    """The 2-norm of each gradient as the non-finite scan computed it, for the clipping later in the same step."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+    def record(self, grads: Sequence[torch.Tensor], norms: Sequence[torch.Tensor]) -> None:
+        """Remember ``norms[i]``, the 2-norm of ``grads[i]`` (a parameter's ``.grad``, DTensor or not), besides what
+        is remembered since the last ``clear`` (weak references: the gradients' memory is not held)."""
+        version = torch_compat.tensor_version
+        for g, n in zip(grads, norms, strict=True):
+            self._entries[id(g)] = (weakref.ref(g), version(_local(g)), n)
+
+    def lookup(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """The remembered 2-norm of ``grad`` if it is the same tensor, not modified since; else ``None``."""
+        entry = self._entries.get(id(grad))
+        if entry is None:
+            return None
+        ref, version, norm = entry
+        if ref() is not grad or torch_compat.tensor_version(_local(grad)) != version:
+            return None
+        return norm
+
+    def clear(self) -> None:
+        self._entries = {}
+
+
 def global_grad_norm(
     parameters: Iterable[torch.Tensor],
     norm_type: float = 2.0,
@@ -40,6 +73,7 @@ def global_grad_norm(
     tp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
     dp_group: dist.ProcessGroup | None = None,
+    known: ScanNorms | None = None,
 ) -> torch.Tensor:
     """The norm of all gradients of the whole (unsplit, unsharded) model, the same on every rank.
 
@@ -50,18 +84,26 @@ def global_grad_norm(
         pp_group: the pipeline group (``None`` when pp == 1).
         dp_group: the data-parallel group when the gradients are sharded over it (FSDP; HSDP: its dp_shard
             group); ``None`` when every dp rank holds the whole (all-reduced) gradients.
+        known: the 2-norms the non-finite scan already computed this step (used for ``norm_type`` 2 only, for
+            the gradients they were computed from; the others are computed here).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     device = _local(grads[0]).device if grads else torch.device("cpu")
-    sharded = [_local(g).detach() for g in grads if _is_tp_sharded(g)]
-    replicated = [_local(g).detach() for g in grads if not _is_tp_sharded(g)]
+    sharded = [g for g in grads if _is_tp_sharded(g)]
+    replicated = [g for g in grads if not _is_tp_sharded(g)]
     inf = math.isinf(norm_type)
+    reuse = known if norm_type == 2.0 else None
 
     def partial(tensors: list[torch.Tensor]) -> torch.Tensor:
         if not tensors:
             return torch.zeros((), dtype=torch.float64, device=device)
-        norms = torch_compat.foreach_norm(tensors, norm_type)
-        stacked = torch.stack([n.to(torch.float64) for n in norms])
+        norms = [reuse.lookup(g) if reuse is not None else None for g in tensors]
+        missing = [i for i, n in enumerate(norms) if n is None]
+        if missing:
+            computed = torch_compat.foreach_norm([_local(tensors[i]).detach() for i in missing], norm_type)
+            for i, n in zip(missing, computed, strict=True):
+                norms[i] = n
+        stacked = torch.stack([n.to(torch.float64) for n in norms])  # type: ignore[union-attr]
         return stacked.max() if inf else stacked.pow(norm_type).sum()
 
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM

@@ -43,6 +43,7 @@ __all__ = [
     "current_wait_batch_p2p",
     "default_group",
     "default_store",
+    "foreach_non_finite",
     "foreach_norm",
     "group_timeout",
     "in_backward",
@@ -225,6 +226,13 @@ def record_scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: Any, found_
     state = states[id(optimizer)]
     state["found_inf_per_device"] = {found_inf.device: found_inf}
     state["stage"] = OptState.UNSCALED
+
+
+def foreach_non_finite(tensors: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:
+    """Set ``found`` (one float32 element on the tensors' device) to 1 if any element of ``tensors`` (one device and
+    dtype) is NaN or inf, in one fused call: ``torch._amp_foreach_non_finite_check_and_unscale_`` (``GradScaler``'s
+    check), with ``one`` (float32 ``[1.0]``) as the unscale factor, so the tensors keep their exact values."""
+    _private(torch, "_amp_foreach_non_finite_check_and_unscale_", "the non-finite gradient check")(tensors, found, one)
 
 
 def tensor_version(tensor: torch.Tensor) -> int:

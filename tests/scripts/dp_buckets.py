@@ -5,7 +5,8 @@ wrapped by ``apply_data_parallel`` with its layers as blocks and run through ``P
 1F1B, 4 micro-batches) for two batches of one accumulation window: the first defers the gradient sync, the
 second syncs. Checked on every rank:
 
-* the two untied Linears are buckets of their own and the tied pair stays with the root: 3 buckets;
+* with per-block buckets (NCCL's choice, forced here) the two untied Linears are buckets of their own and the tied
+  pair stays with the root: 3 buckets; gloo's own choice is one bucket for the whole stage;
 * the deferred batch issues no all-reduce; the syncing batch issues exactly one per bucket, every one of them
   while the last micro-batch's backward runs (none before it, none after it);
 * the gradients equal the average over the ranks of a plain single-process model's gradients accumulated over
@@ -63,7 +64,13 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
     reference = build()  # the same weights, no data parallelism
     model = build()
-    model = apply_data_parallel(model, mesh["dp"], blocks=list(torch_compat.child_modules(model).values()))
+    # per-block buckets (NCCL's choice) forced on gloo: what runs on a GPU, checked here on CPU
+    model = apply_data_parallel(
+        model, mesh["dp"], blocks=list(torch_compat.child_modules(model).values()), per_block=True
+    )
+    plain = build()
+    single = apply_data_parallel(plain, mesh["dp"], blocks=list(torch_compat.child_modules(plain).values()))
+    assert gradient_buckets(single) == 1, "gloo's own choice: one bucket for the stage"
     buckets = gradient_buckets(model)
     assert buckets == 3, f"expected 3 buckets (two Linears and the root with the tied pair), got {buckets}"
 

@@ -39,3 +39,25 @@ def test_same_buffer_reduce_hands_the_input_back_as_the_output():
     again = comm.allocate((6,), dtype=torch.float32, device=torch.device("cpu"))
     assert again is not first  # the next reduction gets a fresh input
     assert comm.allocate((3,), dtype=torch.float32, device=torch.device("cpu")) is not again  # other size: fresh
+
+
+def test_buckets_per_block_on_nccl_one_per_stage_on_gloo(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning_3d.core import data_parallel, torch_compat
+
+    assert data_parallel.per_block_buckets("nccl") and not data_parallel.per_block_buckets("gloo")
+    wrapped: list[nn.Module] = []
+    monkeypatch.setattr(
+        torch_compat, "replicate", lambda module, mesh, mp_policy=None: wrapped.append(module) or module
+    )
+    mesh = SimpleNamespace(size=lambda: 2, get_group=lambda: None)
+    for backend, expected in (("nccl", 3), ("gloo", 1)):
+        monkeypatch.setattr(data_parallel.dist, "get_backend", lambda group, b=backend: b)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        wrapped.clear()
+        data_parallel.apply_data_parallel(model, mesh, blocks=list(model))
+        assert len(wrapped) == expected and wrapped[-1] is model  # the two Linears (NCCL), then the root
+    wrapped.clear()
+    data_parallel.apply_data_parallel(model, mesh, blocks=list(model), per_block=True)  # forced, as on a GPU
+    assert wrapped == [model[0], model[2], model]

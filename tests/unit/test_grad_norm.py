@@ -96,3 +96,26 @@ def test_only_shards_on_the_tp_dimension_count_as_tp_sharded(gloo_world: dist.Pr
     p.grad = distribute_tensor(torch.tensor([3.0, 4.0]), mesh, [Replicate(), Shard(0)])
     q = params_with_grads([12.0])[0]
     assert float(global_grad_norm([p, q], 2.0, tp_group=gloo_world, pp_group=None)) == pytest.approx(13.0)
+
+
+def test_scan_norms_are_reused_only_for_the_same_unchanged_gradient() -> None:
+    from lightning_3d.core.grad_norm import ScanNorms
+
+    params = params_with_grads([3.0, -4.0], [12.0])
+    known = ScanNorms()
+    # a planted norm (not the true 5) shows that clipping took the scan's value instead of reading the gradient
+    known.record([params[0].grad], [torch.tensor(7.0)])
+    norm = global_grad_norm(params, 2.0, tp_group=None, pp_group=None, known=known)
+    assert float(norm) == pytest.approx(math.sqrt(49 + 144))
+    assert float(global_grad_norm(params, 1.0, tp_group=None, pp_group=None, known=known)) == pytest.approx(19.0)
+    params[0].grad.mul_(2.0)  # written in place after the scan: computed again
+    assert float(global_grad_norm(params, 2.0, tp_group=None, pp_group=None, known=known)) == pytest.approx(
+        math.sqrt(100 + 144)
+    )
+    known.record([params[1].grad], [torch.tensor(1.0)])
+    params[1].grad = params[1].grad.clone()  # another tensor with the same values: computed again
+    assert known.lookup(params[1].grad) is None
+    known.clear()
+    assert float(global_grad_norm(params, 2.0, tp_group=None, pp_group=None, known=known)) == pytest.approx(
+        math.sqrt(100 + 144)
+    )

@@ -3,6 +3,7 @@ collectives of compare_across_ranks replaced by a simulated world), value texts 
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -180,3 +181,38 @@ def test_local_flags_name_the_stage_and_the_loss_without_reading_the_device(gloo
 def test_no_flags_requested_when_the_check_is_off() -> None:
     rel, *_ = _reliability_with_stages(on_nonfinite="off")
     assert rel.flags_request() is None
+
+
+def test_with_norm_clipping_the_scan_computes_the_norms_clipping_reuses(gloo_world: dist.ProcessGroup) -> None:
+    from types import SimpleNamespace
+
+    from benchmarks.b8_sync import SyncCounter
+    from lightning_3d.core.grad_norm import global_grad_norm
+
+    rel, params, HeldGrads, _ = _reliability_with_stages()
+    rel._module._trainer = SimpleNamespace(gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    torch.manual_seed(0)
+    grads = [torch.randn_like(p) for p in params]
+    counter = SyncCounter()
+    with counter:
+        counter.begin()
+        fine = rel.local_flags(HeldGrads(params, grads), None)
+        counter.end()
+    assert counter.per_step() == [0] and fine.tolist() == [0.0, 0.0, 0.0]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    # every gradient's norm is the scan's, so clipping does not read them again: a planted value shows it
+    assert all(rel.scan_norms.lookup(g) is not None for g in grads)
+    expected = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    assert float(global_grad_norm(params, 2.0, tp_group=None, pp_group=None, known=rel.scan_norms)) == pytest.approx(
+        expected, rel=1e-6
+    )
+    grads[3] = grads[3].clone()
+    grads[3][0] = float("-inf")  # stage 1's bias
+    assert rel.local_flags(HeldGrads(params, grads), None).tolist() == [0.0, 1.0, 0.0]
+    # a finite gradient whose float32 2-norm overflows counts as non-finite when clipping by that norm
+    big = [torch.full_like(p, 1e30) if i == 0 else torch.ones_like(p) for i, p in enumerate(params)]
+    assert rel.local_flags(HeldGrads(params, big), None).tolist() == [1.0, 0.0, 0.0]
+    rel._module._trainer = SimpleNamespace(gradient_clip_val=None, gradient_clip_algorithm=None)
+    assert rel.local_flags(HeldGrads(params, big), None).tolist() == [0.0, 0.0, 0.0]
+    assert all(rel.scan_norms.lookup(g) is None for g in big)  # the per-element check keeps no norms
