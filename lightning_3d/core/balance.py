@@ -1,11 +1,25 @@
 """Stages balanced by estimated compute or memory: per-layer costs and the split that minimises the worst stage.
 
-``partitioner="compute"`` counts each layer's forward + backward floating-point operations on the meta device
-(``torch.utils.flop_counter``), on the LightningModule's ``example_input_array`` passed through the body layer by
-layer: no real computation, no timing noise, and so the same split on every rank without a collective. (The issue
-asked for measured times; FLOPs are the deterministic stand-in: they miss memory-bound work such as the loss and
-normalisations, which is small next to the matrix products.) The example's batch size does not change the split
-(every cost scales with it); its sequence length does, so give one of the real length.
+``partitioner="compute"`` on an ``nn.Sequential`` body MEASURES each layer's forward + backward time at setup
+(:func:`measure_layer_times`): the LightningModule's ``example_input_array`` (one micro-batch's input of the body, of
+the real shape; real or meta) is passed through the body on the meta device to get every layer's input shape, then
+each layer in turn is copied, materialised on the run's device (``reset_parameters`` under a forked RNG, so the
+model's initialisation and the data stream do not change) and timed on a random input of its shape: warm-up runs,
+then the median of a few timed runs; the last layer is timed with a cross-entropy over its output's last
+dimension (the loss the last stage runs). On several ranks each rank times every ``world``-th layer and one
+``all_gather_object`` gives every rank the whole table; layers of the same structure and input shape (a
+transformer's blocks) share their median, so noise between copies of one block does not move the split. Every rank
+decides from the same gathered table, so every rank takes the same split. The stages minimise the slowest stage's
+measured time (:func:`balanced_split`); the embedding (first layer) and the head with the loss (last layer) are
+layers like the others.
+
+FLOPs counted on the meta device (``torch.utils.flop_counter``, forward + backward, no compute) are the fallback,
+with a warning saying why, when timing is impossible: a layer cannot be materialised or run on the device (no
+``reset_parameters`` for its meta tensors, an input that is not one tensor, out of memory), on any rank (the
+errors travel in the same gather, so every rank falls back alike). Models split at their block container are
+profiled by FLOPs (:func:`block_profiles`; their blocks take keyword arguments and tuples that a layer alone cannot
+be called with), and so is ``ComputePartitioner(measure=False)``. FLOPs miss memory-bound work (the loss,
+normalisations); the example's sequence length changes the split, its batch size does not.
 
 ``partitioner="memory"`` estimates each stage's peak bytes: parameters, their gradients and two optimizer-state
 tensors each (Adam), plus the bytes autograd saves for backward per micro-batch (counted on the meta device)
@@ -21,10 +35,15 @@ embeddings) count on the first block, the rest (final norm, head, loss-free outp
 
 from __future__ import annotations
 
+import copy
+import statistics
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
@@ -106,6 +125,167 @@ def layer_profiles(layers: Sequence[tuple[str, nn.Module]], example: Any) -> lis
         static = sum(p.numel() * p.element_size() for p in params.values()) * (2 + OPTIMIZER_STATES)
         out.append((float(counter.get_total_flops()), float(static), float(sum(saved.values()))))
         x = y.detach() if isinstance(y, torch.Tensor) else y
+    return out
+
+
+class TimingUnavailable(RuntimeError):
+    """Timing the layers was impossible on some rank (the message says which layer and why)."""
+
+
+TIMED_RUNS = 5  # timed forward + backward runs per layer (the median counts)
+WARMUP_RUNS = 2  # untimed runs first (allocations, kernel selection)
+
+
+def timing_device() -> torch.device:
+    """Where the layers are timed: the current CUDA device under an NCCL process group (the strategy has set it),
+    else the CPU (gloo runs, and a process without a process group)."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _meta_inputs(layers: Sequence[tuple[str, nn.Module]], example: Any) -> list[torch.Tensor]:
+    """Each layer's input on the meta device (shape and dtype), the example passed through the body on meta."""
+    if not isinstance(example, torch.Tensor):
+        raise TimingUnavailable(f"the example input is a {type(example).__name__}, not one tensor")
+    x = _meta(example)
+    inputs = []
+    with torch.no_grad():
+        for name, layer in layers:
+            if not isinstance(x, torch.Tensor):
+                raise TimingUnavailable(f"layer {name!r} takes a {type(x).__name__}, not one tensor")
+            inputs.append(x)
+            params = {n: _meta(p) for n, p in layer.named_parameters()}
+            buffers = {n: _meta(b) for n, b in layer.named_buffers()}
+            x = functional_call(layer, {**params, **buffers}, (x,))
+    return inputs
+
+
+def _signature(layer: nn.Module, inp: torch.Tensor, last: bool) -> tuple[Any, ...]:
+    """Layers with equal signatures do the same work (the same class, parameter shapes and input shape)."""
+    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+    return (type(layer).__qualname__, shapes, tuple(inp.shape), inp.dtype, last)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_layer(
+    layer: nn.Module,
+    inp: torch.Tensor,
+    device: torch.device,
+    *,
+    name: str = "",
+    example: torch.Tensor | None = None,
+    loss: bool = False,
+    runs: int = TIMED_RUNS,
+) -> float:
+    """Median seconds of one forward + backward of a copy of ``layer`` on ``device`` (the layer is untouched).
+
+    Args:
+        layer: the layer (real or meta); a copy is materialised on ``device`` (``reset_parameters``) and dropped.
+        inp: its input's shape and dtype (any device); floating inputs are random and need their gradient.
+        device: where to time.
+        name: the layer's name (seeds the copy's initialisation; error messages).
+        example: the real input to use instead (token ids of the first layer), when not on the meta device.
+        loss: end with a cross-entropy loss over the output's last dimension (the last layer: the loss runs on
+            its stage; a plain backward when the output has no class dimension).
+        runs: timed runs after :data:`WARMUP_RUNS` untimed ones.
+
+    Returns:
+        The median time of the timed runs, in seconds.
+    """
+    from .materialize import materialize  # imported here: materialize is a heavier module than this one
+
+    work = copy.deepcopy(layer)
+    if any(t.is_meta for t in [*work.parameters(), *work.buffers()]):
+        materialize(work, device, 0, name)  # forks the RNG itself
+    else:
+        work = work.to(device)
+    if example is not None and not example.is_meta:
+        x0 = example.to(device)
+    elif inp.is_floating_point():
+        x0 = torch.randn(inp.shape, dtype=inp.dtype, device=device)
+    else:
+        x0 = torch.zeros(inp.shape, dtype=inp.dtype, device=device)  # token ids: 0 is a valid id
+    times = []
+    for run in range(WARMUP_RUNS + runs):
+        x = x0.detach().requires_grad_(x0.is_floating_point())
+        _sync(device)
+        start = time.perf_counter()
+        y = work(x)
+        if not isinstance(y, torch.Tensor):
+            raise TimingUnavailable(f"layer {name!r} returns a {type(y).__name__}, not one tensor")
+        if loss and y.is_floating_point() and y.dim() > 1 and y.shape[-1] > 1:
+            logits = y.float().flatten(0, -2)
+            target = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
+            torch.nn.functional.cross_entropy(logits, target).backward()
+        elif y.requires_grad:
+            y.backward(torch.ones_like(y))
+        _sync(device)
+        if run >= WARMUP_RUNS:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_layer_times(
+    layers: Sequence[tuple[str, nn.Module]],
+    example: Any,
+    *,
+    device: torch.device | None = None,
+    runs: int = TIMED_RUNS,
+) -> list[float]:
+    """Each layer's forward + backward seconds on one micro-batch, the same list on every rank (see the module
+    docstring): each rank times every ``world``-th layer, one ``all_gather_object`` (when a process group is
+    initialised) shares the table, and layers of equal structure and input share their median.
+
+    Args:
+        layers: the body's layers, in order (real or meta).
+        example: one micro-batch's input of the body (a tensor; real or meta).
+        device: where to time (default :func:`timing_device`).
+        runs: timed runs per layer.
+
+    Returns:
+        One time per layer, in seconds.
+
+    Raises:
+        TimingUnavailable: some rank could not time its layers (every rank raises it alike).
+    """
+    device = device if device is not None else timing_device()
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    mine: dict[int, float] | str
+    try:
+        inputs = _meta_inputs(layers, example)
+        mine = {}
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            for i in range(rank, len(layers), world):
+                name, layer = layers[i]
+                first = example if i == 0 and isinstance(example, torch.Tensor) else None
+                mine[i] = time_layer(
+                    layer, inputs[i], device, name=name, example=first, loss=i == len(layers) - 1, runs=runs
+                )
+    except Exception as err:  # noqa: BLE001 - any failure means FLOPs, on every rank alike (sent in the gather)
+        mine = f"rank {rank}: {type(err).__name__}: {err}"
+    tables: list[Any] = [None] * world
+    if distributed:
+        dist.all_gather_object(tables, mine)
+    else:
+        tables = [mine]
+    errors = [t for t in tables if isinstance(t, str)]
+    if errors:
+        raise TimingUnavailable("; ".join(errors))
+    measured = {i: t for table in tables for i, t in table.items()}
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (_, layer) in enumerate(layers):
+        groups.setdefault(_signature(layer, inputs[i], i == len(layers) - 1), []).append(i)
+    out = [0.0] * len(layers)
+    for members in groups.values():
+        shared = statistics.median(measured[i] for i in members)
+        for i in members:
+            out[i] = shared
     return out
 
 
@@ -228,15 +408,63 @@ class _Balanced:
 
 
 class ComputePartitioner(_Balanced):
-    """Contiguous stages minimising the slowest stage's forward + backward FLOPs (see the module docstring)."""
+    """Contiguous stages minimising the slowest stage's measured forward + backward time (FLOPs as the fallback;
+    see the module docstring).
+
+    Args:
+        example_input: one micro-batch's input of the body.
+        profiles: per-layer FLOP profiles already made (models split at their blocks); given, nothing is timed.
+        measure: time the layers (``False``: count FLOPs only).
+        device: where to time (default :func:`timing_device`).
+    """
 
     kind = "compute"
+
+    def __init__(
+        self,
+        example_input: Any = None,
+        profiles: list[tuple[float, float, float]] | None = None,
+        measure: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(example_input, profiles)
+        self.measure, self.device = measure, device
+        self.measured = False  # whether the costs are measured seconds (else FLOPs)
+        self.fallback: str | None = None  # why FLOPs were used although timing was asked for
+        self._cache: tuple[tuple[int, ...], list[tuple[float, float, float]]] | None = None
+
+    def for_input(self, example_input: Any) -> ComputePartitioner:
+        return type(self)(example_input, measure=self.measure, device=self.device)
+
+    def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[float, float, float]]:
+        key = tuple(id(m) for _, m in layers)
+        if self._cache is not None and self._cache[0] == key:  # split and print-out: timed (and gathered) once
+            return self._cache[1]
+        if self.profiles is not None or not self.measure or self.example_input is None:
+            prof = super()._profiles(layers)
+        else:
+            try:
+                times = measure_layer_times(layers, self.example_input, device=self.device)
+                prof = [(t, 0.0, 0.0) for t in times]
+                self.measured = True
+            except TimingUnavailable as err:
+                self.fallback = str(err)
+                warnings.warn(
+                    f"lightning_3d: partitioner='compute' could not time the layers ({err}); the stages are "
+                    "balanced by forward + backward FLOPs counted on the meta device instead.",
+                    stacklevel=2,
+                )
+                prof = super()._profiles(layers)
+        self._cache = (key, prof)
+        return prof
 
     def _cost(self, prof: list[tuple[float, float, float]], num_stages: int, s: int, i: int, j: int) -> float:
         return sum(p[0] for p in prof[i:j])
 
     def describe(self, cost: float) -> str:
-        return f"{cost / 1e6:.2f} MFLOP fwd+bwd per example"
+        if self.measured:
+            return f"{cost * 1e3:.2f} ms fwd+bwd per micro-batch, measured"
+        return f"{cost / 1e6:.2f} MFLOP fwd+bwd per example, counted"
 
 
 class MemoryPartitioner(_Balanced):
