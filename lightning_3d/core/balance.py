@@ -267,7 +267,7 @@ def measure_layer_times(
                 mine[i] = time_layer(
                     layer, inputs[i], device, name=name, example=first, loss=i == len(layers) - 1, runs=runs
                 )
-    except Exception as err:  # noqa: BLE001 - any failure means FLOPs, on every rank alike (sent in the gather)
+    except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
         mine = f"rank {rank}: {type(err).__name__}: {err}"
     tables: list[Any] = [None] * world
     if distributed:
