@@ -62,7 +62,8 @@ class ThreeDSettings:
             plan for the modules it matches. A ``tp_plan`` attribute on the LightningModule works the same.
         tp_autoplan: find the plan for standard blocks automatically from the data flow.
         partitioner: ``"uniform"`` (layers per stage), ``"parameters"``, ``"compute"`` (minimise the slowest
-            stage's forward + backward FLOPs, counted on the meta device on the module's ``example_input_array``),
+            stage's forward + backward time, each layer timed at setup on the module's ``example_input_array``
+            shape; FLOPs counted on the meta device when timing is impossible, and for block-split models),
             ``"memory"`` (minimise the largest stage peak: parameters, gradients, Adam states and 1F1B activations
             in flight) or a callable; ``"compute"`` and ``"memory"`` need an ``nn.Sequential`` body.
         body: dotted name of an ``nn.Sequential`` body (the earlier contract) when the module has several.

@@ -197,6 +197,21 @@ def time_layer(
     Returns:
         The median time of the timed runs, in seconds.
     """
+    # The run's generators are left as they were: the copy's initialisation, the random input and any dropout
+    # draw from forked states, so the model's initialisation and the data order do not depend on the partitioner.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        return _time_layer(layer, inp, device, name, example, loss, runs)
+
+
+def _time_layer(
+    layer: nn.Module,
+    inp: torch.Tensor,
+    device: torch.device,
+    name: str,
+    example: torch.Tensor | None,
+    loss: bool,
+    runs: int,
+) -> float:
     from .materialize import materialize  # imported here: materialize is a heavier module than this one
 
     work = copy.deepcopy(layer)
@@ -260,13 +275,12 @@ def measure_layer_times(
     try:
         inputs = _meta_inputs(layers, example)
         mine = {}
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-            for i in range(rank, len(layers), world):
-                name, layer = layers[i]
-                first = example if i == 0 and isinstance(example, torch.Tensor) else None
-                mine[i] = time_layer(
-                    layer, inputs[i], device, name=name, example=first, loss=i == len(layers) - 1, runs=runs
-                )
+        for i in range(rank, len(layers), world):
+            name, layer = layers[i]
+            first = example if i == 0 and isinstance(example, torch.Tensor) else None
+            mine[i] = time_layer(
+                layer, inputs[i], device, name=name, example=first, loss=i == len(layers) - 1, runs=runs
+            )
     except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
         mine = f"rank {rank}: {type(err).__name__}: {err}"
     tables: list[Any] = [None] * world
