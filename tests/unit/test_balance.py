@@ -133,6 +133,42 @@ def test_memory_estimate_matches_measured_bytes():
     assert abs(act - sum(saved.values())) <= 0.1 * sum(saved.values())
 
 
+def test_memory_estimate_per_stage_matches_measured_bytes_with_1f1b_micro_batches_in_flight():
+    """Each stage's estimate (static bytes + p - s micro-batches of saved activations) against a real Adam step and
+    the storages autograd really holds while that many micro-batches wait for their backward."""
+    torch.manual_seed(0)
+    body = [(str(i), nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 32))) for i in range(4)]
+    example = torch.randn(256, 32)  # activations outweigh the static bytes: a wrong in-flight count fails
+    part = partition.get_partitioner("memory").for_input(example)
+    ranges = [range(0, 2), range(2, 4)]
+    estimates = part.stage_costs(body, ranges)
+    for s, r in enumerate(ranges):
+        stage = nn.Sequential(*(body[i][1] for i in r))
+        weights = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved, weights=weights):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                saved[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        outs = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for _ in range(len(ranges) - s):  # 1F1B: stage s holds p - s micro-batches before its first backward
+                x = torch.randn(256, 32, requires_grad=s > 0)
+                outs.append(stage(x))
+        activations = sum(saved.values())
+        sum(o.sum() for o in outs).backward()
+        opt = torch.optim.Adam(stage.parameters())
+        opt.step()
+        static = sum(p.numel() * p.element_size() for p in stage.parameters()) * 2 + sum(
+            v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0
+        )
+        measured = static + activations
+        assert abs(estimates[s] - measured) <= 0.1 * measured, (s, estimates[s], measured)
+
+
 def test_compute_partitioner_without_example_says_what_to_do():
     with pytest.raises(ValueError, match="example_input_array"):
         balance.ComputePartitioner()([("0", nn.Linear(2, 2)), ("1", nn.Linear(2, 2))], 2)
