@@ -6,9 +6,10 @@ the real shape; real or meta) is passed through the body on the meta device to g
 each layer in turn is copied, materialised on the run's device (``reset_parameters`` under a forked RNG, so the
 model's initialisation and the data stream do not change) and timed on a random input of its shape: warm-up runs,
 then the median of a few timed runs; the last layer is timed with a cross-entropy over its output's last
-dimension (the loss the last stage runs). On several ranks each rank times every ``world``-th layer and one
-``all_gather_object`` gives every rank the whole table; layers of the same structure and input shape (a
-transformer's blocks) share their median, so noise between copies of one block does not move the split. Every rank
+dimension (the loss the last stage runs). Layers of the same structure, settings and input shape (a transformer's
+blocks) are timed once, on the first of them, and share that time: setup stays short for deep models, and timing
+noise between copies of one block cannot move the split. On several ranks each rank times every ``world``-th kind
+of layer and one ``all_gather_object`` gives every rank the whole table. Every rank
 decides from the same gathered table, so every rank takes the same split. The stages minimise the slowest stage's
 measured time (:func:`balanced_split`); the embedding (first layer) and the head with the loss (last layer) are
 layers like the others.
@@ -161,10 +162,23 @@ def _meta_inputs(layers: Sequence[tuple[str, nn.Module]], example: Any) -> list[
     return inputs
 
 
+_PLAIN = (int, float, bool, str, type(None))
+
+
 def _signature(layer: nn.Module, inp: torch.Tensor, last: bool) -> tuple[Any, ...]:
-    """Layers with equal signatures do the same work (the same class, parameter shapes and input shape)."""
+    """Layers with equal signatures do the same work: the same classes, parameter shapes and plain settings
+    (an attention window, a dropout rate: every public int / float / bool / str attribute of every submodule), on
+    inputs of the same shape; the last layer (timed with the loss) is its own."""
     shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
-    return (type(layer).__qualname__, shapes, tuple(inp.shape), inp.dtype, last)
+    settings = tuple(
+        (name, type(sub).__qualname__, tuple(sorted((k, repr(v)) for k, v in vars(sub).items() if _is_setting(k, v))))
+        for name, sub in layer.named_modules()
+    )
+    return (shapes, settings, tuple(inp.shape), inp.dtype, last)
+
+
+def _is_setting(key: str, value: Any) -> bool:
+    return not key.startswith("_") and key != "training" and isinstance(value, _PLAIN)
 
 
 def _sync(device: torch.device) -> None:
@@ -254,7 +268,8 @@ def measure_layer_times(
 ) -> list[float]:
     """Each layer's forward + backward seconds on one micro-batch, the same list on every rank (see the module
     docstring): each rank times every ``world``-th layer, one ``all_gather_object`` (when a process group is
-    initialised) shares the table, and layers of equal structure and input share their median.
+    initialised) shares the table; layers of equal structure, settings and input shape (a transformer's blocks)
+    are timed once, on their first, and share that time.
 
     Args:
         layers: the body's layers, in order (real or meta).
@@ -272,13 +287,19 @@ def measure_layer_times(
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     mine: dict[int, float] | str
+    groups: list[list[int]] = []
     try:
         inputs = _meta_inputs(layers, example)
+        by_signature: dict[tuple[Any, ...], list[int]] = {}
+        for i, (_, layer) in enumerate(layers):
+            by_signature.setdefault(_signature(layer, inputs[i], i == len(layers) - 1), []).append(i)
+        groups = list(by_signature.values())  # the same on every rank: built from the model alone
         mine = {}
-        for i in range(rank, len(layers), world):
+        for g in range(rank, len(groups), world):  # this rank's share: every world-th kind of layer
+            i = groups[g][0]
             name, layer = layers[i]
             first = example if i == 0 and isinstance(example, torch.Tensor) else None
-            mine[i] = time_layer(
+            mine[g] = time_layer(
                 layer, inputs[i], device, name=name, example=first, loss=i == len(layers) - 1, runs=runs
             )
     except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
@@ -291,15 +312,11 @@ def measure_layer_times(
     errors = [t for t in tables if isinstance(t, str)]
     if errors:
         raise TimingUnavailable("; ".join(errors))
-    measured = {i: t for table in tables for i, t in table.items()}
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, (_, layer) in enumerate(layers):
-        groups.setdefault(_signature(layer, inputs[i], i == len(layers) - 1), []).append(i)
+    measured = {g: t for table in tables for g, t in table.items()}
     out = [0.0] * len(layers)
-    for members in groups.values():
-        shared = statistics.median(measured[i] for i in members)
+    for g, members in enumerate(groups):
         for i in members:
-            out[i] = shared
+            out[i] = measured[g]
     return out
 
 

@@ -81,6 +81,11 @@ def test_measured_times_of_layers_alike_are_shared_and_meta_layers_are_timed_on_
     assert torch.equal(rng, torch.get_rng_state())  # materialising the copies (reset_parameters) forked the RNG
     assert len(set(times[:4])) == 1 and times[4] > 0  # one median for the four equal layers
     assert all(p.is_meta for _, m in body for p in m.parameters())  # the model itself stays on meta
+    x = torch.zeros(4, 32)
+    window = [nn.Sequential(nn.Linear(32, 32), nn.Dropout(p)) for p in (0.1, 0.1, 0.2)]
+    sig = [balance._signature(m, x, False) for m in window]
+    assert sig[0] == sig[1] != sig[2]  # equal shapes, another setting: timed on its own
+    assert balance._signature(window[0], x, True) != sig[0]  # the last layer is timed with the loss
 
 
 class _Pair(nn.Module):
