@@ -62,7 +62,11 @@ def split_stages(
         part = part.for_input(example)
     plan = partition.plan_stages(body, 2, part, spr, stage_ranks(schedule, 2, spr))
     if plans is not None:
-        plans[schedule] = {"layers": plan.layer_names, "estimates": plan.estimates}
+        plans[schedule] = {
+            "layers": plan.layer_names,
+            "estimates": plan.estimates,
+            "predicted_imbalance": plan.predicted_imbalance(),  # from the estimates, per pp rank
+        }
     return [
         (s, partition.stage_container(body, plan.layer_names[s]))
         for s in range(plan.num_stages)
@@ -264,6 +268,8 @@ def run(
         f"stage {i}: body[{', '.join(n)}]" + (f" ({own['estimates'][i]})" if own["estimates"] else "")
         for i, n in enumerate(own["layers"])
     )
+    if own["predicted_imbalance"] is not None:
+        stages += f"; predicted imbalance {own['predicted_imbalance']:.3f}"
     lines = [
         f"schedule {schedule} (stages per rank {stages_per_rank_of(schedule)}), partitioner {partitioner}",
         f"split: {stages}",
