@@ -191,13 +191,15 @@ def test_layout_print_out_shows_each_stages_estimate():
 
 
 class _BlockModel(nn.Module):
-    """Embedding, a ModuleList of blocks (block 2 eight times wider) and a head: a model split at its blocks."""
+    """Embedding, a ModuleList of blocks (block 2 ``wide / 16`` times wider) and a head: a model split at its
+    blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, wide: int = 128) -> None:
         super().__init__()
         self.embed = nn.Embedding(50, 16)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(16, 128 if i == 2 else 16), nn.Linear(128 if i == 2 else 16, 16)) for i in range(5)
+            nn.Sequential(nn.Linear(16, wide if i == 2 else 16), nn.Linear(wide if i == 2 else 16, 16))
+            for i in range(5)
         )
         self.head = nn.Linear(16, 50)
 
@@ -225,11 +227,15 @@ def test_block_profiles_count_embeddings_and_head_on_the_end_blocks():
     assert all(p[2] > 0 for p in prof) and prof[2][2] > prof[1][2]  # the wide block saves its wide activation
     assert next(model.parameters()).device.type == "cpu"  # the model itself is untouched
 
-    part = balance.ComputePartitioner().for_blocks(model, list(model.blocks), example)
+    part = balance.ComputePartitioner(measure=False).for_blocks(model, list(model.blocks), example)
     ranges = part(list(model.blocks.named_children()), 3)
     assert [list(r) for r in ranges] == [[0, 1], [2], [3, 4]]  # the heavy block alone
     with pytest.raises(ValueError, match="example_input_array"):
         balance.ComputePartitioner().for_blocks(model, list(model.blocks), None)(list(model.blocks.named_children()), 3)
+    wide = _BlockModel(wide=4096)
+    rng = torch.get_rng_state()
+    timed = balance.ComputePartitioner().for_blocks(wide, list(wide.blocks), example)
+    assert timed.measured and torch.equal(rng, torch.get_rng_state())
 
 
 def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
@@ -240,7 +246,7 @@ def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
     class Module(pl.LightningModule):
         def __init__(self, example: bool) -> None:
             super().__init__()
-            self.model = _BlockModel()
+            self.model = _BlockModel(wide=4096)  # block 2: about 100 times the others' time
             self.example_input_array = torch.zeros(2, 8, dtype=torch.long) if example else None
 
         def forward(self, x):
@@ -249,8 +255,8 @@ def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
     uniform = plan_model(Module(True), tp=1, pp=3, partitioner="uniform", dp=1)
     assert uniform.stage_plan.layer_names == [["0", "1"], ["2", "3"], ["4"]] and not uniform.stage_plan.estimates
     plan = plan_model(Module(True), tp=1, pp=3, partitioner="compute", dp=1)
-    assert plan.stage_plan.layer_names == [["0", "1"], ["2"], ["3", "4"]]  # the heavy block alone
-    assert "MFLOP" in plan.stage_plan.describe() and len(plan.stage_plan.estimates) == 3
+    assert plan.stage_plan.layer_names == [["0", "1"], ["2"], ["3", "4"]]  # the heavy block alone, timed
+    assert plan.stage_plan.describe().count("ms fwd+bwd per micro-batch, measured") == 3
     memory = plan_model(Module(True), tp=1, pp=3, partitioner="memory", dp=1)
     assert "MiB peak" in memory.stage_plan.describe()
     with pytest.raises(ValueError, match="example_input_array"):
