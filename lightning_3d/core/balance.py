@@ -18,10 +18,13 @@ layers like the others.
 FLOPs counted on the meta device (``torch.utils.flop_counter``, forward + backward, no compute) are the fallback,
 with a warning saying why, when timing is impossible: a layer cannot be materialised or run on the device (no
 ``reset_parameters`` for its meta tensors, an input that is not one tensor, out of memory), on any rank (the
-errors travel in the same gather, so every rank falls back alike). Models split at their block container are
-profiled by FLOPs (:func:`block_profiles`; their blocks take keyword arguments and tuples that a layer alone cannot
-be called with), and so is ``ComputePartitioner(measure=False)``. FLOPs miss memory-bound work (the loss,
-normalisations); the example's sequence length changes the split, its batch size does not.
+errors travel in the same gather, so every rank falls back alike), and ``ComputePartitioner(measure=False)``.
+FLOPs miss memory-bound work (the loss, normalisations); the example's sequence length changes the split, its
+batch size does not.
+
+Models split at their block container are timed inside one forward + backward of the whole model
+(:func:`measure_block_times`: their blocks take keyword arguments and return tuples, so a block is not called
+alone); their FLOP fallback is :func:`block_profiles`.
 
 ``partitioner="memory"`` estimates each stage's peak bytes: parameters, their gradients and two optimizer-state
 tensors each (Adam), plus the bytes autograd saves for backward per micro-batch (counted on the meta device)
