@@ -3,9 +3,10 @@
 ``partitioner="compute"`` on an ``nn.Sequential`` body MEASURES each layer's forward + backward time at setup
 (:func:`measure_layer_times`): the LightningModule's ``example_input_array`` (one micro-batch's input of the body, of
 the real shape; real or meta) is passed through the body on the meta device to get every layer's input shape, then
-each layer in turn is copied, materialised on the run's device (``reset_parameters`` under a forked RNG, so the
-model's initialisation and the data stream do not change) and timed on a random input of its shape: warm-up runs,
-then the fastest of a few timed runs (time lost to other processes only ever adds: the fastest run is the
+the layers a rank times are copied, materialised on the run's device (``reset_parameters`` under a forked RNG, so
+the model's initialisation and the data stream do not change) and run forward + backward on random inputs of their
+shapes, the runs interleaved (round ``r`` runs each layer once, so a burst of load hits one run of each layer):
+warm-up rounds, then each layer's fastest of a few timed runs (time lost to other processes only ever adds: the fastest run is the
 least disturbed one); the last layer is timed with a cross-entropy over its output's last
 dimension (the loss the last stage runs). Layers of the same structure, settings and input shape (a transformer's
 blocks) are timed once, on the first of them, and share that time: setup stays short for deep models, and timing
@@ -206,6 +207,45 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_layers(
+    layers: Sequence[tuple[str, nn.Module, torch.Tensor, torch.Tensor | None, bool]],
+    device: torch.device,
+    runs: int = TIMED_RUNS,
+) -> list[float]:
+    """Fastest seconds of one forward + backward of a copy of each layer on ``device`` (the layers are untouched).
+
+    The copies are made first and the runs interleaved (round ``r`` runs every layer once), so that a burst of load
+    from other processes hits one run of each layer rather than every run of one.
+
+    Args:
+        layers: ``(name, layer, input, example, loss)`` each: the layer (real or meta; a copy is materialised on
+            ``device`` with ``reset_parameters``, seeded by ``name``, and dropped), its input's shape and dtype
+            (floating inputs are random and need their gradient), the real input to use instead when not on the
+            meta device (the first layer's token ids), and whether to end with a cross-entropy over the output's
+            last dimension (the last layer: the loss runs on its stage).
+        device: where to time.
+        runs: timed runs per layer after :data:`WARMUP_RUNS` untimed ones.
+
+    Returns:
+        Each layer's fastest timed run, in seconds.
+    """
+    # The run's generators are left as they were: the copies' initialisation, the random inputs and any dropout
+    # draw from forked states, so the model's initialisation and the data order do not depend on the partitioner.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        steps = [_prepare(*spec, device) for spec in layers]
+        times: list[list[float]] = [[] for _ in steps]
+        with _no_gc():
+            for run in range(WARMUP_RUNS + runs):
+                for k, step in enumerate(steps):
+                    _sync(device)
+                    start = time.perf_counter()
+                    step()
+                    _sync(device)
+                    if run >= WARMUP_RUNS:
+                        times[k].append(time.perf_counter() - start)
+    return [min(t) for t in times]
+
+
 def time_layer(
     layer: nn.Module,
     inp: torch.Tensor,
@@ -216,41 +256,19 @@ def time_layer(
     loss: bool = False,
     runs: int = TIMED_RUNS,
 ) -> float:
-    """Median seconds of one forward + backward of a copy of ``layer`` on ``device`` (the layer is untouched).
-
-    Args:
-        layer: the layer (real or meta); a copy is materialised on ``device`` (``reset_parameters``) and dropped.
-        inp: its input's shape and dtype (any device); floating inputs are random and need their gradient.
-        device: where to time.
-        name: the layer's name (seeds the copy's initialisation; error messages).
-        example: the real input to use instead (token ids of the first layer), when not on the meta device.
-        loss: end with a cross-entropy loss over the output's last dimension (the last layer: the loss runs on
-            its stage; a plain backward when the output has no class dimension).
-        runs: timed runs after :data:`WARMUP_RUNS` untimed ones.
-
-    Returns:
-        The fastest of the timed runs, in seconds.
-    """
-    # The run's generators are left as they were: the copy's initialisation, the random input and any dropout
-    # draw from forked states, so the model's initialisation and the data order do not depend on the partitioner.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        return _time_layer(layer, inp, device, name, example, loss, runs)
+    """:func:`time_layers` for one layer."""
+    return time_layers([(name, layer, inp, example, loss)], device, runs)[0]
 
 
-def _time_layer(
-    layer: nn.Module,
-    inp: torch.Tensor,
-    device: torch.device,
-    name: str,
-    example: torch.Tensor | None,
-    loss: bool,
-    runs: int,
-) -> float:
+def _prepare(
+    name: str, layer: nn.Module, inp: torch.Tensor, example: torch.Tensor | None, loss: bool, device: torch.device
+) -> Callable[[], None]:
+    """A materialised copy of ``layer`` and its input, as one forward + backward to call."""
     from .materialize import materialize  # imported here: materialize is a heavier module than this one
 
     work = copy.deepcopy(layer)
     if any(t.is_meta for t in [*work.parameters(), *work.buffers()]):
-        materialize(work, device, 0, name)  # forks the RNG itself
+        materialize(work, device, 0, name)
     else:
         work = work.to(device)
     if example is not None and not example.is_meta:
@@ -259,25 +277,20 @@ def _time_layer(
         x0 = torch.randn(inp.shape, dtype=inp.dtype, device=device)
     else:
         x0 = torch.zeros(inp.shape, dtype=inp.dtype, device=device)  # token ids: 0 is a valid id
-    times = []
-    with _no_gc():
-        for run in range(WARMUP_RUNS + runs):
-            x = x0.detach().requires_grad_(x0.is_floating_point())
-            _sync(device)
-            start = time.perf_counter()
-            y = work(x)
-            if not isinstance(y, torch.Tensor):
-                raise TimingUnavailable(f"layer {name!r} returns a {type(y).__name__}, not one tensor")
-            if loss and y.is_floating_point() and y.dim() > 1 and y.shape[-1] > 1:
-                logits = y.float().flatten(0, -2)
-                target = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
-                torch.nn.functional.cross_entropy(logits, target).backward()
-            elif y.requires_grad:
-                y.backward(torch.ones_like(y))
-            _sync(device)
-            if run >= WARMUP_RUNS:
-                times.append(time.perf_counter() - start)
-    return min(times)
+
+    def step() -> None:
+        x = x0.detach().requires_grad_(x0.is_floating_point())
+        y = work(x)
+        if not isinstance(y, torch.Tensor):
+            raise TimingUnavailable(f"layer {name!r} returns a {type(y).__name__}, not one tensor")
+        if loss and y.is_floating_point() and y.dim() > 1 and y.shape[-1] > 1:
+            logits = y.float().flatten(0, -2)
+            target = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
+            torch.nn.functional.cross_entropy(logits, target).backward()
+        elif y.requires_grad:
+            y.backward(torch.ones_like(y))
+
+    return step
 
 
 def measure_layer_times(
@@ -315,14 +328,13 @@ def measure_layer_times(
         for i, (_, layer) in enumerate(layers):
             by_signature.setdefault(_signature(layer, inputs[i], i == len(layers) - 1), []).append(i)
         groups = list(by_signature.values())  # the same on every rank: built from the model alone
-        mine = {}
-        for g in range(rank, len(groups), world):  # this rank's share: every world-th kind of layer
+        share = list(range(rank, len(groups), world))  # this rank's share: every world-th kind of layer
+        specs = []
+        for g in share:
             i = groups[g][0]
-            name, layer = layers[i]
             first = example if i == 0 and isinstance(example, torch.Tensor) else None
-            mine[g] = time_layer(
-                layer, inputs[i], device, name=name, example=first, loss=i == len(layers) - 1, runs=runs
-            )
+            specs.append((layers[i][0], layers[i][1], inputs[i], first, i == len(layers) - 1))
+        mine = dict(zip(share, time_layers(specs, device, runs)))
     except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
         mine = f"rank {rank}: {type(err).__name__}: {err}"
     tables: list[Any] = [None] * world
