@@ -6,8 +6,8 @@ the real shape; real or meta) is passed through the body on the meta device to g
 the layers a rank times are copied, materialised on the run's device (``reset_parameters`` under a forked RNG, so
 the model's initialisation and the data stream do not change) and run forward + backward on random inputs of their
 shapes, the runs interleaved (round ``r`` runs each layer once, so a burst of load hits one run of each layer):
-warm-up rounds, then each layer's fastest of a few timed runs (time lost to other processes only ever adds: the fastest run is the
-least disturbed one); the last layer is timed with a cross-entropy over its output's last
+warm-up rounds, then each layer's fastest of a few timed runs (time lost to other processes only ever adds: the
+fastest run is the least disturbed one); the last layer is timed with a cross-entropy over its output's last
 dimension (the loss the last stage runs). Layers of the same structure, settings and input shape (a transformer's
 blocks) are timed once, on the first of them, and share that time: setup stays short for deep models, and timing
 noise between copies of one block cannot move the split. On several ranks each rank times every ``world``-th kind
