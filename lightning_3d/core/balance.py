@@ -334,7 +334,7 @@ def measure_layer_times(
             i = groups[g][0]
             first = example if i == 0 and isinstance(example, torch.Tensor) else None
             specs.append((layers[i][0], layers[i][1], inputs[i], first, i == len(layers) - 1))
-        mine = dict(zip(share, time_layers(specs, device, runs)))
+        mine = dict(zip((groups[g][0] for g in share), time_layers(specs, device, runs)))  # by layer index
     except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
         mine = f"rank {rank}: {type(err).__name__}: {err}"
     tables: list[Any] = [None] * world
@@ -345,11 +345,13 @@ def measure_layer_times(
     errors = [t for t in tables if isinstance(t, str)]
     if errors:
         raise TimingUnavailable("; ".join(errors))
-    measured = {g: t for table in tables for g, t in table.items()}
+    measured = {i: t for table in tables for i, t in table.items()}
+    if any(members[0] not in measured for members in groups):  # the ranks grouped the layers differently
+        raise TimingUnavailable("the ranks do not see the same layers (their kinds differ)")
     out = [0.0] * len(layers)
-    for g, members in enumerate(groups):
+    for members in groups:
         for i in members:
-            out[i] = measured[g]
+            out[i] = measured[members[0]]
     return out
 
 
