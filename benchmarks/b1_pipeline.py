@@ -47,9 +47,12 @@ def stages_per_rank_of(schedule: str) -> int:
     return 2 if is_multi_stage(schedule) else 1
 
 
-def split_stages(model: Any, pp_rank: int, schedule: str, partitioner: str, example: Any) -> list[tuple[int, Any]]:
-    """This rank's stages of ``model``'s body at pp = 2, split by ``partitioner`` (``"compute"`` / ``"memory"``
-    profile the layers on ``example``, one micro-batch's input) and placed as ``schedule`` places them."""
+def split_stages(
+    model: Any, pp_rank: int, schedule: str, partitioner: str, example: Any, plans: dict[str, Any] | None = None
+) -> list[tuple[int, Any]]:
+    """This rank's stages of ``model``'s body at pp = 2, split by ``partitioner`` (``"compute"`` times the layers
+    on ``example``, one micro-batch's input, ``"memory"`` profiles them) and placed as ``schedule`` places them;
+    ``plans[schedule]`` receives the stage plan (layer names and each stage's estimate) when given."""
     from lightning_3d.core import partition
     from lightning_3d.core.balance import ComputePartitioner, MemoryPartitioner
     from lightning_3d.core.pipeline import stage_ranks
@@ -60,6 +63,12 @@ def split_stages(model: Any, pp_rank: int, schedule: str, partitioner: str, exam
     if isinstance(part, (ComputePartitioner, MemoryPartitioner)):
         part = part.for_input(example)
     plan = partition.plan_stages(body, 2, part, spr, stage_ranks(schedule, 2, spr))
+    if plans is not None:
+        plans[schedule] = {
+            "layers": plan.layer_names,
+            "estimates": plan.estimates,
+            "predicted_imbalance": plan.predicted_imbalance(),  # from the estimates, per pp rank
+        }
     return [
         (s, partition.stage_container(body, plan.layer_names[s]))
         for s in range(plan.num_stages)
@@ -114,7 +123,11 @@ def worker(
     x, y = token_batch(config, max(ms))
     names = compared_schedules(schedule)
     # every schedule splits the same copy (its layers are shared): each rank holds the stages its schedule places
-    split = {name: split_stages(piece, rank, name, partitioner, x[:1]) for name in names}
+    plans: dict[str, Any] = {}
+    split = {name: split_stages(piece, rank, name, partitioner, x[:1], plans) for name in names}
+    every_plan: list[Any] = [None, None]
+    dist.all_gather_object(every_plan, plans)  # a measured split must be the same on both ranks
+    assert every_plan[0] == every_plan[1], f"the ranks split the model differently: {every_plan}"
     params = list(piece.parameters()) + list(whole.parameters())
     # the first and the last stage: rank 0 and rank 1, or both rank 0 under a V schedule
     held = {name: {s for s, _ in split[name]} for name in names}
@@ -161,7 +174,7 @@ def worker(
                     times.setdefault(f"{name}/{m}", []).append(elapsed)
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, times)
-    result: dict[str, Any] = {"rounds": {}, "timeline": {}}
+    result: dict[str, Any] = {"rounds": {}, "timeline": {}, "split": plans}
     for key in gathered[0]:
         if key.startswith("base/"):
             result["rounds"][key] = gathered[0][key]
@@ -252,8 +265,16 @@ def run(
     )
     rounds = res["rounds"]
     table: dict[str, dict[str, Any]] = {}
+    own = res["split"][schedule]
+    stages = "; ".join(
+        f"stage {i}: body[{', '.join(n)}]" + (f" ({own['estimates'][i]})" if own["estimates"] else "")
+        for i, n in enumerate(own["layers"])
+    )
+    if own["predicted_imbalance"] is not None:
+        stages += f"; predicted imbalance {own['predicted_imbalance']:.3f}"
     lines = [
         f"schedule {schedule} (stages per rank {stages_per_rank_of(schedule)}), partitioner {partitioner}",
+        f"split: {stages}",
         "  m | one process ms | " + " | ".join(f"{n} ms  speed-up  /ideal" for n in names) + " | ideal 2m/(m+1)",
     ]
     for m in ms:
@@ -329,6 +350,7 @@ def run(
         "partitioner": partitioner,
         "stages_per_rank": stages_per_rank_of(schedule),
         "imbalance": bounds[schedule]["imbalance"] if schedule in bounds else None,
+        "split": res["split"],  # each schedule's stages (layer names) and the partitioner's estimate of each
         "table": table,
         "timeline": res["timeline"],
         "bounds": bounds,

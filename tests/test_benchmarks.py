@@ -336,6 +336,9 @@ def test_b1_schedule_and_partitioner_options_reach_the_record(tmp_path):
     assert record["ratio"] == pytest.approx(details["table"]["4"]["zbvzerobubble"]["ratio"])
     assert set(details["timeline"]) == {"1f1b", "zbvzerobubble"}  # timed beside 1F1B in the same run
     assert details["imbalance"] >= 1.0
+    # the worker checked that both ranks took the same split from the gathered table of measured times
+    split = details["split"]["zbvzerobubble"]
+    assert len(split["layers"]) == 4 and all(e.endswith("measured") for e in split["estimates"])
     zbv = details["timeline"]["zbvzerobubble"]
     assert zbv["theory_source"] == "action list" and details["timeline"]["1f1b"]["theory_source"] == "formula"
     assert zbv["stages_per_rank"] == 2 and all(0.0 <= r["theory"] < 1.0 for r in zbv["ranks"].values())

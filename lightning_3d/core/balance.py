@@ -1,11 +1,31 @@
 """Stages balanced by estimated compute or memory: per-layer costs and the split that minimises the worst stage.
 
-``partitioner="compute"`` counts each layer's forward + backward floating-point operations on the meta device
-(``torch.utils.flop_counter``), on the LightningModule's ``example_input_array`` passed through the body layer by
-layer: no real computation, no timing noise, and so the same split on every rank without a collective. (The issue
-asked for measured times; FLOPs are the deterministic stand-in: they miss memory-bound work such as the loss and
-normalisations, which is small next to the matrix products.) The example's batch size does not change the split
-(every cost scales with it); its sequence length does, so give one of the real length.
+``partitioner="compute"`` on an ``nn.Sequential`` body MEASURES each layer's forward + backward time at setup
+(:func:`measure_layer_times`): the LightningModule's ``example_input_array`` (one micro-batch's input of the body, of
+the real shape; real or meta) is passed through the body on the meta device to get every layer's input shape, then
+the layers a rank times are copied, materialised on the run's device (``reset_parameters`` under a forked RNG, so
+the model's initialisation and the data stream do not change) and run forward + backward on random inputs of their
+shapes, the runs interleaved (round ``r`` runs each layer once, so a burst of load hits one run of each layer):
+warm-up rounds, then each layer's fastest of a few timed runs (time lost to other processes only ever adds: the
+fastest run is the least disturbed one); the last layer is timed with a cross-entropy over its output's last
+dimension (the loss the last stage runs). Layers of the same structure, settings and input shape (a transformer's
+blocks) are timed once, on the first of them, and share that time: setup stays short for deep models, and timing
+noise between copies of one block cannot move the split. On several ranks each rank times every ``world``-th kind
+of layer and one ``all_gather_object`` gives every rank the whole table. Every rank
+decides from the same gathered table, so every rank takes the same split. The stages minimise the slowest stage's
+measured time (:func:`balanced_split`); the embedding (first layer) and the head with the loss (last layer) are
+layers like the others.
+
+FLOPs counted on the meta device (``torch.utils.flop_counter``, forward + backward, no compute) are the fallback,
+with a warning saying why, when timing is impossible: a layer cannot be materialised or run on the device (no
+``reset_parameters`` for its meta tensors, an input that is not one tensor, out of memory), on any rank (the
+errors travel in the same gather, so every rank falls back alike), and ``ComputePartitioner(measure=False)``.
+FLOPs miss memory-bound work (the loss, normalisations); the example's sequence length changes the split, its
+batch size does not.
+
+Models split at their block container are timed inside one forward + backward of the whole model
+(:func:`measure_block_times`: their blocks take keyword arguments and return tuples, so a block is not called
+alone); their FLOP fallback is :func:`block_profiles`.
 
 ``partitioner="memory"`` estimates each stage's peak bytes: parameters, their gradients and two optimizer-state
 tensors each (Adam), plus the bytes autograd saves for backward per micro-batch (counted on the meta device)
@@ -21,10 +41,16 @@ embeddings) count on the first block, the rest (final norm, head, loss-free outp
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
@@ -106,6 +132,387 @@ def layer_profiles(layers: Sequence[tuple[str, nn.Module]], example: Any) -> lis
         static = sum(p.numel() * p.element_size() for p in params.values()) * (2 + OPTIMIZER_STATES)
         out.append((float(counter.get_total_flops()), float(static), float(sum(saved.values()))))
         x = y.detach() if isinstance(y, torch.Tensor) else y
+    return out
+
+
+class TimingUnavailable(RuntimeError):
+    """Timing the layers was impossible on some rank (the message says which layer and why)."""
+
+
+TIMED_RUNS = 5  # timed forward + backward runs per layer (the fastest counts)
+WARMUP_RUNS = 2  # untimed runs first (allocations, kernel selection)
+
+
+def timing_device() -> torch.device:
+    """Where the layers are timed: the current CUDA device under an NCCL process group (the strategy has set it),
+    else the CPU (gloo runs, and a process without a process group)."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _meta_inputs(layers: Sequence[tuple[str, nn.Module]], example: Any) -> list[torch.Tensor]:
+    """Each layer's input on the meta device (shape and dtype), the example passed through the body on meta."""
+    if not isinstance(example, torch.Tensor):
+        raise TimingUnavailable(f"the example input is a {type(example).__name__}, not one tensor")
+    x = _meta(example)
+    inputs = []
+    with torch.no_grad():
+        for name, layer in layers:
+            if not isinstance(x, torch.Tensor):
+                raise TimingUnavailable(f"layer {name!r} takes a {type(x).__name__}, not one tensor")
+            inputs.append(x)
+            params = {n: _meta(p) for n, p in layer.named_parameters()}
+            buffers = {n: _meta(b) for n, b in layer.named_buffers()}
+            x = functional_call(layer, {**params, **buffers}, (x,))
+    return inputs
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _signature(layer: nn.Module, inp: torch.Tensor, last: bool) -> tuple[Any, ...]:
+    """Layers with equal signatures do the same work: the same classes, parameter shapes and plain settings
+    (an attention window, a dropout rate: every public int / float / bool / str attribute of every submodule), on
+    inputs of the same shape; the last layer (timed with the loss) is its own."""
+    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in layer.named_parameters())
+    settings = tuple(
+        (name, type(sub).__qualname__, tuple(sorted((k, repr(v)) for k, v in vars(sub).items() if _is_setting(k, v))))
+        for name, sub in layer.named_modules()
+    )
+    return (shapes, settings, tuple(inp.shape), inp.dtype, last)
+
+
+def _is_setting(key: str, value: Any) -> bool:
+    return not key.startswith("_") and key != "training" and isinstance(value, _PLAIN)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Any:
+    """Python's garbage collector off while timing (as ``timeit`` does): its pauses land at the same allocation
+    count in every run, so they would add the same milliseconds to one layer every time (measured: 10 ms on a
+    0.1 ms head)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_layers(
+    layers: Sequence[tuple[str, nn.Module, torch.Tensor, torch.Tensor | None, bool]],
+    device: torch.device,
+    runs: int = TIMED_RUNS,
+) -> list[float]:
+    """Fastest seconds of one forward + backward of a copy of each layer on ``device`` (the layers are untouched).
+
+    The copies are made first and the runs interleaved (round ``r`` runs every layer once), so that a burst of load
+    from other processes hits one run of each layer rather than every run of one.
+
+    Args:
+        layers: ``(name, layer, input, example, loss)`` each: the layer (real or meta; a copy is materialised on
+            ``device`` with ``reset_parameters``, seeded by ``name``, and dropped), its input's shape and dtype
+            (floating inputs are random and need their gradient), the real input to use instead when not on the
+            meta device (the first layer's token ids), and whether to end with a cross-entropy over the output's
+            last dimension (the last layer: the loss runs on its stage).
+        device: where to time.
+        runs: timed runs per layer after :data:`WARMUP_RUNS` untimed ones.
+
+    Returns:
+        Each layer's fastest timed run, in seconds.
+    """
+    # The run's generators are left as they were: the copies' initialisation, the random inputs and any dropout
+    # draw from forked states, so the model's initialisation and the data order do not depend on the partitioner.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        steps = [_prepare(*spec, device) for spec in layers]
+        times: list[list[float]] = [[] for _ in steps]
+        with _no_gc():
+            for run in range(WARMUP_RUNS + runs):
+                for k, step in enumerate(steps):
+                    _sync(device)
+                    start = time.perf_counter()
+                    step()
+                    _sync(device)
+                    if run >= WARMUP_RUNS:
+                        times[k].append(time.perf_counter() - start)
+    return [min(t) for t in times]
+
+
+def time_layer(
+    layer: nn.Module,
+    inp: torch.Tensor,
+    device: torch.device,
+    *,
+    name: str = "",
+    example: torch.Tensor | None = None,
+    loss: bool = False,
+    runs: int = TIMED_RUNS,
+) -> float:
+    """:func:`time_layers` for one layer."""
+    return time_layers([(name, layer, inp, example, loss)], device, runs)[0]
+
+
+def _prepare(
+    name: str, layer: nn.Module, inp: torch.Tensor, example: torch.Tensor | None, loss: bool, device: torch.device
+) -> Callable[[], None]:
+    """A materialised copy of ``layer`` and its input, as one forward + backward to call."""
+    from .materialize import materialize  # imported here: materialize is a heavier module than this one
+
+    work = copy.deepcopy(layer)
+    if any(t.is_meta for t in [*work.parameters(), *work.buffers()]):
+        materialize(work, device, 0, name)
+    else:
+        work = work.to(device)
+    if example is not None and not example.is_meta:
+        x0 = example.to(device)
+    elif inp.is_floating_point():
+        x0 = torch.randn(inp.shape, dtype=inp.dtype, device=device)
+    else:
+        x0 = torch.zeros(inp.shape, dtype=inp.dtype, device=device)  # token ids: 0 is a valid id
+
+    def step() -> None:
+        x = x0.detach().requires_grad_(x0.is_floating_point())
+        y = work(x)
+        if not isinstance(y, torch.Tensor):
+            raise TimingUnavailable(f"layer {name!r} returns a {type(y).__name__}, not one tensor")
+        if loss and y.is_floating_point() and y.dim() > 1 and y.shape[-1] > 1:
+            logits = y.float().flatten(0, -2)
+            target = torch.zeros(logits.shape[0], dtype=torch.long, device=device)
+            torch.nn.functional.cross_entropy(logits, target).backward()
+        elif y.requires_grad:
+            y.backward(torch.ones_like(y))
+
+    return step
+
+
+def measure_layer_times(
+    layers: Sequence[tuple[str, nn.Module]],
+    example: Any,
+    *,
+    device: torch.device | None = None,
+    runs: int = TIMED_RUNS,
+) -> list[float]:
+    """Each layer's forward + backward seconds on one micro-batch, the same list on every rank (see the module
+    docstring): each rank times every ``world``-th layer, one ``all_gather_object`` (when a process group is
+    initialised) shares the table; layers of equal structure, settings and input shape (a transformer's blocks)
+    are timed once, on their first, and share that time.
+
+    Args:
+        layers: the body's layers, in order (real or meta).
+        example: one micro-batch's input of the body (a tensor; real or meta).
+        device: where to time (default :func:`timing_device`).
+        runs: timed runs per layer.
+
+    Returns:
+        One time per layer, in seconds.
+
+    Raises:
+        TimingUnavailable: some rank could not time its layers (every rank raises it alike).
+    """
+    device = device if device is not None else timing_device()
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    mine: dict[int, float] | str
+    groups: list[list[int]] = []
+    try:
+        inputs = _meta_inputs(layers, example)
+        by_signature: dict[tuple[Any, ...], list[int]] = {}
+        for i, (_, layer) in enumerate(layers):
+            by_signature.setdefault(_signature(layer, inputs[i], i == len(layers) - 1), []).append(i)
+        groups = list(by_signature.values())  # the same on every rank: built from the model alone
+        share = list(range(rank, len(groups), world))  # this rank's share: every world-th kind of layer
+        specs = []
+        for g in share:
+            i = groups[g][0]
+            first = example if i == 0 and isinstance(example, torch.Tensor) else None
+            specs.append((layers[i][0], layers[i][1], inputs[i], first, i == len(layers) - 1))
+        mine = dict(zip((groups[g][0] for g in share), time_layers(specs, device, runs)))  # by layer index
+    except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
+        mine = f"rank {rank}: {type(err).__name__}: {err}"
+    tables: list[Any] = [None] * world
+    if distributed:
+        dist.all_gather_object(tables, mine)
+    else:
+        tables = [mine]
+    errors = [t for t in tables if isinstance(t, str)]
+    if errors:
+        raise TimingUnavailable("; ".join(errors))
+    measured = {i: t for table in tables for i, t in table.items()}
+    if any(members[0] not in measured for members in groups):  # the ranks grouped the layers differently
+        raise TimingUnavailable("the ranks do not see the same layers (their kinds differ)")
+    out = [0.0] * len(layers)
+    for members in groups:
+        for i in members:
+            out[i] = measured[members[0]]
+    return out
+
+
+def _first_float(value: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in ``value`` (a tensor, a tuple / list, a dict or a model output)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    for item in items:
+        found = _first_float(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _real_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor for timing in place of ``t``: small random values for floating point, zeros otherwise."""
+    if t.is_floating_point():
+        return torch.randn(t.shape, dtype=t.dtype, device=device) * 0.02
+    return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+
+def time_blocks_in_model(
+    module: nn.Module, blocks: Sequence[nn.Module], example: Any, device: torch.device, runs: int = TIMED_RUNS
+) -> list[float]:
+    """Forward + backward seconds inside one forward + backward of the whole ``module``: the work before the first
+    block (embeddings), each block's, and the work after the last (final norm, head, a cross-entropy over the
+    output's last dimension): ``len(blocks) + 2`` numbers.
+
+    The module runs under ``functional_call`` with real copies of its parameters and buffers on ``device`` (small
+    random values; the module's own tensors, meta or real, are untouched); hooks stamp the time when each block's
+    forward starts and, in the backward, when the gradient of each block's input and of the last block's output
+    arrives (the device is synchronised at each stamp). Each block's fastest of ``runs`` runs after
+    :data:`WARMUP_RUNS`.
+    """
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        tensors = {n: _real_like(t, device) if t.is_meta else t.detach().to(device) for n, t in _named_tensors(module)}
+        for name, param in module.named_parameters():
+            tensors[name].requires_grad_(param.requires_grad)
+        inp = example.to(device) if isinstance(example, torch.Tensor) and not example.is_meta else example
+        if isinstance(inp, torch.Tensor) and inp.is_meta:
+            inp = _real_like(inp, device)
+        n = len(blocks)
+        stamps: dict[str, list[float]] = {}
+
+        def stamp(key: str, i: int) -> None:
+            _sync(device)
+            stamps.setdefault(key, [0.0] * n)[i] = time.perf_counter()
+
+        def on_grad(key: str, i: int) -> Callable[[torch.Tensor], None]:
+            return lambda _grad: stamp(key, i)
+
+        def pre(i: int) -> Callable[..., None]:
+            def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+                stamp("fwd", i)
+                x = _first_float((args, kwargs))
+                if x is not None and x.requires_grad:
+                    x.register_hook(on_grad("bwd_in", i))
+
+            return hook
+
+        def post(i: int) -> Callable[..., None]:
+            def hook(_: nn.Module, args: Any, output: Any) -> None:
+                if i == n - 1:
+                    stamp("fwd_end", 0)
+                    y = _first_float(output)
+                    if y is not None and y.requires_grad:
+                        y.register_hook(on_grad("bwd_out", 0))
+
+            return hook
+
+        handles = [b.register_forward_pre_hook(pre(i), with_kwargs=True) for i, b in enumerate(blocks)]
+        handles += [b.register_forward_hook(post(i)) for i, b in enumerate(blocks)]
+        per_run: list[list[float]] = []
+        try:
+            with _no_gc():
+                for run in range(WARMUP_RUNS + runs):
+                    stamps.clear()
+                    _sync(device)
+                    start = time.perf_counter()
+                    out = _first_float(functional_call(module, tensors, (inp,)))
+                    if out is None or not out.requires_grad:
+                        raise TimingUnavailable("the model's output has no floating-point tensor to run backward from")
+                    if out.dim() > 1 and out.shape[-1] > 1:
+                        logits = out.float().flatten(0, -2)
+                        loss = torch.nn.functional.cross_entropy(
+                            logits, torch.zeros(logits.shape[0], dtype=torch.long, device=device)
+                        )
+                    else:
+                        loss = out.float().sum()
+                    _sync(device)
+                    backward_start = time.perf_counter()
+                    loss.backward()
+                    _sync(device)
+                    end = time.perf_counter()
+                    for param in tensors.values():
+                        param.grad = None
+                    if set(stamps) != {"fwd", "fwd_end", "bwd_in", "bwd_out"} or 0.0 in [
+                        *stamps["fwd"],
+                        *stamps["bwd_in"],
+                    ]:
+                        raise TimingUnavailable(f"the block hooks did not all fire ({sorted(stamps)})")
+                    fwd, bwd_in = stamps["fwd"], stamps["bwd_in"]
+                    forward = [fwd[i + 1] - fwd[i] for i in range(n - 1)] + [stamps["fwd_end"][0] - fwd[n - 1]]
+                    backward = [bwd_in[i] - bwd_in[i + 1] for i in range(n - 1)] + [
+                        bwd_in[n - 1] - stamps["bwd_out"][0]
+                    ]
+                    prefix = (fwd[0] - start) + (end - bwd_in[0])  # embeddings, forward and backward
+                    suffix = (backward_start - stamps["fwd_end"][0]) + (stamps["bwd_out"][0] - backward_start)
+                    costs = [prefix, *(f + b for f, b in zip(forward, backward)), suffix]
+                    if run >= WARMUP_RUNS:
+                        per_run.append(costs)
+        finally:
+            for handle in handles:
+                handle.remove()
+    return [min(run[i] for run in per_run) for i in range(n + 2)]
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def measure_block_times(
+    module: nn.Module, blocks: Sequence[nn.Module], example: Any, *, device: torch.device | None = None
+) -> list[float]:
+    """:func:`time_blocks_in_model` on every rank at once, one ``all_gather_object``, and each piece's fastest
+    time over the ranks: the same table on every rank. Blocks of equal structure and settings share the median of
+    their times (noise between copies of one block does not move the split); the embeddings count on the first
+    block, the head and the loss on the last.
+
+    Raises:
+        TimingUnavailable: some rank could not time the model (every rank raises it alike).
+    """
+    device = device if device is not None else timing_device()
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    mine: list[float] | str
+    try:
+        mine = time_blocks_in_model(module, blocks, example, device)
+    except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
+        mine = f"rank {dist.get_rank() if distributed else 0}: {type(err).__name__}: {err}"
+    tables: list[Any] = [None] * world
+    if distributed:
+        dist.all_gather_object(tables, mine)
+    else:
+        tables = [mine]
+    errors = [t for t in tables if isinstance(t, str)]
+    if errors:
+        raise TimingUnavailable("; ".join(errors))
+    fastest = [min(t[i] for t in tables) for i in range(len(blocks) + 2)]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    anything = torch.empty(0, device="meta")  # blocks of one model take inputs of one shape
+    for i, block in enumerate(blocks):
+        groups.setdefault(_signature(block, anything, False), []).append(i)
+    out = [0.0] * len(blocks)
+    for members in groups.values():
+        shared = sorted(fastest[i + 1] for i in members)[(len(members) - 1) // 2]  # the (lower) median
+        for i in members:
+            out[i] = shared
+    out[0] += fastest[0]
+    out[-1] += fastest[-1]
     return out
 
 
@@ -228,15 +635,83 @@ class _Balanced:
 
 
 class ComputePartitioner(_Balanced):
-    """Contiguous stages minimising the slowest stage's forward + backward FLOPs (see the module docstring)."""
+    """Contiguous stages minimising the slowest stage's measured forward + backward time (FLOPs as the fallback;
+    see the module docstring).
+
+    Args:
+        example_input: one micro-batch's input of the body.
+        profiles: per-layer FLOP profiles already made (models split at their blocks); given, nothing is timed.
+        measure: time the layers (``False``: count FLOPs only).
+        device: where to time (default :func:`timing_device`).
+    """
 
     kind = "compute"
+
+    def __init__(
+        self,
+        example_input: Any = None,
+        profiles: list[tuple[float, float, float]] | None = None,
+        measure: bool = True,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(example_input, profiles)
+        self.measure, self.device = measure, device
+        self.measured = False  # whether the costs are measured seconds (else FLOPs)
+        self.fallback: str | None = None  # why FLOPs were used although timing was asked for
+        self._cache: tuple[tuple[int, ...], list[tuple[float, float, float]]] | None = None
+
+    def for_input(self, example_input: Any) -> ComputePartitioner:
+        return type(self)(example_input, measure=self.measure, device=self.device)
+
+    def for_blocks(self, module: nn.Module, blocks: Sequence[nn.Module], example_input: Any) -> ComputePartitioner:
+        """The blocks of a model split at its block container, timed inside the whole model
+        (:func:`measure_block_times`), or their FLOPs (:func:`block_profiles`) when timing is impossible."""
+        if example_input is None or not self.measure:
+            return super().for_blocks(module, blocks, example_input)  # type: ignore[return-value]
+        try:
+            times = measure_block_times(module, blocks, example_input, device=self.device)
+        except TimingUnavailable as err:
+            part = super().for_blocks(module, blocks, example_input)
+            part.fallback = str(err)  # type: ignore[attr-defined]
+            warnings.warn(
+                f"lightning_3d: partitioner='compute' could not time the blocks ({err}); the stages are balanced by "
+                "forward + backward FLOPs counted on the meta device instead.",
+                stacklevel=2,
+            )
+            return part  # type: ignore[return-value]
+        part = type(self)(example_input, [(t, 0.0, 0.0) for t in times], device=self.device)
+        part.measured = True
+        return part
+
+    def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[float, float, float]]:
+        key = tuple(id(m) for _, m in layers)
+        if self._cache is not None and self._cache[0] == key:  # split and print-out: timed (and gathered) once
+            return self._cache[1]
+        if self.profiles is not None or not self.measure or self.example_input is None:
+            prof = super()._profiles(layers)
+        else:
+            try:
+                times = measure_layer_times(layers, self.example_input, device=self.device)
+                prof = [(t, 0.0, 0.0) for t in times]
+                self.measured = True
+            except TimingUnavailable as err:
+                self.fallback = str(err)
+                warnings.warn(
+                    f"lightning_3d: partitioner='compute' could not time the layers ({err}); the stages are "
+                    "balanced by forward + backward FLOPs counted on the meta device instead.",
+                    stacklevel=2,
+                )
+                prof = super()._profiles(layers)
+        self._cache = (key, prof)
+        return prof
 
     def _cost(self, prof: list[tuple[float, float, float]], num_stages: int, s: int, i: int, j: int) -> float:
         return sum(p[0] for p in prof[i:j])
 
     def describe(self, cost: float) -> str:
-        return f"{cost / 1e6:.2f} MFLOP fwd+bwd per example"
+        if self.measured:
+            return f"{cost * 1e3:.2f} ms fwd+bwd per micro-batch, measured"
+        return f"{cost / 1e6:.2f} MFLOP fwd+bwd per example, counted"
 
 
 class MemoryPartitioner(_Balanced):

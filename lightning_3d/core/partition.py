@@ -188,6 +188,19 @@ class StagePlan:
     body_fqn: str = "body"
     stage_to_rank: list[int] = field(default_factory=list)
     estimates: list[str] = field(default_factory=list)  # each stage's cost under the partitioner (when it has one)
+    costs: list[float] = field(default_factory=list)  # the same costs as numbers (seconds, FLOPs or bytes)
+
+    def predicted_imbalance(self) -> float | None:
+        """The busiest pp rank's cost (its stages together) over the mean rank's, from the partitioner's
+        estimates; ``None`` without estimates."""
+        if not self.costs:
+            return None
+        ranks = self.stage_to_rank or list(range(self.num_stages))
+        per_rank: dict[int, float] = {}
+        for cost, rank in zip(self.costs, ranks):
+            per_rank[rank] = per_rank.get(rank, 0.0) + cost
+        mean = sum(per_rank.values()) / len(per_rank)
+        return max(per_rank.values()) / mean if mean > 0 else None
 
     @property
     def num_stages(self) -> int:
@@ -237,10 +250,10 @@ def plan_stages(
     ranges = checked_ranges(partitioner, layers, num_stages)
     names = [[layers[i][0] for i in r] for r in ranges]
     ranks = list(placement) if placement is not None else [s % pp for s in range(num_stages)]
-    estimates = []
+    costs: list[float] = []
     if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
-        estimates = [partitioner.describe(c) for c in partitioner.stage_costs(layers, ranges)]
-    return StagePlan(names, body.fqn, ranks, estimates)
+        costs = partitioner.stage_costs(layers, ranges)
+    return StagePlan(names, body.fqn, ranks, [partitioner.describe(c) for c in costs], costs)
 
 
 def prune_body(body: BodyRef, keep: Sequence[str]) -> None:

@@ -47,8 +47,63 @@ def test_compute_partitioner_gives_the_heavy_layer_a_stage_of_its_own():
         ("4", nn.Linear(16, 16)),
         ("5", nn.Linear(16, 16)),
     ]
-    ranges = balance.ComputePartitioner(torch.zeros(8, 16))(body, 4)
+    ranges = balance.ComputePartitioner(torch.zeros(8, 16), measure=False)(body, 4)  # FLOPs counted
     assert ranges == [range(0, 2), range(2, 3), range(3, 4), range(4, 6)]
+
+
+def _heavy_body() -> list[tuple[str, nn.Module]]:
+    """Six layers; layer 2 does about 60 times the work of each other layer (two 64 x 2048 products)."""
+    body = [(str(i), nn.Linear(64, 64)) for i in range(6)]
+    body[2] = ("2", nn.Sequential(nn.Linear(64, 2048), nn.GELU(), nn.Linear(2048, 64)))
+    return body
+
+
+def test_measured_compute_partitioner_isolates_the_heavy_layer_and_keeps_the_rng():
+    body = _heavy_body()
+    before = [p.detach().clone() for _, m in body for p in m.parameters()]
+    part = balance.ComputePartitioner(torch.randn(128, 64))
+    rng = torch.get_rng_state()
+    ranges = part(body, 3)
+    assert part.measured and part.fallback is None
+    assert ranges == [range(0, 2), range(2, 3), range(3, 6)]  # the heavy layer alone on a stage
+    assert torch.equal(rng, torch.get_rng_state())  # timing drew no number from the run's generator
+    assert all(torch.equal(a, p) for a, p in zip(before, (p for _, m in body for p in m.parameters())))
+    assert all(p.grad is None for _, m in body for p in m.parameters())  # timed on copies
+    estimates = [part.describe(c) for c in part.stage_costs(body, ranges)]
+    assert all(e.endswith("ms fwd+bwd per micro-batch, measured") for e in estimates)
+
+
+def test_measured_times_of_layers_alike_are_shared_and_meta_layers_are_timed_on_copies():
+    with torch.device("meta"):
+        body = [(str(i), nn.Linear(32, 32)) for i in range(4)] + [("head", nn.Linear(32, 100))]
+    rng = torch.get_rng_state()
+    times = balance.measure_layer_times(body, torch.zeros(4, 32, device="meta"), runs=3)
+    assert torch.equal(rng, torch.get_rng_state())  # materialising the copies (reset_parameters) forked the RNG
+    assert len(set(times[:4])) == 1 and times[4] > 0  # one median for the four equal layers
+    assert all(p.is_meta for _, m in body for p in m.parameters())  # the model itself stays on meta
+    x = torch.zeros(4, 32)
+    window = [nn.Sequential(nn.Linear(32, 32), nn.Dropout(p)) for p in (0.1, 0.1, 0.2)]
+    sig = [balance._signature(m, x, False) for m in window]
+    assert sig[0] == sig[1] != sig[2]  # equal shapes, another setting: timed on its own
+    assert balance._signature(window[0], x, True) != sig[0]  # the last layer is timed with the loss
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x), x
+
+
+def test_compute_partitioner_falls_back_to_flops_when_a_layer_cannot_be_timed():
+    body = [("0", nn.Linear(8, 8)), ("1", _Pair()), ("2", nn.Linear(8, 8))]
+    part = balance.ComputePartitioner(torch.zeros(2, 8))
+    with pytest.warns(UserWarning, match="FLOPs"):
+        with pytest.raises(Exception):  # noqa: B017 - the FLOP profile cannot pass a tuple on either
+            part(body, 2)
+    assert not part.measured and "not one tensor" in part.fallback
 
 
 def test_profiles_count_flops_and_bytes_on_meta():
@@ -83,6 +138,42 @@ def test_memory_estimate_matches_measured_bytes():
     assert abs(act - sum(saved.values())) <= 0.1 * sum(saved.values())
 
 
+def test_memory_estimate_per_stage_matches_measured_bytes_with_1f1b_micro_batches_in_flight():
+    """Each stage's estimate (static bytes + p - s micro-batches of saved activations) against a real Adam step and
+    the storages autograd really holds while that many micro-batches wait for their backward."""
+    torch.manual_seed(0)
+    body = [(str(i), nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 32))) for i in range(4)]
+    example = torch.randn(256, 32)  # activations outweigh the static bytes: a wrong in-flight count fails
+    part = partition.get_partitioner("memory").for_input(example)
+    ranges = [range(0, 2), range(2, 4)]
+    estimates = part.stage_costs(body, ranges)
+    for s, r in enumerate(ranges):
+        stage = nn.Sequential(*(body[i][1] for i in r))
+        weights = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t, saved=saved, weights=weights):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                saved[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        outs = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for _ in range(len(ranges) - s):  # 1F1B: stage s holds p - s micro-batches before its first backward
+                x = torch.randn(256, 32, requires_grad=s > 0)
+                outs.append(stage(x))
+        activations = sum(saved.values())
+        sum(o.sum() for o in outs).backward()
+        opt = torch.optim.Adam(stage.parameters())
+        opt.step()
+        static = sum(p.numel() * p.element_size() for p in stage.parameters()) * 2 + sum(
+            v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0
+        )
+        measured = static + activations
+        assert abs(estimates[s] - measured) <= 0.1 * measured, (s, estimates[s], measured)
+
+
 def test_compute_partitioner_without_example_says_what_to_do():
     with pytest.raises(ValueError, match="example_input_array"):
         balance.ComputePartitioner()([("0", nn.Linear(2, 2)), ("1", nn.Linear(2, 2))], 2)
@@ -94,17 +185,21 @@ def test_layout_print_out_shows_each_stages_estimate():
     plan = partition.plan_stages(ref, 2, partition.get_partitioner("memory").for_input(torch.zeros(2, 8)))
     text = plan.describe()
     assert text.count("MiB peak") == 2 and "stage 1 on pp rank 1" in text
+    assert len(plan.costs) == 2 and plan.predicted_imbalance() == max(plan.costs) / (sum(plan.costs) / 2)
+    assert partition.StagePlan([["0"], ["1"]], costs=[1.0, 3.0], stage_to_rank=[0, 0]).predicted_imbalance() == 1.0
     assert partition.get_partitioner("compute").kind == "compute"
 
 
 class _BlockModel(nn.Module):
-    """Embedding, a ModuleList of blocks (block 2 eight times wider) and a head: a model split at its blocks."""
+    """Embedding, a ModuleList of blocks (block 2 ``wide / 16`` times wider) and a head: a model split at its
+    blocks."""
 
-    def __init__(self) -> None:
+    def __init__(self, wide: int = 128) -> None:
         super().__init__()
         self.embed = nn.Embedding(50, 16)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(16, 128 if i == 2 else 16), nn.Linear(128 if i == 2 else 16, 16)) for i in range(5)
+            nn.Sequential(nn.Linear(16, wide if i == 2 else 16), nn.Linear(wide if i == 2 else 16, 16))
+            for i in range(5)
         )
         self.head = nn.Linear(16, 50)
 
@@ -132,11 +227,15 @@ def test_block_profiles_count_embeddings_and_head_on_the_end_blocks():
     assert all(p[2] > 0 for p in prof) and prof[2][2] > prof[1][2]  # the wide block saves its wide activation
     assert next(model.parameters()).device.type == "cpu"  # the model itself is untouched
 
-    part = balance.ComputePartitioner().for_blocks(model, list(model.blocks), example)
+    part = balance.ComputePartitioner(measure=False).for_blocks(model, list(model.blocks), example)
     ranges = part(list(model.blocks.named_children()), 3)
     assert [list(r) for r in ranges] == [[0, 1], [2], [3, 4]]  # the heavy block alone
     with pytest.raises(ValueError, match="example_input_array"):
         balance.ComputePartitioner().for_blocks(model, list(model.blocks), None)(list(model.blocks.named_children()), 3)
+    wide = _BlockModel(wide=4096)
+    rng = torch.get_rng_state()
+    timed = balance.ComputePartitioner().for_blocks(wide, list(wide.blocks), example)
+    assert timed.measured and torch.equal(rng, torch.get_rng_state())
 
 
 def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
@@ -147,7 +246,7 @@ def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
     class Module(pl.LightningModule):
         def __init__(self, example: bool) -> None:
             super().__init__()
-            self.model = _BlockModel()
+            self.model = _BlockModel(wide=4096)  # block 2: about 100 times the others' time
             self.example_input_array = torch.zeros(2, 8, dtype=torch.long) if example else None
 
         def forward(self, x):
@@ -156,8 +255,8 @@ def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
     uniform = plan_model(Module(True), tp=1, pp=3, partitioner="uniform", dp=1)
     assert uniform.stage_plan.layer_names == [["0", "1"], ["2", "3"], ["4"]] and not uniform.stage_plan.estimates
     plan = plan_model(Module(True), tp=1, pp=3, partitioner="compute", dp=1)
-    assert plan.stage_plan.layer_names == [["0", "1"], ["2"], ["3", "4"]]  # the heavy block alone
-    assert "MFLOP" in plan.stage_plan.describe() and len(plan.stage_plan.estimates) == 3
+    assert plan.stage_plan.layer_names == [["0", "1"], ["2"], ["3", "4"]]  # the heavy block alone, timed
+    assert plan.stage_plan.describe().count("ms fwd+bwd per micro-batch, measured") == 3
     memory = plan_model(Module(True), tp=1, pp=3, partitioner="memory", dp=1)
     assert "MiB peak" in memory.stage_plan.describe()
     with pytest.raises(ValueError, match="example_input_array"):
