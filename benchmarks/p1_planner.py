@@ -14,8 +14,9 @@ measured before the limit is kept.
 
 Reported: the median absolute relative error of the predicted step time, Spearman's rank correlation between
 predicted and measured times, and how much slower (measured) the planner's predicted best is than the measured
-best. The prediction takes the machine's load average before the job starts as ``cluster.background_load``
-(other jobs' processes sharing the cores); on a quiet machine it is about 0. Targets (issue 15): error <= 15%,
+best. The prediction takes the runnable processes of other jobs just before the job starts (sampled for two
+seconds, ``plan.calibrate.background_load``) as ``cluster.background_load``; on a quiet machine it is about 0.
+Targets (issue 15): error <= 15%,
 correlation >= 0.8, predicted best within 5% of the measured best.
 """
 
@@ -164,10 +165,11 @@ def run(out: Path, tiny: bool = False) -> Record:
     todo = [lay for lay in all_layouts if _key(lay) not in measured]
     error = None
     if todo:
-        import os
+        from lightning_3d.plan.calibrate import background_load
 
-        # Other jobs' runnable processes before ours start: an input of the prediction (cluster.background_load).
-        background = os.getloadavg()[0]
+        # Other jobs' runnable processes before ours start (sampled now, not the lagging load average, which would
+        # still count a calibration that just ended): an input of the prediction (cluster.background_load).
+        background = background_load()
         try:
             launch(
                 "p1_planner:worker",

@@ -232,6 +232,82 @@ def comm(timeout: float = 120.0) -> dict[str, float]:
     }
 
 
+def background_load(seconds: float = 2.0, samples: int = 40) -> float:
+    """Other jobs' runnable processes on this machine now: the kernel's count of running tasks
+    (``/proc/loadavg``'s fourth field) sampled over ``seconds``, averaged, less the sampling process itself.
+
+    Instantaneous, unlike the load average, which lags by a minute and would still count processes that just
+    ended (a calibration's or an earlier run's own workers). Falls back to the 1-minute load average where
+    ``/proc`` is missing.
+    """
+    path = Path("/proc/loadavg")
+    if not path.exists():
+        return max(0.0, os.getloadavg()[0] - 1.0)
+    counts = []
+    for _ in range(samples):
+        counts.append(int(path.read_text().split()[3].split("/")[0]))
+        time.sleep(seconds / samples)
+    return max(0.0, statistics.fmean(counts) - 1.0)
+
+
+def _shared_latency_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # The whole job only: smaller groups all-reducing at once after a barrier measured noisier than this (0.9-1.8 ms
+    # per message for pairs among 8 processes on 2 cores) and over-predicted tensor-parallel layouts; the table
+    # format keeps room for per-size entries (``ClusterSpec.latency`` takes the next size up, or the largest).
+    sizes = [world]
+    t = torch.ones(1024)  # 4 KiB: latency-bound, and enough elements for every rank's chunk of the ring
+    result: dict[int, float] = {}
+    for g in sizes:
+        groups = [dist.new_group(list(range(s, s + g))) for s in range(0, world, g)]  # every rank creates each
+        mine = groups[rank // g]
+        samples = []
+        for i in range(23):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t, group=mine)  # every group at once, as tensor/data-parallel groups run in a job
+            if i >= 3:
+                samples.append(time.perf_counter() - start)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, statistics.median(samples))
+        result[g] = max(gathered) / (2 * (g - 1))  # a ring's 2 (g - 1) messages
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def shared_latency(processes: int, timeout: float = 120.0) -> dict[int, float]:
+    """Per-message latency (s) among ``processes`` fresh processes on this machine's cores, as ``{processes:
+    seconds}``: all of them all-reduce 4 KiB and the ring's ``2 (n - 1)`` messages are divided out. When the
+    processes outnumber the cores this is mostly the time a message waits for its receiver to be scheduled
+    (milliseconds, against microseconds between two processes on cores of their own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "latency.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        code = (
+            "import sys; from lightning_3d.plan.calibrate import _shared_latency_worker as w; "
+            "w(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])"
+        )
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, str(r), str(processes), str(port), out], env=env)
+            for r in range(processes)
+        ]
+        try:
+            for p in procs:
+                p.wait(timeout=timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+
+
 def calibrate(name: str = "cpu8", processes: int = 8, directory: Path = CLUSTER_DIR, quick: bool = False) -> Path:
     """Measure this machine and write ``directory/name.yaml`` for ``processes`` CPU processes.
 
@@ -257,8 +333,9 @@ def calibrate(name: str = "cpu8", processes: int = 8, directory: Path = CLUSTER_
     op_overhead = block / (3 * OPS_PER_LAYER)
     mem_bw = memory_bandwidth_gbs(seconds)
     links = comm()
+    shared = shared_latency(processes) if processes > 1 else None
     step_overhead, micro_overhead = framework_overhead(10 if quick else 25)
-    background = max(0.0, os.getloadavg()[0] - 1.0)  # the calibration's own process is one of them
+    background = background_load()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
     bw = min(links["p2p_gbs"], links["allreduce_gbs"])
@@ -291,9 +368,15 @@ def calibrate(name: str = "cpu8", processes: int = 8, directory: Path = CLUSTER_
         "dp_overlap: 0.0           # replicate's all-reduce runs after the schedule on gloo",
         "precision: 32-true",
         f"cores: {cores}",
-        f"background_load: {background:.1f}   # other jobs' runnable processes at calibration (1-min load average);"
+        f"background_load: {background:.1f}   # other jobs' runnable processes at calibration (sampled);"
         " set 0 on a quiet machine",
     ]
+    if shared is not None:
+        table = ", ".join(f"{g}: {v:.3e}" for g, v in sorted(shared.items()))
+        lines.append(
+            f"shared_latency_s: {{{table}}}   # per message by group size, {processes} processes on {cores} cores "
+            "(waiting for the receiver to be scheduled), measured"
+        )
     path = Path(directory) / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

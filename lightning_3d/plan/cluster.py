@@ -47,6 +47,11 @@ class ClusterSpec:
             dedicated devices (GPUs).
         background_load: runnable processes of other jobs on those cores (the load average before the job
             starts): the job's processes get ``cores * world / (world + background_load)`` of them.
+        shared_latency_s: per-message latency when the job's processes outnumber the cores they share, by the size
+            of the group that exchanges the message (``{2: ..., 4: ..., 8: ...}``): a message then waits for its
+            receiver to be scheduled, which costs far more than the link itself, and more the larger the group
+            (measured by calibration: every group of that size all-reducing 4 KiB at once, all the job's processes
+            running); ``None``: not measured, the links' own latency.
     """
 
     name: str
@@ -70,6 +75,7 @@ class ClusterSpec:
     precision: str = "bf16-mixed"
     cores: float | None = None
     background_load: float = 0.0
+    shared_latency_s: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.nodes < 1:
@@ -89,6 +95,18 @@ class ClusterSpec:
         if self.cores is None:
             return None
         return self.cores * processes / (processes + max(0.0, self.background_load))
+
+    def latency(self, link_latency: float, processes: int, group: int) -> float:
+        """Per-message latency in a group of ``group`` ranks of a job of ``processes`` processes:
+        ``shared_latency_s`` for that group size (the next measured size up, or the largest) when the processes
+        outnumber the cores they get, else the link's own."""
+        cores = self.cores_for(processes)
+        if not self.shared_latency_s or cores is None or processes <= cores or group <= 1:
+            return link_latency
+        sizes = sorted(int(k) for k in self.shared_latency_s)
+        size = next((k for k in sizes if k >= group), sizes[-1])
+        table = {int(k): float(v) for k, v in self.shared_latency_s.items()}
+        return max(link_latency, table[size])
 
     @property
     def act_bytes(self) -> int:

@@ -21,7 +21,8 @@ reduce-scatter a step). The optimizer step is memory traffic (36 bytes per local
 When the devices share fewer cores than there are processes (``cluster.cores``: CPU), a rank waiting in the
 bubble frees its core for another: the step takes at least the whole job's busy time (compute, communication,
 optimizer and the fixed per-step cost, all CPU work there) divided by the cores the job gets (fewer when other
-jobs run: ``cluster.background_load``).
+jobs run: ``cluster.background_load``). There, too, every message (collective hop, pipeline send) waits for
+its receiver to be scheduled: ``cluster.shared_latency_s`` per message, measured by calibration.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def stage_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout, shape: Ra
         fwd, bwd = fwd + head, bwd + 2 * head
     compute = fwd + bwd + extra
     bw, lat = cluster.link(t, 1)
+    lat = cluster.latency(lat, layout.world, t)
     boundary = tokens * model.hidden * cluster.act_bytes
     tp_comm = shape.layers * 4 * allreduce_s(boundary, t, bw, lat)
     if shape.embedding:
@@ -149,6 +151,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> StepTim
     # Pipeline send + receive of the boundary activation (forward) and its gradient (backward) per micro-batch.
     tokens = layout.micro_batch_size * model.seq_len
     pbw, plat = cluster.link(pp, layout.tp)
+    plat = cluster.latency(plat, layout.world, pp)
     p2p = 0.0 if pp == 1 else 2 * (plat + tokens * model.hidden * cluster.act_bytes / pbw)
     p2p_per_mb = p2p * v
     busy = m * per_mb[slowest]
@@ -165,6 +168,7 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> StepTim
     grad_params = rank_params(model, layout, shapes[slowest])
     max_params = max(rank_params(model, layout, s) for s in shapes)
     dbw, dlat = cluster.link(layout.dp, layout.tp * layout.pp)
+    dlat = cluster.latency(dlat, layout.world, layout.dp)
     last_backward = stages[slowest].backward
     if layout.dp == 1:
         dp_comm = 0.0

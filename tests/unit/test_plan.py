@@ -136,6 +136,31 @@ def test_shared_cores_make_the_step_the_total_work():
     assert step_time(TINY, shared, Layout(1, 1, 2, 1, 2)).total == pytest.approx(2 * alone)
 
 
+def test_shared_latency_applies_only_when_processes_outnumber_cores():
+    slow = dataclasses.replace(IDEAL, intra_bw_gbs=1e-3, intra_latency_s=1e-4, shared_latency_s={8: 1e-3})
+    # dedicated devices (cores None) and enough cores: the link's own latency
+    assert slow.latency(1e-4, 2, 2) == 1e-4
+    assert dataclasses.replace(slow, cores=4).latency(1e-4, 2, 2) == 1e-4
+    oversubscribed = dataclasses.replace(slow, cores=1)
+    assert oversubscribed.latency(1e-4, 2, 2) == 1e-3  # the next measured size up (8)
+    assert oversubscribed.latency(1e-4, 2, 1) == 1e-4  # no message within a group of one
+    table = dataclasses.replace(oversubscribed, shared_latency_s={2: 5e-4, 8: 2e-3})
+    assert (table.latency(1e-4, 8, 2), table.latency(1e-4, 8, 4), table.latency(1e-4, 8, 16)) == (5e-4, 2e-3, 2e-3)
+    # the data-parallel all-reduce of two replicas on one core pays the shared latency per message
+    dp2 = step_time(TINY, oversubscribed, Layout(1, 1, 2, 1, 2))
+    assert dp2.dp_comm == pytest.approx(allreduce_s(TINY.params() * 4, 2, 1e6, 1e-3))
+
+
+def test_background_load_counts_running_tasks_not_the_lagging_average(tmp_path, monkeypatch):
+    from lightning_3d.plan import calibrate
+
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("30.00 20.00 10.00 3/400 12345\n")  # load average 30 (lagging), 3 running now
+    real_path = calibrate.Path
+    monkeypatch.setattr(calibrate, "Path", lambda p: loadavg if p == "/proc/loadavg" else real_path(p))
+    assert calibrate.background_load(seconds=0.01, samples=3) == 2.0  # less the sampling process itself
+
+
 def test_ranking_sanity():
     h100 = load_cluster("h100_80g")
     gpt = model_from_config({"preset": "xl", "vocab_size": 50304})
