@@ -143,6 +143,20 @@ TIMED_RUNS = 5  # timed forward + backward runs per layer (the fastest counts)
 WARMUP_RUNS = 2  # untimed runs first (allocations, kernel selection)
 
 
+def _gather_tables(mine: Any, world: int) -> list[Any]:
+    """Every rank's timing table (an all-gather when ``world`` > 1); a rank whose timing failed sends its error
+    as a string instead, and then every rank raises ``TimingUnavailable`` with all the errors (and falls back
+    alike)."""
+    tables: list[Any] = [mine]
+    if world > 1:
+        tables = [None] * world
+        dist.all_gather_object(tables, mine)
+    errors = [t for t in tables if isinstance(t, str)]
+    if errors:
+        raise TimingUnavailable("; ".join(errors))
+    return tables
+
+
 def timing_device() -> torch.device:
     """Where the layers are timed: the current CUDA device under an NCCL process group (the strategy has set it),
     else the CPU (gloo runs, and a process without a process group)."""
@@ -337,14 +351,7 @@ def measure_layer_times(
         mine = dict(zip((groups[g][0] for g in share), time_layers(specs, device, runs)))  # by layer index
     except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
         mine = f"rank {rank}: {type(err).__name__}: {err}"
-    tables: list[Any] = [None] * world
-    if distributed:
-        dist.all_gather_object(tables, mine)
-    else:
-        tables = [mine]
-    errors = [t for t in tables if isinstance(t, str)]
-    if errors:
-        raise TimingUnavailable("; ".join(errors))
+    tables = _gather_tables(mine, world if distributed else 1)
     measured = {i: t for table in tables for i, t in table.items()}
     if any(members[0] not in measured for members in groups):  # the ranks grouped the layers differently
         raise TimingUnavailable("the ranks do not see the same layers (their kinds differ)")
@@ -493,14 +500,7 @@ def measure_block_times(
         mine = time_blocks_in_model(module, blocks, example, device)
     except Exception as err:  # any failure means FLOPs, on every rank alike (the error is sent in the gather)
         mine = f"rank {dist.get_rank() if distributed else 0}: {type(err).__name__}: {err}"
-    tables: list[Any] = [None] * world
-    if distributed:
-        dist.all_gather_object(tables, mine)
-    else:
-        tables = [mine]
-    errors = [t for t in tables if isinstance(t, str)]
-    if errors:
-        raise TimingUnavailable("; ".join(errors))
+    tables = _gather_tables(mine, world if distributed else 1)
     fastest = [min(t[i] for t in tables) for i in range(len(blocks) + 2)]
     groups: dict[tuple[Any, ...], list[int]] = {}
     anything = torch.empty(0, device="meta")  # blocks of one model take inputs of one shape

@@ -9,6 +9,7 @@ sharded), and wrap each stage for data parallelism.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -388,29 +389,54 @@ def build_stages(
         checkpointing,
         compile_kwargs,
     )
+    dp_wrap = functools.partial(
+        _wrap_data_parallel,
+        data_parallel=data_parallel,
+        mesh=mesh,
+        dp_mesh=dp_mesh,
+        precision=precision,
+        grad_reduce_dtype=grad_reduce_dtype,
+        fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+    )
     stages = []
     for s in my_stages:
         container = partition.stage_container(body, stage_plan.layer_names[s])
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
-        if data_parallel in SHARDED_MODES:  # every layer of the stage its own unit (a Sequential body has no ties)
-            wrapped = apply_fsdp(
-                container,
-                held,
-                dp_mesh,
-                pp=mesh["pp"].size(),
-                precision=precision,
-                reduce_dtype=grad_reduce_dtype,
-                reshard_after_forward=fsdp_reshard_after_forward,
-            )
-        else:
-            wrapped = apply_data_parallel(container, mesh["dp"], blocks=held, reduce_dtype=grad_reduce_dtype)
+        # a Sequential body has no ties: every layer of the stage its own FSDP unit or gradient bucket
+        wrapped = dp_wrap(container, held)
         stages.append(StageSpec(s, wrapped))
     if deferred is not None:
         deferred.allocate([s.module for s in stages], device)
         deferred.fill(device, seed)
         module.to(device)
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
+
+
+def _wrap_data_parallel(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    *,
+    data_parallel: str,
+    mesh: DeviceMesh,
+    dp_mesh: DeviceMesh,
+    precision: Precision,
+    grad_reduce_dtype: str | None,
+    fsdp_reshard_after_forward: bool | None,
+) -> nn.Module:
+    """A stage module made data-parallel: FSDP2 units (``"fsdp"``/``"hsdp"``, over ``dp_mesh``) or ``replicate``
+    gradient buckets (over ``mesh["dp"]``), each of ``blocks`` its own unit or bucket where it can be."""
+    if data_parallel in SHARDED_MODES:
+        return apply_fsdp(
+            module,
+            blocks,
+            dp_mesh,
+            pp=mesh["pp"].size(),
+            precision=precision,
+            reduce_dtype=grad_reduce_dtype,
+            reshard_after_forward=fsdp_reshard_after_forward,
+        )
+    return apply_data_parallel(module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
 
 
 def _checkpoint_and_compile(
@@ -495,6 +521,15 @@ def _build_split_stages(
         checkpointing,
         compile_kwargs,
     )
+    dp_wrap = functools.partial(
+        _wrap_data_parallel,
+        data_parallel=data_parallel,
+        mesh=mesh,
+        dp_mesh=dp_mesh,
+        precision=precision,
+        grad_reduce_dtype=grad_reduce_dtype,
+        fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+    )
     stages = []
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
@@ -502,18 +537,7 @@ def _build_split_stages(
         blocks = []  # the stage's transformer blocks: each a gradient bucket (or an FSDP unit) of its own
         if container is not None:
             blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
-        if data_parallel in SHARDED_MODES:  # embeddings, norm and head in the stage's root unit
-            wrapped = apply_fsdp(
-                stage_module,
-                blocks,
-                dp_mesh,
-                pp=mesh["pp"].size(),
-                precision=precision,
-                reduce_dtype=grad_reduce_dtype,
-                reshard_after_forward=fsdp_reshard_after_forward,
-            )
-        else:
-            wrapped = apply_data_parallel(stage_module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
+        wrapped = dp_wrap(stage_module, blocks)  # embeddings, norm and head in the stage's root unit (or bucket)
         stages.append(StageSpec(s, wrapped))
     if deferred is not None:
         deferred.allocate([s.module for s in stages], device)

@@ -200,19 +200,22 @@ def _comm_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def comm(timeout: float = 120.0) -> dict[str, float]:
-    """Latency (s) and bandwidth (GB/s) of gloo send/recv and all-reduce between two fresh processes."""
+def _run_workers(
+    worker: str, processes: int, timeout: float, argv: Callable[[int, int, str], list[Any]]
+) -> dict[str, Any]:
+    """Start ``processes`` fresh Python processes running ``calibrate.<worker>(*argv(rank, port, out))`` (one
+    thread each, a free localhost port for their process group) and return the JSON rank 0 wrote to ``out``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "comm.json")
+        out = str(Path(tmp) / f"{worker}.json")
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        code = (
-            "import sys; from lightning_3d.plan.calibrate import _comm_worker as w; "
-            "w(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
-        )
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(port), out], env=env) for r in range(2)]
+        code = f"import sys, json; from lightning_3d.plan.calibrate import {worker} as w; w(*json.loads(sys.argv[1]))"
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, json.dumps(argv(rank, port, out))], env=env)
+            for rank in range(processes)
+        ]
         try:
             for p in procs:
                 p.wait(timeout=timeout)
@@ -220,7 +223,12 @@ def comm(timeout: float = 120.0) -> dict[str, float]:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        r = json.loads(Path(out).read_text())
+        return json.loads(Path(out).read_text())
+
+
+def comm(timeout: float = 120.0) -> dict[str, float]:
+    """Latency (s) and bandwidth (GB/s) of gloo send/recv and all-reduce between two fresh processes."""
+    r = _run_workers("_comm_worker", 2, timeout, lambda rank, port, out: [rank, port, out])
     big = 16 << 20
     latency = r["p2p_4"]
     ar_latency = r["allreduce_4"] / 2  # ring of 2: 2 (n - 1) = 2 messages
@@ -284,28 +292,10 @@ def shared_latency(processes: int, timeout: float = 120.0) -> dict[int, float]:
     seconds}``: all of them all-reduce 4 KiB and the ring's ``2 (n - 1)`` messages are divided out. When the
     processes outnumber the cores this is mostly the time a message waits for its receiver to be scheduled
     (milliseconds, against microseconds between two processes on cores of their own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "latency.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        code = (
-            "import sys; from lightning_3d.plan.calibrate import _shared_latency_worker as w; "
-            "w(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])"
-        )
-        procs = [
-            subprocess.Popen([sys.executable, "-c", code, str(r), str(processes), str(port), out], env=env)
-            for r in range(processes)
-        ]
-        try:
-            for p in procs:
-                p.wait(timeout=timeout)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    table = _run_workers(
+        "_shared_latency_worker", processes, timeout, lambda rank, port, out: [rank, processes, port, out]
+    )
+    return {int(k): v for k, v in table.items()}
 
 
 def calibrate(name: str = "cpu8", processes: int = 8, directory: Path = CLUSTER_DIR, quick: bool = False) -> Path:
