@@ -9,9 +9,8 @@ sharded), and wrap each stage for data parallelism.
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -389,15 +388,7 @@ def build_stages(
         checkpointing,
         compile_kwargs,
     )
-    dp_wrap = functools.partial(
-        _wrap_data_parallel,
-        data_parallel=data_parallel,
-        mesh=mesh,
-        dp_mesh=dp_mesh,
-        precision=precision,
-        grad_reduce_dtype=grad_reduce_dtype,
-        fsdp_reshard_after_forward=fsdp_reshard_after_forward,
-    )
+    dp_wrap = _dp_wrapper(data_parallel, mesh, dp_mesh, precision, grad_reduce_dtype, fsdp_reshard_after_forward)
     stages = []
     for s in my_stages:
         container = partition.stage_container(body, stage_plan.layer_names[s])
@@ -413,30 +404,32 @@ def build_stages(
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
 
 
-def _wrap_data_parallel(
-    module: nn.Module,
-    blocks: Sequence[nn.Module],
-    *,
+def _dp_wrapper(
     data_parallel: str,
     mesh: DeviceMesh,
     dp_mesh: DeviceMesh,
     precision: Precision,
     grad_reduce_dtype: str | None,
     fsdp_reshard_after_forward: bool | None,
-) -> nn.Module:
-    """A stage module made data-parallel: FSDP2 units (``"fsdp"``/``"hsdp"``, over ``dp_mesh``) or ``replicate``
-    gradient buckets (over ``mesh["dp"]``), each of ``blocks`` its own unit or bucket where it can be."""
-    if data_parallel in SHARDED_MODES:
-        return apply_fsdp(
-            module,
-            blocks,
-            dp_mesh,
-            pp=mesh["pp"].size(),
-            precision=precision,
-            reduce_dtype=grad_reduce_dtype,
-            reshard_after_forward=fsdp_reshard_after_forward,
-        )
-    return apply_data_parallel(module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
+) -> Callable[[nn.Module, Sequence[nn.Module]], nn.Module]:
+    """``wrap(stage_module, blocks)`` with this build's settings: the stage made data-parallel as FSDP2 units
+    (``"fsdp"``/``"hsdp"``, over ``dp_mesh``) or ``replicate`` gradient buckets (over ``mesh["dp"]``), each of
+    ``blocks`` its own unit or bucket where it can be."""
+
+    def wrap(module: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
+        if data_parallel in SHARDED_MODES:
+            return apply_fsdp(
+                module,
+                blocks,
+                dp_mesh,
+                pp=mesh["pp"].size(),
+                precision=precision,
+                reduce_dtype=grad_reduce_dtype,
+                reshard_after_forward=fsdp_reshard_after_forward,
+            )
+        return apply_data_parallel(module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
+
+    return wrap
 
 
 def _checkpoint_and_compile(
@@ -521,15 +514,7 @@ def _build_split_stages(
         checkpointing,
         compile_kwargs,
     )
-    dp_wrap = functools.partial(
-        _wrap_data_parallel,
-        data_parallel=data_parallel,
-        mesh=mesh,
-        dp_mesh=dp_mesh,
-        precision=precision,
-        grad_reduce_dtype=grad_reduce_dtype,
-        fsdp_reshard_after_forward=fsdp_reshard_after_forward,
-    )
+    dp_wrap = _dp_wrapper(data_parallel, mesh, dp_mesh, precision, grad_reduce_dtype, fsdp_reshard_after_forward)
     stages = []
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
