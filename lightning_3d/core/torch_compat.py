@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import increment_version
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import ColwiseParallel
@@ -212,6 +213,10 @@ def unscale_grads_(grads: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.
     found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     op = _private(torch, "_amp_foreach_non_finite_check_and_unscale_", "unscaling fp16 loss-scaled gradients")
     op(grads, found_inf, inv_scale)
+    # The fused op changes the gradients in place without bumping their version counters: bump them, so that
+    # anything keyed on a tensor's version (the non-finite scan's norms that clipping reuses, grad_norm.ScanNorms)
+    # sees the unscaled gradients as changed.
+    increment_version(grads)
     return found_inf
 
 

@@ -112,6 +112,8 @@ def test_unscale_grads_and_found_inf_feed_grad_scaler_like_its_own_unscale():
     grads = [torch.tensor([2.0, -4.0]), torch.tensor([[8.0]])]
     found = torch_compat.unscale_grads_(grads, torch.tensor(0.5))
     assert float(found) == 0.0 and grads[0].tolist() == [1.0, -2.0] and grads[1].tolist() == [[4.0]]
+    # changed in place, so their version counters move (the clipping's reuse of the scan's norms keys on them)
+    assert [g._version for g in grads] == [1, 1]
     assert float(torch_compat.unscale_grads_([torch.tensor([float("inf")])], torch.tensor(0.5))) == 1.0
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=2)
