@@ -375,6 +375,21 @@ def analyse(
     }
 
 
+def _checks_record(record_id: str, title: str, checks: dict[str, Any], details: dict, lines: list[str]) -> Record:
+    """A B5 record of exact checks: each check's measured value against its formula (ideal ratio 1.0)."""
+    return Record(
+        record_id,
+        title,
+        {k: c["measured"] for k, c in checks.items()},
+        {k: c["formula"] for k, c in checks.items()},
+        1.0,
+        {k: round(c["ratio"], 4) for k, c in checks.items()},
+        "",
+        details,
+        lines,
+    )
+
+
 def run(out: Path, tiny: bool = False, model: str = "gpt", grad_reduce_dtype: str | None = None) -> Record:
     """Launch the eight processes, check the formulas, build the record (``grad_reduce_dtype``: see the module
     text; record ``B5_grad_<dtype>``)."""
@@ -420,17 +435,7 @@ def run(out: Path, tiny: bool = False, model: str = "gpt", grad_reduce_dtype: st
             "gradients)."
         )
     details = {**result, "layout": "dp2 x pp2 x tp2 on 8 processes, step 1 (after the shape exchange)"}
-    return Record(
-        ID,
-        TITLE,
-        {k: c["measured"] for k, c in checks.items()},
-        {k: c["formula"] for k, c in checks.items()},
-        1.0,
-        {k: round(c["ratio"], 4) for k, c in checks.items()},
-        "",
-        details,
-        lines,
-    )
+    return _checks_record(ID, TITLE, checks, details, lines)
 
 
 def run_grad_reduce(out: Path, tiny: bool, grad_reduce_dtype: str) -> Record:
@@ -457,17 +462,8 @@ def run_grad_reduce(out: Path, tiny: bool, grad_reduce_dtype: str) -> Record:
             flag = "" if abs(c["ratio"] - 1) < 5e-4 else "   <-- not 1.000"
             lines.append(f"{name}: {c['measured']:g} | {c['formula']:g} | {c['ratio']:.4f}{flag}  ({c['note']})")
             checks[f"{mode}: {name}"] = c
-    return Record(
-        f"{ID}_grad_{grad_reduce_dtype}",
-        f"{TITLE}: gradient reduction in {grad_reduce_dtype} (replicate, fsdp)",
-        {k: c["measured"] for k, c in checks.items()},
-        {k: c["formula"] for k, c in checks.items()},
-        1.0,
-        {k: round(c["ratio"], 4) for k, c in checks.items()},
-        "",
-        details,
-        lines,
-    )
+    title = f"{TITLE}: gradient reduction in {grad_reduce_dtype} (replicate, fsdp)"
+    return _checks_record(f"{ID}_grad_{grad_reduce_dtype}", title, checks, details, lines)
 
 
 # ---------------------------------------------------------------------- the Hugging Face Llama (--model hf_llama)
@@ -801,14 +797,4 @@ def run_llama(out: Path, tiny: bool, model: str) -> Record:
         )
     )
     details = {**result, "model": model, "layout": "dp2 x pp2 x tp2 on 8 processes, step 1 (after the shape exchange)"}
-    return Record(
-        f"{ID}_{model}",
-        f"{TITLE} ({model})",
-        {k: c["measured"] for k, c in checks.items()},
-        {k: c["formula"] for k, c in checks.items()},
-        1.0,
-        {k: round(c["ratio"], 4) for k, c in checks.items()},
-        "",
-        details,
-        lines,
-    )
+    return _checks_record(f"{ID}_{model}", f"{TITLE} ({model})", checks, details, lines)
