@@ -510,7 +510,7 @@ class Reliability:
             groups: dict[_GroupKey, tuple[list[Tensor], list[Tensor]]] = {}  # key: (stage, device, dtype)
             for p, g in zip(held.params, held.grads, strict=True):
                 if g is not None:
-                    local = _local(g).detach()
+                    local = torch_compat.local_tensor(g)  # the storage itself: no autograd wrapper per gradient
                     key = (self._stage_of.get(id(p), last), local.device, local.dtype)
                     grads, locals_ = groups.setdefault(key, ([], []))
                     grads.append(g)

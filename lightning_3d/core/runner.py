@@ -150,6 +150,13 @@ class BatchRunner:
         self._dp_group = dp_mesh.get_group() if self.dp > 1 else None
         self._pp_group = pp_mesh.get_group() if self.pp > 1 else None
         self._last_stage_rank = int(pp_mesh.mesh[self._last_pp_rank])
+        # This rank's parameters, listed once: walking the module tree every batch costs more than the rest of the
+        # batch's bookkeeping. Their identity is fixed once the stages are built (sharding, tying and compiling
+        # happen before; checkpoints load in place; FSDP swaps in its unsharded parameters only inside the
+        # schedule and puts the same sharded ones back).
+        self._params: list[torch.nn.Parameter] = list(module.parameters())
+        # the exchange's group size and device (the backend's: gloo exchanges on the host)
+        self._world = (dist.get_world_size(), device if dist.get_backend() == "nccl" else torch.device("cpu"))
 
     # ------------------------------------------------------------------ micro-batching
     def micro_batches_for(self, total: int, train: bool) -> tuple[int, str]:
@@ -219,7 +226,7 @@ class BatchRunner:
         # last stage is `sample_index`, the batch's sample numbers: the loss function (or the stage executor) gets
         # micro-batch k's slice of it and reads which samples of the batch (the user's own, unsplit) are its own.
         sample_index = torch.arange(total, device=self.device)
-        params = list(module.parameters())
+        params = self._params
         prior = take_grads(params)
         held: HeldGrads | None = None
         try:
@@ -250,7 +257,8 @@ class BatchRunner:
             if train:
                 held = HeldGrads(params, take_grads(params))
         finally:
-            put_grads(params, prior)
+            if held is None or any(g is not None for g in prior):  # else every .grad is None already (taken above)
+                put_grads(params, prior)
         last = runtime.has_last
         sizes = [total // n_micro] * n_micro
         local_outputs = merge_outputs(step_outputs, sizes) if last and not train else None
@@ -288,8 +296,7 @@ class BatchRunner:
             return None, None
         n_flags, flags_fn = flags if flags is not None else (0, None)
         local_flags = flags_fn(held, logs) if flags_fn is not None else None
-        world = dist.get_world_size()
-        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        world, device = self._world
         combined, flag_values = self._packed.exchange(
             hook if by_value else "",
             logs if by_value else None,

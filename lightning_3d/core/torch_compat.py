@@ -30,6 +30,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -238,6 +239,13 @@ def foreach_non_finite(tensors: list[torch.Tensor], found: torch.Tensor, one: to
     dtype) is NaN or inf, in one fused call: ``torch._amp_foreach_non_finite_check_and_unscale_`` (``GradScaler``'s
     check), with ``one`` (float32 ``[1.0]``) as the unscale factor, so the tensors keep their exact values."""
     _private(torch, "_amp_foreach_non_finite_check_and_unscale_", "the non-finite gradient check")(tensors, found, one)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor (``DTensor._local_tensor``: the storage itself, without the autograd
+    function ``to_local()`` runs), or the tensor itself. For reading or updating values in place, never for a
+    computation that must be differentiated through."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
