@@ -1,15 +1,17 @@
 """B7 data-parallel weak scaling: dp=2 on 2 processes against one process with the same per-rank batch.
 
-Two processes, one thread each, the benchmark GPT, 4 sequences per rank, forward + backward + AdamW. dp=2 is
-what the strategy does to a stage: ``lightning_3d.core.data_parallel.apply_data_parallel`` with the body's
-layers as blocks, whose buckets follow the backend (``per_block_buckets``): on gloo, here, the body is ONE
+Two processes, one thread each, the benchmark GPT, 4 sequences per rank, forward + backward + AdamW. dp=2 is what
+the strategy does to a stage: ``lightning_3d.core.data_parallel.apply_data_parallel`` with the body's layers as
+blocks, and to its optimizer: AdamW left to choose runs its multi-tensor implementation over the replicated DTensor
+parameters (``lightning_3d.core.optim.foreach_for_dtensors``, torch's own choice on GPUs; bitwise the same numbers
+as its per-tensor loop); the buckets follow the backend (``per_block_buckets``): on gloo, here, the body is ONE
 ``replicate`` group, all-reduced once after the whole backward (gloo's all-reduce blocks the thread, so per-layer
-buckets cannot overlap the backward on a CPU). Baseline, in the same run: rank 0 alone training its own copy on
-the same per-rank batch while rank 1 waits in a barrier. A third variant, NCCL's choice forced on gloo (each layer
-a ``replicate`` group, a gradient bucket all-reduced as soon as autograd has produced its gradients, during the
-backward), is timed beside them. Rounds alternate the three; medians after warm-up; a dp step
-is the slower rank's; the spread of the per-round ratios is reported too (the machine may be shared). The time
-of one all-reduce of the gradient bytes is measured alone as well.
+buckets cannot overlap the backward on a CPU). Baseline, in the same run: rank 0 alone training its own copy on the
+same per-rank batch while rank 1 waits in a barrier. A third variant, NCCL's choice forced on gloo (each layer a
+``replicate`` group, a gradient bucket all-reduced as soon as autograd has produced its gradients, during the
+backward), is timed beside them. Rounds alternate the three; medians after warm-up; a dp step is the slower rank's;
+the spread of the per-round ratios is reported too (the machine may be shared). The time of one all-reduce of the
+gradient bytes is measured alone as well.
 
 One more step of each runs under ``torch.profiler`` to split the time into collectives, replicate's hooks,
 DTensor dispatch (the replicated parameters are DTensors), copies, matmul/attention and the rest, with AdamW's
@@ -55,6 +57,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_3d.core.data_parallel import apply_data_parallel, gradient_buckets
+    from lightning_3d.core.optim import foreach_for_dtensors
 
     from .common import build_gpt, gpt_loss, init_distributed, model_config, profile_breakdown, token_batch
 
@@ -77,7 +80,8 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     def step(model: Any, opt: Any, key: str | None = None) -> float:
         start, start_cpu = time.perf_counter(), time.process_time()
         gpt_loss(model(x), y).backward()
-        opt.step()
+        with foreach_for_dtensors(opt):  # what the strategy's optimizer step does for DTensor parameters
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if key is not None:  # CPU seconds of the whole process (gloo's threads included): what a busy machine
             cpu[key].append(time.process_time() - start_cpu)  # cannot inflate, unlike the wall clock

@@ -17,6 +17,7 @@ core/rng.py                 the body's random streams: per stage, per tp rank in
 core/runner.py, step.py     one batch of the user's hook through the pipeline; gradients handed over
 core/log_relay.py           ``self.log`` from the last stage to every rank (metric_sync.py: torchmetrics)
 core/grad_norm.py           the global gradient norm for clipping
+core/optim.py               the multi-tensor optimizer step for DTensor parameters (bitwise the same numbers)
 checkpoint/                 sharded, atomic, layout-independent checkpoints (``python -m`` CLI)
 reliability.py              consistency check, timeouts, non-finite agreement, fail-fast wiring
 tools/                      opt-in: pipeline timeline, fail-fast watch, data-parallel check
@@ -62,6 +63,7 @@ from .core.compile import CompiledBlocks, compile_kwargs
 from .core.grad_norm import clip_grads_, global_grad_norm
 from .core.loss_scale import LossScaler, scaler_of
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
+from .core.optim import foreach_for_dtensors
 from .core.parallelize import add_body_randomness, broadcast_seed, build_stages, describe_layout, plan_model
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
@@ -486,18 +488,20 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's optimizer step; under ``precision="16-mixed"`` the plugin's ``GradScaler`` is driven from the
-        overflow every rank agreed on (``core/loss_scale.py``) instead of a local inf check."""
-        if self.loss_scaler is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        model = model or self.lightning_module
-        assert model is not None
-        return self.loss_scaler.optimizer_step(
-            optimizer,
-            closure,
-            lambda: self.precision_plugin._after_closure(model, optimizer),
-            model.trainer.global_step,
-            **kwargs,
-        )
+        overflow every rank agreed on (``core/loss_scale.py``) instead of a local inf check. DTensor parameters get
+        torch's multi-tensor optimizer where the user left the choice to torch (``core/optim.py``)."""
+        with foreach_for_dtensors(optimizer):
+            if self.loss_scaler is None:
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+            model = model or self.lightning_module
+            assert model is not None
+            return self.loss_scaler.optimizer_step(
+                optimizer,
+                closure,
+                lambda: self.precision_plugin._after_closure(model, optimizer),
+                model.trainer.global_step,
+                **kwargs,
+            )
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         if self._reliability.step_skipped:  # ---- reliability: on_nonfinite="skip" dropped every gradient

@@ -45,6 +45,7 @@ __all__ = [
     "current_wait_batch_p2p",
     "default_group",
     "default_store",
+    "foreach_default_devices",
     "foreach_non_finite",
     "foreach_norm",
     "group_timeout",
@@ -200,6 +201,14 @@ def is_replicated(module: nn.Module) -> bool:
     except ImportError as err:
         raise _missing("torch.distributed._composable.replicate_with_fsdp.ReplicateModule", "data parallelism") from err
     return isinstance(module, ReplicateModule)
+
+
+def foreach_default_devices() -> list[str]:
+    """The device types on which torch's optimizers default to their multi-tensor (``foreach``) implementation
+    (``torch.utils._foreach_utils._get_foreach_kernels_supported_devices``: GPUs, not the CPU)."""
+    from torch.utils import _foreach_utils
+
+    return list(_private(_foreach_utils, "_get_foreach_kernels_supported_devices", "the optimizer's foreach choice")())
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:

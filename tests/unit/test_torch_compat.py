@@ -108,6 +108,14 @@ def test_foreach_norm_matches_vector_norm():
         assert [float(g) for g in got] == [float(torch.linalg.vector_norm(t, order)) for t in tensors]
 
 
+def test_foreach_default_devices_is_what_the_optimizers_default_by():
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    devices = torch_compat.foreach_default_devices()
+    assert "cpu" not in devices and "cuda" in devices
+    assert _default_to_fused_or_foreach([torch.zeros(2)], differentiable=False) == (False, False)  # CPU: the loop
+
+
 def test_unscale_grads_and_found_inf_feed_grad_scaler_like_its_own_unscale():
     grads = [torch.tensor([2.0, -4.0]), torch.tensor([[8.0]])]
     found = torch_compat.unscale_grads_(grads, torch.tensor(0.5))
