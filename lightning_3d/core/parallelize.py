@@ -530,8 +530,11 @@ def _build_split_stages(
         module.to(device)
     # after tensor and data parallelism have put their parameter objects in place
     # (under a V schedule the first and the last stage share a rank: a tied weight is then one tensor, nothing to sum)
-    across_ranks = split.stage_to_rank[0] != split.stage_to_rank[-1]
-    tied = TiedWeights(module, split.tied, mesh) if split.tied and mesh["pp"].size() > 1 and across_ranks else None
+    # (the pp ranks of the first and the last stage follow the schedule's placement: a CSV list may put them anywhere)
+    ends = (split.stage_to_rank[0], split.stage_to_rank[-1])
+    tied = None
+    if split.tied and mesh["pp"].size() > 1 and ends[0] != ends[1]:
+        tied = TiedWeights(module, split.tied, mesh, ends)
     if tied is not None:
         tied.broadcast_from_first()
     return BuiltStages(stages, executor, tied, compiled, checkpointed)

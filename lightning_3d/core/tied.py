@@ -87,6 +87,15 @@ def canonical_names(module: nn.Module) -> Mapping[str, str]:
     return getattr(module, ALIASES_ATTR, {})
 
 
+def embedding_groups(grid: Sequence[Sequence[Sequence[int]]], end_ranks: tuple[int, int] | None) -> list[list[int]]:
+    """The embedding groups of a (dp, pp, tp) grid of global ranks: for each (dp, tp) position, the global ranks of
+    the pp ranks holding the first and the last stage (``end_ranks``; ``None``: pp ranks 0 and pp - 1), first
+    stage first. The same list, in the same order, on every rank."""
+    pp = len(grid[0])
+    first, last = end_ranks if end_ranks is not None else (0, pp - 1)
+    return [[plane[first][t], plane[last][t]] for plane in grid for t in range(len(plane[0]))]
+
+
 class TiedWeights:
     """This rank's copies of the weights tied across the first and last stage, and their embedding groups.
 
@@ -96,19 +105,23 @@ class TiedWeights:
         module: the LightningModule, already pruned to this rank's stages.
         groups: the tied parameter names (first canonical), from ``ModelSplit.tied``.
         mesh: the (dp, pp, tp) mesh.
+        end_ranks: the pp ranks holding the first and the last stage (the schedule's placement: ``(0, pp - 1)``
+            for one stage per rank and round-robin interleaving; a CSV action list may place them elsewhere).
     """
 
-    def __init__(self, module: nn.Module, groups: Sequence[Sequence[str]], mesh: DeviceMesh) -> None:
-        grid = mesh.mesh  # (dp, pp, tp) global ranks
-        dp, pp, tp = grid.shape
+    def __init__(
+        self,
+        module: nn.Module,
+        groups: Sequence[Sequence[str]],
+        mesh: DeviceMesh,
+        end_ranks: tuple[int, int] | None = None,
+    ) -> None:
         self.group: dist.ProcessGroup | None = None
         me = dist.get_rank()
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [int(grid[d, 0, t]), int(grid[d, pp - 1, t])]
-                group = dist.new_group(ranks)  # every rank creates every group, in the same order
-                if me in ranks:
-                    self.group, self.first = group, ranks[0]
+        for ranks in embedding_groups(mesh.mesh.tolist(), end_ranks):
+            group = dist.new_group(ranks)  # every rank creates every group, in the same order
+            if me in ranks:
+                self.group, self.first = group, ranks[0]
         named = dict(module.named_parameters(remove_duplicate=False))
         self.params: list[nn.Parameter] = []
         self.secondary: set[int] = set()  # the last stage's copies: left out of the gradient norm

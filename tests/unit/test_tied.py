@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_3d.core.materialize import library_initializers, materialize
-from lightning_3d.core.tied import canonical_names, install_alias_hooks, retie
+from lightning_3d.core.tied import canonical_names, embedding_groups, install_alias_hooks, retie
 
 
 def tied() -> nn.Module:
@@ -55,3 +55,13 @@ def test_materialize_keeps_a_tie_inside_the_materialised_module() -> None:
     assert root.head.weight is root.embed.weight and not root.embed.weight.is_meta
     # initialised once, by its first module (the embedding's normal init, not the Linear's uniform one)
     assert root.embed.weight.abs().max() > 1.0
+
+
+def test_embedding_groups_join_the_pp_ranks_holding_the_first_and_last_stage() -> None:
+    grid = torch.arange(12).view(2, 3, 2).tolist()  # (dp 2, pp 3, tp 2)
+    # one stage per rank, or round-robin interleaving: the first stage on pp rank 0, the last on pp rank 2
+    assert embedding_groups(grid, None) == [[0, 4], [1, 5], [6, 10], [7, 11]]
+    assert embedding_groups(grid, (0, 2)) == embedding_groups(grid, None)
+    # a CSV action list whose last stage sits on pp rank 1 (e.g. pp 3, two stages per rank, stages 0 and 5 placed
+    # on ranks 0 and 1): the group must be pp ranks 0 and 1, not 0 and pp - 1
+    assert embedding_groups(grid, (0, 1)) == [[0, 2], [1, 3], [6, 8], [7, 9]]
