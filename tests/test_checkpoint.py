@@ -7,6 +7,11 @@ Multi-process checks go through ``launch.run_lightning`` (hard time limits) and 
 * reshard loads of its step-5 checkpoint at (tp1, pp4, dp1), (tp2, pp1, dp1) and one process, each also
   checking import (``LoadWeights``), and the one-process launch plain single-device Lightning;
 * a kill launch and a resume launch (``ckpt_kill.py``);
+* one pp2 x dp2 launch (``ckpt_schedules.py``) under the CSV action list ``conf/schedules/zbv_pp2_m4.csv`` and
+  torch's ``zbvzerobubble`` and ``dualpipev`` (V placement: rank 0 holds the first and the last stage), with
+  dropout and validation during training: bitwise resume (also with gradient accumulation, under the CSV list),
+  checkpointing that changes nothing (validation included), ModelCheckpoint top-k on ``val_loss``, the V-saved
+  checkpoint loaded under 1F1B and read in one process, ``trainer.validate(ckpt_path=...)``;
 * opt-in (``LIGHTNING_3D_TP_MATRIX=1``): the (tp2, pp2, dp2) save, bitwise resume and reshard matrix (tp1 pp4
   dp2, tp4 pp1 dp2, tp2 pp1 dp1, one process): 8-process launches, several minutes on 2 cores.
 
@@ -243,6 +248,136 @@ def test_tp2_pp2_dp2_resume_and_reshard_matrix(tmp_path: Path) -> None:
         (1, 1, 1, ["--weights", export, "--plain"]),
     ]:
         _check_reshard(_reshard(tmp_path, tp, pp, dp, extra, timeout=900), ref, weights)
+
+
+# --------------------------------------------------------------------------------------------- CSV and V schedules
+V_RESUMES = ["csv", "zbv", "dualpipev"]  # run names in ckpt_schedules.py: the CSV action list, torch's two V schedules
+
+
+def _read_all(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint folder (model and optimizer states, DCP keys), read in this one process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        for key, entry in entries.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def _after(values: list[tuple[int, float]], step: int) -> list[tuple[int, float]]:
+    return [(s, v) for s, v in values if s > step]
+
+
+@pytest.fixture(scope="module")
+def scheduled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pp2 x dp2 launch of ``ckpt_schedules.py`` (about 50 s on 2 quiet cores)."""
+    out = tmp_path_factory.mktemp("schedules")
+    run_lightning("ckpt_schedules.py", ["--dp", 2, "--out", out], timeout=240)
+    return out
+
+
+@pytest.fixture(scope="module")
+def schedules(scheduled: Path) -> dict:
+    return _load(scheduled / "schedules.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", V_RESUMES)
+def test_resume_is_bitwise_under_csv_and_v_schedules(schedules: dict, name: str) -> None:
+    """10 steps == 5 steps + save + resume + 5 steps under the V placement (rank 0 holds the first and the last
+    stage), with dropout in the body: losses, logged values, parameters and Adam states, bitwise."""
+    straight, resumed = schedules[f"{name}_saving"], schedules[f"{name}_from5"]
+    assert len(straight["losses"]) == STEPS
+    assert resumed["steps"] == list(range(6, STEPS + 1))
+    assert resumed["losses"] == straight["losses"][5:]
+    assert resumed["logged_train"] == straight["logged_train"][5:]
+    assert [s for s, _ in straight["logged_val"]] == [2, 4, 6, 8, 10]
+    assert resumed["logged_val"] == _after(straight["logged_val"], 5)
+    at5 = straight["snap_5"]
+    assert len(at5["opt"]) == 3 * len(at5["params"])  # step, exp_avg, exp_avg_sq per parameter
+    assert not _differences(resumed["snap_start"]["params"], at5["params"])
+    assert not _differences(resumed["snap_start"]["opt"], at5["opt"])
+    assert not _differences(resumed["snap_end"]["params"], straight["snap_end"]["params"])
+    assert not _differences(resumed["snap_end"]["opt"], straight["snap_end"]["opt"])
+    for run in (straight, resumed):  # every rank was handed the same logged values (the relay from rank 0's stage)
+        assert all(r == {"train": run["logged_train"], "val": run["logged_val"]} for r in run["logged_by_rank"])
+
+
+@pytest.mark.slow
+def test_checkpointing_changes_nothing_under_a_csv_schedule(schedules: dict) -> None:
+    """Saving every step (and the top-k callback on val_loss) leaves the run, its validation included, bit for bit
+    as it is without checkpointing; torch's named ZB-V (the list the file was written from) agrees with it."""
+    plain, saving = schedules["csv_plain"], schedules["csv_saving"]
+    assert saving["losses"] == plain["losses"]
+    assert saving["logged_train"] == plain["logged_train"]
+    assert saving["logged_val"] == plain["logged_val"] and len(plain["logged_val"]) == 5
+    assert not _differences(saving["snap_end"]["params"], plain["snap_end"]["params"])
+    assert not _differences(saving["snap_end"]["opt"], plain["snap_end"]["opt"])
+    for name in ("zbv", "dualpipev"):
+        other = schedules[f"{name}_saving"]
+        for got, want in zip(other["losses"], plain["losses"]):
+            assert abs(got - want) <= REL * abs(want), (name, other["losses"], plain["losses"])
+
+
+@pytest.mark.slow
+def test_model_checkpoint_monitors_val_loss_under_a_csv_schedule(scheduled: Path, schedules: dict) -> None:
+    top = schedules["csv_top"]
+    best = sorted(schedules["csv_saving"]["logged_val"], key=lambda sv: sv[1])[:2]
+    expected = sorted(f"step={s}-val_loss={v:.5f}.ckpt" for s, v in best)
+    assert sorted(Path(p).name for p in top["best_k"]) == expected == top["listing"]
+    assert sorted(top["best_k"].values()) == sorted(v for _, v in best)
+    assert Path(top["best"]).name == f"step={best[0][0]}-val_loss={best[0][1]:.5f}.ckpt"
+    for name in top["listing"]:
+        ckpt.check_complete(scheduled / "csv_top" / name)
+
+
+@pytest.mark.slow
+def test_resume_with_accumulation_under_a_csv_schedule(schedules: dict) -> None:
+    """accumulate_grad_batches=2 under the action list: resumed from step 3 (batch 6, mid-epoch 1), batches 7..20
+    replay exactly."""
+    acc, resumed = schedules["csv_acc_saving"], schedules["csv_acc_from3"]
+    assert len(acc["losses"]) == 2 * STEPS and acc["steps"][:4] == [0, 1, 1, 2]
+    assert resumed["steps"] == acc["steps"][6:]
+    assert resumed["losses"] == acc["losses"][6:]
+    assert resumed["logged_val"] == _after(acc["logged_val"], 3)
+    assert not _differences(resumed["snap_end"]["params"], acc["snap_end"]["params"])
+    assert not _differences(resumed["snap_end"]["opt"], acc["snap_end"]["opt"])
+
+
+@pytest.mark.slow
+def test_csv_checkpoint_loads_under_1f1b_and_in_one_process(scheduled: Path, schedules: dict) -> None:
+    """A checkpoint saved under the V placement loads exactly under 1F1B (the last Linear moves from pp rank 0 to
+    pp rank 1) and in one process; 1F1B then continues as the action list does; saves after a resume are the
+    uninterrupted run's; ``trainer.validate(ckpt_path=...)`` gives the val_loss the fit logged."""
+    at5 = schedules["csv_saving"]["snap_5"]
+    quiet, moved = schedules["csv_quiet_from5"], schedules["1f1b_from_csv5"]
+    for rec in (quiet, moved):
+        assert not _differences(rec["snap_start"]["params"], at5["params"])
+        assert not _differences(rec["snap_start"]["opt"], at5["opt"])
+        assert rec["steps"] == list(range(6, STEPS + 1))
+    curves = [rec["losses"] + [v for _, v in rec["logged_val"]] for rec in (moved, quiet)]  # training, then val
+    for got, want in zip(*curves):
+        assert abs(got - want) <= REL * abs(want), curves
+    assert _max_rel(moved["snap_end"]["params"], quiet["snap_end"]["params"]) <= REL
+    # one process, no process group: the full model and optimizer states of the V-saved checkpoint
+    saved = _read_all(scheduled / "csv" / "step=5.ckpt")
+    model = {k.removeprefix("state_dict."): v for k, v in saved.items() if k.startswith("state_dict.")}
+    opt = {k.removeprefix("optimizer_0.state."): v for k, v in saved.items() if k.startswith("optimizer_0.state.")}
+    assert not _differences(model, at5["params"]) and not _differences(opt, at5["opt"])
+    assert not _differences(ckpt.load_consolidated(scheduled / "csv" / "step=5.ckpt"), at5["params"])
+    # the resumed run's own checkpoints are the uninterrupted run's, tensor for tensor
+    for step in (6, STEPS):
+        name = f"step={step}.ckpt"
+        assert not _differences(_read_all(scheduled / "csv_resumed" / name), _read_all(scheduled / "csv" / name))
+    at10 = dict(schedules["csv_saving"]["logged_val"])[STEPS]
+    assert schedules["validate"]["csv"] == at10
+    assert abs(schedules["validate"]["1f1b"] - at10) <= REL * abs(at10)
 
 
 # --------------------------------------------------------------------------------------------- in-process

@@ -77,9 +77,22 @@ def loader(dp: int) -> DataLoader:
     return DataLoader(dataset("mlp", N_SAMPLES), batch_size=GLOBAL_BATCH // dp, shuffle=True)
 
 
-def trainer(tp: int, pp: int, dp: int, steps: int, callbacks: list, single: bool = False, **kwargs: Any) -> L.Trainer:
-    """A CPU trainer under ThreeDStrategy (or plain single-device Lightning with ``single``)."""
-    strategy: Any = "auto" if single else ThreeDStrategy(tp=tp, pp=pp, print_layout=False)
+def trainer(
+    tp: int,
+    pp: int,
+    dp: int,
+    steps: int,
+    callbacks: list,
+    single: bool = False,
+    schedule: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> L.Trainer:
+    """A CPU trainer under ThreeDStrategy (or plain single-device Lightning with ``single``).
+
+    ``schedule`` holds more strategy settings (``schedule``, ``stages_per_rank``, ``micro_batches``); the other
+    keyword arguments go to the Trainer.
+    """
+    strategy: Any = "auto" if single else ThreeDStrategy(tp=tp, pp=pp, print_layout=False, **(schedule or {}))
     return L.Trainer(
         accelerator="cpu",
         devices=1 if single else tp * pp * dp,
