@@ -400,6 +400,7 @@ class ThreeDStrategy(ParallelStrategy):
             dp_mesh=self._sharding_mesh(),
             grad_reduce_dtype=s.grad_reduce_dtype,
             fsdp_reshard_after_forward=s.fsdp_reshard_after_forward,
+            fsdp_reshard_after_backward=bool(s.fsdp_reshard_after_backward),
         )
         self._compiled = built.compiled
         if built.compiled is not None:

@@ -57,6 +57,8 @@ from .data_parallel import torch_reduce_dtype
 
 SHARDED_MODES = ("fsdp", "hsdp")  # the ``data_parallel`` modes wrapped here
 FSDP_ATTR = "_lightning_3d_fsdp"  # marks stage modules wrapped here (``replicate``'s modules are FSDPModules too)
+# marks stage modules whose units reshard and reduce-scatter after every micro-batch's backward (``pipeline._Stage``)
+RESHARD_AFTER_BACKWARD_ATTR = "_lightning_3d_reshard_after_backward"
 
 
 def mixed_precision_policy(precision: Precision, reduce_dtype: str | None = None) -> MixedPrecisionPolicy:
@@ -77,6 +79,7 @@ def apply_fsdp(
     precision: Precision,
     reduce_dtype: str | None = None,
     reshard_after_forward: bool | None = None,
+    reshard_after_backward: bool = False,
 ) -> nn.Module:
     """Shard a stage module over ``dp_mesh`` with FSDP2: each of its blocks first, then the stage module itself.
 
@@ -89,6 +92,9 @@ def apply_fsdp(
         precision: Lightning's precision plugin (decides the mixed-precision policy).
         reduce_dtype: ``grad_reduce_dtype``: the gradient reduce-scatter's dtype (``None``: the policy's).
         reshard_after_forward: the ``fsdp_reshard_after_forward`` setting: ``None`` chooses by ``pp`` (above).
+        reshard_after_backward: the ``fsdp_reshard_after_backward`` setting (ZeRO-3 under micro-batches): mark the
+            stage so that every micro-batch's backward reshards each unit and reduce-scatters its gradients
+            (``pipeline._Stage``), and turn FSDP2's implicit backward prefetch off (see the module text).
 
     Returns:
         The stage module (``fully_shard`` works in place and returns it).
@@ -109,7 +115,23 @@ def apply_fsdp(
     if reduce_dtype is not None:  # sum micro-batches in the gradients' dtype, reduce in the narrower one
         torch_compat.accumulate_unreduced_grads_as_computed(module)
     setattr(module, FSDP_ATTR, True)
+    if reshard_after_backward:
+        setattr(module, RESHARD_AFTER_BACKWARD_ATTR, True)
+        no_backward_prefetch(module)
     return module
+
+
+def no_backward_prefetch(module: nn.Module) -> None:
+    """Turn off FSDP2's implicit backward prefetch for every unit under ``module``.
+
+    By default a unit's pre-backward all-gathers the unit that ran before it in the forward, so two units are
+    gathered while one computes its backward. FSDP2's public ``set_modules_to_backward_prefetch`` replaces that
+    default with an explicit list, and an empty list means "the default": each unit is given itself instead,
+    which is gathered already when its pre-backward runs (the prefetch finds nothing to do).
+    """
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_modules_to_backward_prefetch([sub])
 
 
 def reshard_after_eval(modules: Iterable[nn.Module]) -> None:

@@ -76,7 +76,65 @@ def test_dp_group_of_one_changes_nothing(gloo_world: dist.ProcessGroup) -> None:
 
 def test_reshard_after_forward_setting_is_checked() -> None:
     assert ThreeDSettings(dp=2, data_parallel="fsdp", fsdp_reshard_after_forward=True).fsdp_reshard_after_forward
-    with pytest.raises(ValueError, match="fsdp_reshard_after_forward applies to data_parallel='fsdp' only"):
+    assert ThreeDSettings(dp=4, data_parallel="hsdp", dp_shard=2, fsdp_reshard_after_forward=False) is not None
+    with pytest.raises(ValueError, match="fsdp_reshard_after_forward=False applies to data_parallel='fsdp' or 'hsdp'"):
         ThreeDSettings(fsdp_reshard_after_forward=False)
-    with pytest.raises(ValueError, match="must be True, False or None"):
+    with pytest.raises(ValueError, match="fsdp_reshard_after_forward must be True, False or None, got 'yes'"):
         ThreeDSettings(dp=2, data_parallel="fsdp", fsdp_reshard_after_forward="yes")  # type: ignore[arg-type]
+
+
+FSDP2 = {"dp": 2, "pp": 2, "data_parallel": "fsdp"}
+
+
+def test_reshard_after_backward_defaults_and_implies_reshard_after_forward() -> None:
+    assert ThreeDSettings().fsdp_reshard_after_backward is None
+    on = ThreeDSettings(**FSDP2, fsdp_reshard_after_backward=True)
+    assert on.fsdp_reshard_after_backward is True and on.fsdp_reshard_after_forward is True
+    off = ThreeDSettings(**FSDP2, fsdp_reshard_after_backward=False)
+    assert off.fsdp_reshard_after_forward is None  # today's choice (False under a pipeline)
+    hsdp = ThreeDSettings(dp=4, data_parallel="hsdp", dp_shard=2, fsdp_reshard_after_backward=True)
+    assert hsdp.fsdp_reshard_after_forward is True
+    explicit = ThreeDSettings(**FSDP2, fsdp_reshard_after_backward=True, fsdp_reshard_after_forward=True)
+    assert explicit == on
+    for schedule, spr in (("gpipe", 1), ("interleaved1f1b", 2), ("loopedbfs", 2)):
+        assert ThreeDSettings(**FSDP2, schedule=schedule, stages_per_rank=spr, fsdp_reshard_after_backward=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fsdp_reshard_after_backward": True},
+         r"fsdp_reshard_after_backward=True applies to data_parallel='fsdp' or 'hsdp' only, but "
+         r"data_parallel='replicate'\. Leave it None, or set data_parallel='fsdp' \(or 'hsdp'\): replicate holds "
+         r"whole gradients"),
+        ({"fsdp_reshard_after_backward": False}, r"fsdp_reshard_after_backward=False applies to data_parallel="),
+        ({**FSDP2, "fsdp_reshard_after_backward": 1}, r"fsdp_reshard_after_backward must be True, False or None, "
+                                                      r"got 1\.$"),
+        ({**FSDP2, "fsdp_reshard_after_backward": True, "fsdp_reshard_after_forward": False},
+         r"fsdp_reshard_after_backward=True with fsdp_reshard_after_forward=False: each unit would stay gathered "
+         r"from its forward to its backward.*Leave fsdp_reshard_after_forward None"),
+        ({**FSDP2, "fsdp_reshard_after_backward": True, "schedule": "zbvzerobubble", "stages_per_rank": 2,
+          "micro_batches": 4},
+         r"fsdp_reshard_after_backward=True with schedule='zbvzerobubble', which splits each backward into an "
+         r"input-gradient and a later weight-gradient action.*Use a schedule with full backwards"),
+        ({**FSDP2, "fsdp_reshard_after_backward": True, "schedule": "interleavedzerobubble", "stages_per_rank": 2},
+         r"schedule='interleavedzerobubble', which splits each backward"),
+        ({**FSDP2, "fsdp_reshard_after_backward": True, "schedule": "dualpipev", "stages_per_rank": 2,
+          "micro_batches": 4},
+         r"schedule='dualpipev', which splits each backward"),
+    ],
+)  # fmt: skip
+def test_bad_reshard_after_backward_settings_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ThreeDSettings(**kwargs)
+
+
+def test_reshard_after_backward_refuses_a_csv_schedule_with_split_backwards(tmp_path) -> None:
+    from lightning_3d.core.csv_schedule import write_zero_bubble_greedy_csv
+    from lightning_3d.core.pipeline import write_csv_schedule
+
+    split = write_zero_bubble_greedy_csv(2, 2, tmp_path / "zb.csv")
+    with pytest.raises(ValueError, match=r"zb\.csv', which splits each backward"):
+        ThreeDSettings(**FSDP2, schedule=str(split), fsdp_reshard_after_backward=True)
+    full = write_csv_schedule("interleaved1f1b", 2, 2, 2, tmp_path / "i1f1b.csv")
+    assert ThreeDSettings(**FSDP2, schedule=str(full), stages_per_rank=2, fsdp_reshard_after_backward=True)
