@@ -12,8 +12,16 @@ under a pipeline (``reshard_after_forward=False``: not one per micro-batch). Che
 
 HSDP (``data_parallel="hsdp"``, dp 4 = 2 replicas x 2 shards) runs in the same launches: parity at pp2 x dp4
 (float64 gradients within 1e-10, float32 20 steps within 1e-4, also the split model with tied weights), each
-replica's shards adding up once and the replicas holding the same shards; a checkpoint saved under HSDP (tp1, pp1,
-dp4) resumed exactly there and loaded replicated at (pp2, dp1).
+replica's shards adding up once and the replicas holding the same shards, one all-reduce across the replicas per
+unit and optimizer step; models built in ``configure_model`` materialised directly as HSDP shards: the initial
+parameters equal one process's materialisation with the same seed (max abs difference 0.0) and building the stages
+peaks at the rank's parameter share plus one layer whole (``nano64``: two blocks per stage). A checkpoint saved
+under HSDP (tp1, pp1, dp4) resumed exactly there and loaded replicated at (pp2, dp1).
+
+``fsdp_reshard_after_backward=True`` (ZeRO-3 under micro-batches) in the same launches: parity at tp2 x pp2 x dp2
+(1F1B, m = 4; float64 gradients within 1e-10, float32 20 steps within 1e-4, gradient accumulation) and under HSDP
+at pp2 x dp4, with the collectives of that mode per optimizer step: m reduce-scatters and 2m all-gathers per unit
+and batch, and still one all-reduce across HSDP replicas per unit and optimizer step, accumulation included.
 """
 
 from __future__ import annotations
@@ -59,23 +67,52 @@ def check_fsdp_shares(got: dict, ref: dict, model: str, tp: int, dp: int) -> lis
     return problems
 
 
-def check_collectives(got: dict, accumulate: int) -> list[str]:
-    """After the first optimizer step (torch's shape inference runs extra passes), every optimizer step runs
-    exactly one reduce-scatter per FSDP unit of the rank, however many micro-batches and batches, and one
-    all-gather per unit per batch (gathered once for all micro-batches; a batch that defers its reduce-scatter
-    under gradient accumulation still reshards at its end)."""
+def check_collectives(got: dict, accumulate: int, micro: int | None = None, hsdp: bool = False) -> list[str]:
+    """After the first optimizer step (torch's shape inference runs extra passes), the FSDP collectives of each
+    optimizer step, per FSDP unit of the rank. Default (``micro=None``): exactly one reduce-scatter per unit,
+    however many micro-batches and batches, and one all-gather per unit per batch (gathered once for all
+    micro-batches; a batch that defers its reduce-scatter under gradient accumulation still reshards at its end).
+    ``fsdp_reshard_after_backward=True`` (``micro`` = m micro-batches per batch): per batch, one reduce-scatter per
+    unit per micro-batch and two all-gathers (its forward's and its backward's, resharded after each), deferred
+    batches alike. HSDP (``hsdp``): one all-reduce across the replicas per unit and optimizer step in both modes
+    (none counted otherwise)."""
     problems = []
     for rank in got["ranks"]:
         units = rank["fsdp_units"]
         steps = rank["collectives"][1:]
         if units < 2 or not steps:
             problems.append(f"rank {rank['coords']}: {units} FSDP units, {len(steps)} steps counted")
-        for i, (reduce_scatters, all_gathers) in enumerate(steps):
-            if (reduce_scatters, all_gathers) != (units, units * accumulate):
+        if micro is None:
+            want = (units, units * accumulate)
+        else:
+            want = (units * micro * accumulate, units * 2 * micro * accumulate)
+        want += (units if hsdp else 0,)
+        for i, counted in enumerate(steps):
+            if tuple(counted) != want:
                 problems.append(
-                    f"rank {rank['coords']} step {i + 2}: {reduce_scatters} reduce-scatters and {all_gathers} "
-                    f"all-gathers for {units} FSDP units (accumulate={accumulate})"
+                    f"rank {rank['coords']} step {i + 2}: (reduce-scatters, all-gathers, replica all-reduces) = "
+                    f"{tuple(counted)}, expected {want} for {units} FSDP units (accumulate={accumulate}, "
+                    f"micro={micro})"
                 )
+    return problems
+
+
+def check_materialised(got: dict) -> list[str]:
+    """A model built on the meta device, materialised as HSDP shards: rank 0's gathered initial parameters equal one
+    process's materialisation (max abs difference 0.0), and no rank's build peaked above its parameter share plus
+    the largest layer it holds whole (+ 4 KiB of device-mesh rank tables; the whole stage would be more)."""
+    problems = []
+    diffs = [r["materialised"]["init_max_abs_diff"] for r in got["ranks"]]
+    if diffs[0] != 0.0 or any(d is not None for d in diffs[1:]):
+        problems.append(f"initial parameters vs one process: max abs differences {diffs}")
+    for rank in got["ranks"]:
+        m = rank["materialised"]
+        goal = m["param_share_bytes"] + m["largest_layer_full_bytes"] + 4096
+        if m["build_peak"] > goal:
+            problems.append(
+                f"rank {rank['coords']}: building the stages peaked at {m['build_peak']} B > share "
+                f"{m['param_share_bytes']} + one layer {m['largest_layer_full_bytes']} + 4096"
+            )
     return problems
 
 
@@ -89,8 +126,12 @@ LAYOUTS = {
     (1, 2, 4): ["gpt64", "gpt32", "mlp32acc", "gptbf"],
 }
 # data_parallel="hsdp" in the same launch, after the FSDP cases: dp 4 = 2 replicas x 2 shards (dp_shard=2)
-HSDP_CASES = {(1, 2, 4): ["gpt64", "gpt32", "nanotied64"]}
+HSDP_CASES = {(1, 2, 4): ["gpt64", "gpt32", "nanotied64", "nano64"]}
 HSDP_SHARD = 2
+MICRO = 4  # micro-batches per batch in these launches (1F1B at pp2)
+# fsdp_reshard_after_backward=True in the same launch, after the other cases (fsdp, and hsdp)
+RAB_CASES = {(2, 2, 2): ["gpt64", "gpt32", "mlp32acc"]}
+HSDP_RAB_CASES = {(1, 2, 4): ["gpt64", "mlp32acc"]}
 
 
 def check_hsdp_shares(got: dict, ref: dict, model: str, tp: int, dp: int, dp_shard: int) -> list[str]:
@@ -116,7 +157,8 @@ def check_hsdp_shares(got: dict, ref: dict, model: str, tp: int, dp: int, dp_sha
 def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The single-device reference of every case the layouts below run."""
     out = tmp_path_factory.mktemp("fsdp_ref")
-    cases = sorted({case for cases in [*LAYOUTS.values(), *HSDP_CASES.values()] for case in cases})
+    every = [*LAYOUTS.values(), *HSDP_CASES.values(), *RAB_CASES.values(), *HSDP_RAB_CASES.values()]
+    cases = sorted({case for cases in every for case in cases})
     run_lightning("parity_run.py", ["--ref", "--cases", ",".join(cases), "--out", out], timeout=300)
     return out
 
@@ -127,32 +169,43 @@ def test_fsdp_parity_with_single_device(fsdp_reference, tmp_path, tp, pp, dp):
     parity_reference = fsdp_reference
     copy_inits(parity_reference, tmp_path)
     cases = LAYOUTS[(tp, pp, dp)]
-    layout = ["--tp", tp, "--pp", pp, "--dp", dp, "--micro", 4, "--data-parallel", "fsdp"]
-    hsdp = HSDP_CASES.get((tp, pp, dp), [])
-    if hsdp:
-        layout += ["--hsdp-cases", ",".join(hsdp), "--dp-shard", HSDP_SHARD]
+    layout = ["--tp", tp, "--pp", pp, "--dp", dp, "--micro", MICRO, "--data-parallel", "fsdp"]
+    hsdp, hsdp_rab = HSDP_CASES.get((tp, pp, dp), []), HSDP_RAB_CASES.get((tp, pp, dp), [])
+    rab = RAB_CASES.get((tp, pp, dp), [])
+    if hsdp or hsdp_rab:
+        layout += ["--hsdp-cases", ",".join(hsdp), "--hsdp-rab-cases", ",".join(hsdp_rab), "--dp-shard", HSDP_SHARD]
+    if rab:
+        layout += ["--rab-cases", ",".join(rab)]
     run_lightning(
         "parity_run.py",
         [*layout, "--cases", ",".join(cases), "--out", tmp_path],
-        timeout=1500 if hsdp else 1200,
+        timeout=1800 if hsdp or rab else 1200,
     )
+    runs = [(case, "", False) for case in cases] + [(case, "@rab", True) for case in rab]
+    runs += [(case, "@hsdp", False) for case in hsdp] + [(case, "@hsdp-rab", True) for case in hsdp_rab]
     problems = []
-    for case in cases:
-        ref, got = load(parity_reference, case), load(tmp_path, case)
+    for case, tag, reshard_after_backward in runs:
+        ref, got = load(parity_reference, case), load(tmp_path, f"{case}{tag}")
         accumulate = 2 if case.endswith("acc") else 1
+        # float64 within 1e-10, float32 20 steps (clipped by the norm of the sharded gradients) within 1e-4
         found = compare(ref, got, case[-2:] if case[-2:] in ("64", "32") else case[3:5])
         model = case[:3] if case[:3] in ("gpt", "mlp") else re.sub(r"\d+$", "", case)
-        found += _replicas_read_their_batches(got) + check_fsdp_shares(got, ref, model, tp, dp)
-        found += check_collectives(got, accumulate)
-        problems += [f"{case}: {p}" for p in found]
-    for case in hsdp:  # float64 within 1e-10, float32 20 steps (clipped by the norm over dp_shard) within 1e-4
-        ref, got = load(parity_reference, case), load(tmp_path, f"{case}@hsdp")
-        found = compare(ref, got, case[-2:])
-        model = case[:3] if case[:3] in ("gpt", "mlp") else re.sub(r"\d+$", "", case)
-        found += _replicas_read_their_batches(got) + check_hsdp_shares(got, ref, model, tp, dp, HSDP_SHARD)
-        found += check_collectives(got, 1)  # per shard group as FSDP (the replicas' all-reduce is not counted)
-        problems += [f"{case}@hsdp: {p}" for p in found]
+        found += _replicas_read_their_batches(got)
+        if tag.startswith("@hsdp"):
+            found += check_hsdp_shares(got, ref, model, tp, dp, HSDP_SHARD)
+        else:
+            found += check_fsdp_shares(got, ref, model, tp, dp)
+        # per shard group as FSDP, plus HSDP's all-reduces across the replicas
+        found += check_collectives(got, accumulate, MICRO if reshard_after_backward else None, tag.startswith("@hsdp"))
+        if tag == "@hsdp" and case in BUILT_ON_META:
+            found += check_materialised(got)
+        problems += [f"{case}{tag}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
+
+
+# the HSDP cases parity_run.py builds in configure_model (the meta device under ThreeDStrategy; nanotied64 is built
+# in __init__): their records say how HSDP materialised them
+BUILT_ON_META = ("gpt64", "gpt32", "nano64")
 
 
 COMBINATIONS = {  # pp2 x dp2 with the other features, one launch each: parity and shares (not the FSDP counts)

@@ -150,7 +150,8 @@ BUILD_PROBE: BuildProbe | None = None
 
 
 def _materialisation_record(trainer, pl_module, model_name: str, seed: int) -> dict[str, Any]:
-    """This rank's build peak, parameter share and largest layer held whole, and (rank 0) the initial parameters'
+    """This rank's build peak, parameter share and largest module it materialises whole (a layer of its stages, or
+    another module holding parameters, counted from the full model's shapes), and (rank 0) the initial parameters'
     max abs difference from one process materialising the whole model (meta device, same seed)."""
     from lightning_3d.core.materialize import materialize
 
@@ -158,10 +159,16 @@ def _materialisation_record(trainer, pl_module, model_name: str, seed: int) -> d
     share = sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in pl_module.parameters()
     )
-    held = {n.split(".")[1] for n, _ in pl_module.named_parameters()}  # body.<layer>.<...>
+    plan, pp_rank = strategy.stage_plan, strategy.device_mesh["pp"].get_local_rank()
+    layers = [f"{plan.body_fqn}.{k}." for s in range(plan.num_stages) if plan.stage_to_rank[s] == pp_rank
+              for k in plan.layer_names[s]]  # fmt: skip
     itemsize = next(pl_module.parameters()).element_size()
-    params = {n: math.prod(s.shape) for n, s in strategy.full_spec.items() if s.is_parameter}
-    layer_bytes = {k: itemsize * sum(v for n, v in params.items() if n.startswith(f"body.{k}.")) for k in held}
+    held = {n for n, _ in pl_module.named_parameters()}
+    whole: dict[str, int] = {}  # module materialised at once -> its full bytes
+    for name, spec in strategy.full_spec.items():
+        if spec.is_parameter and name in held:
+            owner = next((k for k in layers if name.startswith(k)), name.rsplit(".", 1)[0])
+            whole[owner] = whole.get(owner, 0) + itemsize * math.prod(spec.shape)
     full = strategy.full_state_dict()
     diff = None
     if full is not None:
@@ -170,13 +177,13 @@ def _materialisation_record(trainer, pl_module, model_name: str, seed: int) -> d
             ref = MODELS[model_name](build="configure")
             ref.configure_model()
         ref.to(dtype)
-        materialize(ref.body, torch.device("cpu"), seed, prefix="body")
+        materialize(ref, torch.device("cpu"), seed, prefix="")  # the whole model, as one device would
         want = ref.state_dict()
         diff = float("inf") if set(full) != set(want) else max(float((full[k] - want[k]).abs().max()) for k in want)
     return {
         "build_peak": BUILD_PROBE.peak if BUILD_PROBE is not None else None,
         "param_share_bytes": share,
-        "largest_layer_full_bytes": max(layer_bytes.values()),
+        "largest_layer_full_bytes": max(whole.values()),
         "init_max_abs_diff": diff,
     }
 
