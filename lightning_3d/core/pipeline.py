@@ -249,10 +249,15 @@ class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
         module = self.submod
         if getattr(module, RESHARD_AFTER_BACKWARD_ATTR, False) and isinstance(module, FSDPModule):
             # ZeRO-3: reshard and reduce-scatter after every micro-batch's backward (the settings refuse split
-            # backwards); HSDP all-reduces across replicas on the optimizer step's last backward only
+            # backwards); HSDP all-reduces across replicas on the optimizer step's last backward only. Every
+            # backward is FSDP2's "last" one, so its final callback also waits for and frees the reduce-scatter
+            # buffer it keeps in flight (one unit's flat gradients), which would otherwise live through the next
+            # micro-batch's forward; that callback also drops the forward order backward prefetch reads, which this
+            # mode turns off (fsdp.no_backward_prefetch).
             final = last_backward and not self.defer_grad_sync
-            with _forced(module, "set_reshard_after_backward", True), _forced_sync(module, all_reduce=final):
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            with _forced(module, "set_reshard_after_backward", True), _forced(module, "set_is_last_backward", True):
+                with _forced_sync(module, all_reduce=final):
+                    return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if not (last_backward and backward_type == "full" and not self.defer_grad_sync):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if not (isinstance(module, FSDPModule) and torch_compat.is_replicated(module)):
