@@ -65,7 +65,7 @@ from .core.materialize import LoadReport, gather_full_state_dict, load_full_stat
 from .core.parallelize import add_body_randomness, broadcast_seed, build_stages, describe_layout, plan_model
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
-from .core.step import HeldGrads
+from .core.step import HeldGrads, previous_grads_discarded
 from .core.tied import TiedWeights, canonical_names
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
@@ -451,6 +451,7 @@ class ThreeDStrategy(ParallelStrategy):
             scale=1.0 / accumulate if self.loss_scaler is None else self.loss_scaler.loss_weight(1.0 / accumulate),
             defer_grad_sync=accumulate > 1 and trainer.fit_loop.epoch_loop._should_accumulate(),
             flags=flags,
+            discard_prior_grads=previous_grads_discarded(trainer),
         )
         self._held_grads = result.grads  # Lightning's zero_grad runs next; backward() puts them back
         self._step_flags = result.flags
