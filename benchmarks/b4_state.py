@@ -33,10 +33,14 @@ the full xl, 19 GB of weights and Adam states over 8 ranks, does not fit the sha
 (two blocks per stage, so that "one layer" and "the stage" differ), sequence 32, vocabulary 256; ``--tiny``:
 width 64, 4 heads. Per rank: the peak during setup (``configure_model`` on meta to the start of training)
 against its parameter share + the largest block's full (unsharded) weights, and the peak of each training step
-after the first against its whole share (parameters + gradients + AdamW moments, counted as in B4) + that block;
-also FSDP's all-gathers per step and the step time, once per ``fsdp_reshard_after_forward`` choice (``False``,
-the default under a pipeline, and ``True``; ``--tiny``: the default only). The initial parameters are checked
-against one process materialising the whole model with the same seed (gathered to rank 0, max abs difference).
+after the first against its whole share (parameters + gradients + AdamW moments, counted as in B4) + that block,
+with what that peak is made of (shards, AdamW, gathered parameters, unsharded gradients, FSDP2's communication
+buffers, the rest); also FSDP's all-gathers and reduce-scatters per step and the step time, once per row of
+:data:`MEMORY_ROWS` (``fsdp_reshard_after_forward`` False, the default under a pipeline, and True;
+``fsdp_reshard_after_backward=True``, also with FSDP2's backward prefetch left on, and with each reduce-scatter's
+input freed at once, a CPU-only diagnostic; ``--tiny``: the default only). The record's value is the worst rank's
+step peak under ``fsdp_reshard_after_backward=True``. The initial parameters are checked against one process
+materialising the whole model with the same seed (gathered to rank 0, max abs difference).
 """
 
 from __future__ import annotations

@@ -18,18 +18,41 @@ Gradient sync: torch's ``PipelineStage`` recognises the ``FSDPModule`` and runs 
 without gradient sync and without resharding, then one post-backward (reduce-scatter and reshard) after the last
 micro-batch; across gradient-accumulation batches ``pipeline._Stage`` keeps even that sync off
 (``set_requires_gradient_sync(False)``) until the window's last batch, so there is one reduce-scatter per
-optimizer step, exactly as ``replicate`` has one all-reduce.
+optimizer step, exactly as ``replicate`` has one all-reduce. The price: every unit a micro-batch's backward has
+reached stays gathered, with its unsharded gradients, until the step's (or the window's) reduce-scatter; at pp = 1
+too, since the one stage runs through the same ``PipelineStage``.
 
 ``reshard_after_forward``: under a pipeline (pp > 1) ``False`` for every unit, as torchtitan chooses: each stage
 runs several micro-batch forwards before their backwards, and resharding after each forward would all-gather the
 stage's parameters again for every micro-batch (forward and backward); not resharding gathers once per step,
 at the price of holding the stage's gathered parameters (1 / pp of the tp-local model) from the first forward
 to the step's post-backward. At pp = 1 torch's default (reshard each block after its forward, the root not)
-keeps the peak at one gathered block. The ``fsdp_reshard_after_forward`` setting forces either choice; measured
-(README, B4/FSDP): under a pipeline ``True`` triples the all-gathers per step and leaves the step's peak unchanged,
-because torch's ``PipelineStage`` keeps every unit gathered (and its gradients unsharded) from a micro-batch's
-backward to the last one's. Evaluation batches reshard at their end (``reshard_after_eval``) so that
-the optimizer and checkpoints always see the sharded parameters.
+keeps the forward's peak at one gathered block. The ``fsdp_reshard_after_forward`` setting forces either choice;
+measured (README, B4/FSDP): under a pipeline ``True`` alone triples the all-gathers per step and leaves the step's
+peak unchanged, because of the backward described above. Evaluation batches reshard at their end
+(``reshard_after_eval``) so that the optimizer and checkpoints always see the sharded parameters.
+
+``reshard_after_backward`` (the ``fsdp_reshard_after_backward`` setting): ZeRO-3 as DeepSpeed runs it under
+gradient accumulation. ``apply_fsdp`` marks the stage module (``RESHARD_AFTER_BACKWARD_ATTR``; the settings make
+``reshard_after_forward`` ``True``) and ``pipeline._Stage`` runs every micro-batch's backward with resharding after
+backward and gradient sync forced on: each unit is all-gathered for each micro-batch's forward and again for its
+backward, resharded after each, and reduce-scatters its gradients after each micro-batch's backward into the
+sharded gradients, which accumulate over micro-batches and ``accumulate_grad_batches`` batches (m reduce-scatters
+and 2m all-gathers per unit and batch instead of 1 and 1; the numbers stay those of one device, the sum taken in
+another order). So a unit is gathered, with its unsharded gradients, only while its own forward or backward runs.
+Every such backward is FSDP2's "last" one (``set_is_last_backward(True)``), whose final callback also frees the
+reduce-scatter input FSDP2 keeps in flight after each unit (otherwise the last unit's would live on through the
+next micro-batch's forward). HSDP: the reduce-scatter runs every micro-batch, the all-reduce across replicas only
+on the optimizer step's last backward (``set_requires_all_reduce(False)`` before: FSDP2 sums the reduced shards
+meanwhile), once per unit and optimizer step as without the setting. FSDP2's implicit backward prefetch (a unit's
+pre-backward all-gathers the unit that ran before it in the forward) is turned off in this mode
+(:func:`no_backward_prefetch`): it keeps a second unit gathered while one computes its backward, 1 / tp of a block
+more at the peak, and on this project's CPU machines it cannot overlap anyway (measured in B4/FSDP, step time
+both ways). Split backwards (zero-bubble schedules) are refused by the settings: FSDP2's post-backward would run
+after the input gradients, before the weight gradients exist. What remains at the peak beyond the share, per
+unit of 1 / tp block: the gathered parameters and their gradients, plus the previous unit's reduce-scatter input
+that FSDP2 keeps until the next reduce-scatter (``set_reduce_scatter_max_input_buffers`` >= 1), and activations
+(measured in the README's B4/FSDP part).
 
 Mixed precision from Lightning's precision: ``"bf16-mixed"`` computes with bf16 copies of the parameters and
 reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); every other
