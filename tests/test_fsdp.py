@@ -210,7 +210,17 @@ BUILT_ON_META = ("gpt64", "gpt32", "nano64")
 
 COMBINATIONS = {  # pp2 x dp2 with the other features, one launch each: parity and shares (not the FSDP counts)
     "fsdp+checkpointing": ["--data-parallel", "fsdp", "--activation-checkpointing", "full"],
-    "fsdp+interleaved": ["--data-parallel", "fsdp", "--schedule", "interleaved1f1b", "--stages-per-rank", 2],
+    # with one more case under fsdp_reshard_after_backward=True (two FSDP roots per rank)
+    "fsdp+interleaved": [
+        "--data-parallel",
+        "fsdp",
+        "--schedule",
+        "interleaved1f1b",
+        "--stages-per-rank",
+        2,
+        "--rab-cases",
+        "gpt64",
+    ],
     "buckets+compile": ["--compile-backend", "aot_eager"],
 }
 
@@ -218,19 +228,26 @@ COMBINATIONS = {  # pp2 x dp2 with the other features, one launch each: parity a
 @pytest.mark.slow
 @pytest.mark.parametrize("combination", list(COMBINATIONS))
 def test_data_parallel_combined_with_other_features(fsdp_reference, tmp_path, combination):
-    """FSDP with activation checkpointing and with two interleaved stages per rank, and the bucketed replicate
-    (a group per block) with compiled blocks: the same numbers as one process (float64 within 1e-10, float32 20
-    steps within 1e-4 relative)."""
+    """FSDP with activation checkpointing and with two interleaved stages per rank (also under
+    ``fsdp_reshard_after_backward=True``: m reduce-scatters and 2m all-gathers per unit), and the bucketed
+    replicate (a group per block) with compiled blocks: the same numbers as one process (float64 within 1e-10,
+    float32 20 steps within 1e-4 relative)."""
     copy_inits(fsdp_reference, tmp_path)
     cases = ["gpt64", "gpt32"]
-    layout = ["--pp", 2, "--dp", 2, "--micro", 4, *COMBINATIONS[combination]]
+    layout = ["--pp", 2, "--dp", 2, "--micro", MICRO, *COMBINATIONS[combination]]
     run_lightning("parity_run.py", [*layout, "--cases", ",".join(cases), "--out", tmp_path], timeout=900)
+    runs = [(case, "") for case in cases]
+    if "--rab-cases" in COMBINATIONS[combination]:
+        runs += [(case, "@rab") for case in COMBINATIONS[combination][-1].split(",")]
     problems = []
-    for case in cases:
-        found = compare(load(fsdp_reference, case), load(tmp_path, case), case[-2:])
+    for case, tag in runs:
+        got = load(tmp_path, f"{case}{tag}")
+        found = compare(load(fsdp_reference, case), got, case[-2:])
         if combination.startswith("fsdp"):
-            found += check_fsdp_shares(load(tmp_path, case), load(fsdp_reference, case), "gpt", 1, 2)
-        problems += [f"{case}: {p}" for p in found]
+            found += check_fsdp_shares(got, load(fsdp_reference, case), "gpt", 1, 2)
+        if tag == "@rab":
+            found += check_collectives(got, 1, MICRO)
+        problems += [f"{case}{tag}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
 
 
