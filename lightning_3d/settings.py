@@ -21,6 +21,7 @@ from .core import partition
 from .core.checkpointing import checkpoint_every
 from .core.compile import compile_kwargs
 from .core.csv_schedule import check_fits, is_csv_schedule, read_csv_schedule
+from .core.fsdp import FSDP_UNITS
 from .core.pipeline import (
     ZERO_BUBBLE_SCHEDULES,
     check_schedule_name,
@@ -143,6 +144,19 @@ class ThreeDSettings:
             gathered from its backward to the end of the batch there too, so ``True`` is the ZeRO-3 peak at pp = 1
             (measured with the example GPT at pp1 x dp2, ``micro_batches=1``: the same all-gathers and reduce-scatters
             per step, 25% less peak memory). See ``core/fsdp.py``.
+        fsdp_unit: under ``data_parallel="fsdp"`` or ``"hsdp"``, what one FSDP unit (one all-gather and one
+            reduce-scatter) holds: ``"block"`` (default: each block the stage holds, then the stage's root with the
+            embeddings, final norm and head) or ``"submodule"`` (inside each block, every submodule that directly
+            owns parameters, a ``Linear``, ``Embedding``, ``LayerNorm``..., is its own unit, as DeepSpeed's ZeRO-3
+            gathers per submodule; then the block, for what is left, then the root as with ``"block"``). A
+            submodule whose parameter is shared with a module outside it (a tied weight), or registered twice,
+            stays with the unit above, by the rule of ``replicate``'s gradient buckets. With
+            ``fsdp_reshard_after_backward=True`` the step's peak is then the share plus three of the largest unit
+            (the one gathered, its gradients, FSDP2's reduce-scatter input of the unit before) and activations,
+            instead of three blocks / tp (measured in the README's B4/FSDP part), at the price of more and smaller
+            collectives: each unit's count per step is that of a block unit, and there are as many units as
+            parameter-owning submodules (8 per transformer block instead of 1). Parameter names and checkpoints do
+            not change. Refused with ``data_parallel="replicate"``. See ``core/fsdp.py``.
     """
 
     tp: int = 1
@@ -172,6 +186,7 @@ class ThreeDSettings:
     grad_reduce_dtype: str | None = None
     fsdp_reshard_after_forward: bool | None = None
     fsdp_reshard_after_backward: bool | None = None
+    fsdp_unit: str = "block"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -225,6 +240,23 @@ class ThreeDSettings:
         self._check_dp_shard()
         self._check_grad_reduce_dtype()
         self._check_fsdp_resharding()
+        self._check_fsdp_unit()
+
+    def _check_fsdp_unit(self) -> None:
+        if self.fsdp_unit not in FSDP_UNITS:
+            raise ValueError(
+                f"ThreeDStrategy: fsdp_unit must be one of {FSDP_UNITS} (what one FSDP unit holds: a block, or each "
+                f"parameter-owning submodule of a block), got {self.fsdp_unit!r}."
+            )
+        if self.fsdp_unit == "block":
+            return
+        if self.data_parallel not in ("fsdp", "hsdp"):
+            raise ValueError(
+                f"ThreeDStrategy: fsdp_unit={self.fsdp_unit!r} applies to data_parallel='fsdp' or 'hsdp' only, but "
+                f"data_parallel={self.data_parallel!r}: replicate gathers no parameters (every dp rank holds them "
+                "whole), so there is no FSDP unit to split. Leave fsdp_unit='block', or set data_parallel='fsdp' "
+                "(or 'hsdp')."
+            )
 
     def _check_fsdp_resharding(self) -> None:
         for name in ("fsdp_reshard_after_forward", "fsdp_reshard_after_backward"):

@@ -401,6 +401,7 @@ class ThreeDStrategy(ParallelStrategy):
             grad_reduce_dtype=s.grad_reduce_dtype,
             fsdp_reshard_after_forward=s.fsdp_reshard_after_forward,
             fsdp_reshard_after_backward=bool(s.fsdp_reshard_after_backward),
+            fsdp_unit=s.fsdp_unit,
         )
         self._compiled = built.compiled
         if built.compiled is not None:

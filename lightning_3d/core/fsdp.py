@@ -67,7 +67,7 @@ default fp32 reduction sums them in fp32) until the step's reduce-scatter.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -76,9 +76,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from . import torch_compat
-from .data_parallel import torch_reduce_dtype
+from .data_parallel import bucket_units, torch_reduce_dtype
 
 SHARDED_MODES = ("fsdp", "hsdp")  # the ``data_parallel`` modes wrapped here
+#: The ``fsdp_unit`` setting's values: one FSDP unit per block, or one per parameter-owning submodule of a block.
+FSDP_UNITS = ("block", "submodule")
 FSDP_ATTR = "_lightning_3d_fsdp"  # marks stage modules wrapped here (``replicate``'s modules are FSDPModules too)
 # marks stage modules whose units reshard and reduce-scatter after every micro-batch's backward (``pipeline._Stage``)
 RESHARD_AFTER_BACKWARD_ATTR = "_lightning_3d_reshard_after_backward"
@@ -103,12 +105,16 @@ def apply_fsdp(
     reduce_dtype: str | None = None,
     reshard_after_forward: bool | None = None,
     reshard_after_backward: bool = False,
+    unit: str = "block",
 ) -> nn.Module:
-    """Shard a stage module over ``dp_mesh`` with FSDP2: each of its blocks first, then the stage module itself.
+    """Shard a stage module over ``dp_mesh`` with FSDP2: its units below the root first (:func:`fsdp_units`: each
+    block, or under ``unit="submodule"`` each parameter-owning submodule of a block, then what the block has left),
+    then the stage module itself.
 
     Args:
         module: the stage's module, already tensor-parallel (and compiled, when asked).
-        blocks: the blocks this stage holds (submodules of ``module``), each its own FSDP unit.
+        blocks: the blocks this stage holds (submodules of ``module``), in forward order: each its own FSDP unit
+            where it can be (``data_parallel.bucket_units``' rule), or split further under ``unit="submodule"``.
         dp_mesh: the 1-D data-parallel sub-mesh (of the (dp, pp, tp) root mesh), or under HSDP the 2-D
             ``("dp_replicate", "dp_shard")`` one (shard over the second, replicate over the first).
         pp: the pipeline degree (``reshard_after_forward`` is ``False`` under a pipeline, see the module text).
@@ -118,6 +124,7 @@ def apply_fsdp(
         reshard_after_backward: the ``fsdp_reshard_after_backward`` setting (ZeRO-3 under micro-batches): mark the
             stage so that every micro-batch's backward reshards each unit and reduce-scatters its gradients
             (``pipeline._Stage``), and turn FSDP2's implicit backward prefetch off (see the module text).
+        unit: the ``fsdp_unit`` setting: ``"block"`` or ``"submodule"`` (see :func:`fsdp_units`).
 
     Returns:
         The stage module (``fully_shard`` works in place and returns it).
@@ -131,9 +138,8 @@ def apply_fsdp(
     reshard = reshard_after_forward
     if reshard is None:
         reshard = False if pp > 1 else None  # None: torch's default (blocks reshard after forward, the root not)
-    for block in blocks:
-        if any(True for _ in block.parameters()):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    for sub in fsdp_units(module, blocks, unit):
+        fully_shard(sub, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     if reduce_dtype is not None:  # sum micro-batches in the gradients' dtype, reduce in the narrower one
         torch_compat.accumulate_unreduced_grads_as_computed(module)
@@ -142,6 +148,60 @@ def apply_fsdp(
         setattr(module, RESHARD_AFTER_BACKWARD_ATTR, True)
         no_backward_prefetch(module)
     return module
+
+
+def fsdp_units(module: nn.Module, blocks: Sequence[nn.Module], unit: str = "block") -> list[nn.Module]:
+    """The modules to ``fully_shard`` below the stage root, in wrapping order (inner units before the module that
+    holds them); the root takes every parameter left.
+
+    ``unit="block"``: each block that can be its own unit by the rule of ``replicate``'s gradient buckets
+    (``data_parallel.bucket_units``: it has parameters, is listed once, and shares none with a module outside it).
+    ``unit="submodule"``: inside each block (listed once), every submodule that directly owns parameters (a
+    ``Linear``, an ``Embedding``, a ``LayerNorm``, ...) children before parents, under the same rule applied over
+    the whole stage module: a submodule whose parameter is also registered on a module outside it (a tied weight)
+    or that is registered twice (so runs twice per forward) is no unit of its own, and its parameters fall to the
+    next unit up (the block, or the root). Then the block itself, only if it still holds parameters that none of its
+    submodule units took (a parameter it registers directly, or a weight its submodules share).
+
+    Args:
+        module: the stage module (the root unit).
+        blocks: its blocks, in forward order.
+        unit: ``"block"`` or ``"submodule"`` (the ``fsdp_unit`` setting).
+
+    Returns:
+        The units, each to be wrapped before the ones after it.
+
+    Raises:
+        ValueError: ``unit`` is neither (``ThreeDSettings`` refuses it earlier).
+    """
+    if unit not in FSDP_UNITS:
+        raise ValueError(f"lightning_3d: fsdp_unit must be one of {FSDP_UNITS}, got {unit!r}.")
+    if unit == "block":
+        return bucket_units(module, blocks)
+    units: list[nn.Module] = []
+    for block in blocks:
+        if sum(b is block for b in blocks) > 1:
+            continue  # run twice per forward: its parameters stay with the root (bucket_units' rule)
+        owners = [m for m in _children_first(block) if m is not block and _owns_parameters(m)]
+        inner = bucket_units(module, owners)
+        taken = {id(p) for sub in inner for p in sub.parameters()}
+        units += inner
+        if any(id(p) not in taken for p in block.parameters()) and bucket_units(module, [block]):
+            units.append(block)
+    return units
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and every module under it, each after its children (post-order); a module registered under two
+    names comes twice (``bucket_units`` then leaves it to the unit above)."""
+    for child in torch_compat.child_modules(module).values():
+        if child is not None:
+            yield from _children_first(child)
+    yield module
 
 
 def no_backward_prefetch(module: nn.Module) -> None:

@@ -330,13 +330,15 @@ def build_stages(
     grad_reduce_dtype: str | None = None,
     fsdp_reshard_after_forward: bool | None = None,
     fsdp_reshard_after_backward: bool = False,
+    fsdp_unit: str = "block",
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
     ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
     data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``, FSDP2
     sharding over dp (``fsdp.py``); ``"hsdp"``: the same over ``dp_mesh``, HSDP's (dp_replicate, dp_shard) view of
     dp (``None``: ``mesh["dp"]``); ``grad_reduce_dtype`` (``"bf16"``/``"fp16"``) is the dtype of either's gradient
-    reduction; ``fsdp_reshard_after_forward`` / ``fsdp_reshard_after_backward``: the settings of those names. A
+    reduction; ``fsdp_reshard_after_forward`` / ``fsdp_reshard_after_backward`` / ``fsdp_unit``: the settings of
+    those names. A
     meta-device model under ``"fsdp"`` or ``"hsdp"`` is materialised directly as this rank's shards
     (``materialize.ShardedInit``)."""
     dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
@@ -355,6 +357,7 @@ def build_stages(
             grad_reduce_dtype,
             fsdp_reshard_after_forward,
             fsdp_reshard_after_backward,
+            fsdp_unit,
         )
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
@@ -400,6 +403,7 @@ def build_stages(
         grad_reduce_dtype,
         fsdp_reshard_after_forward,
         fsdp_reshard_after_backward,
+        fsdp_unit,
     )
     stages = []
     for s in my_stages:
@@ -424,10 +428,12 @@ def _dp_wrapper(
     grad_reduce_dtype: str | None,
     fsdp_reshard_after_forward: bool | None,
     fsdp_reshard_after_backward: bool = False,
+    fsdp_unit: str = "block",
 ) -> Callable[[nn.Module, Sequence[nn.Module]], nn.Module]:
     """``wrap(stage_module, blocks)`` with this build's settings: the stage made data-parallel as FSDP2 units
-    (``"fsdp"``/``"hsdp"``, over ``dp_mesh``) or ``replicate`` gradient buckets (over ``mesh["dp"]``), each of
-    ``blocks`` its own unit or bucket where it can be."""
+    (``"fsdp"``/``"hsdp"``, over ``dp_mesh``; ``fsdp_unit="submodule"``: the blocks' parameter-owning submodules)
+    or ``replicate`` gradient buckets (over ``mesh["dp"]``), each of ``blocks`` its own unit or bucket where it
+    can be."""
 
     def wrap(module: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
         if data_parallel in SHARDED_MODES:
@@ -440,6 +446,7 @@ def _dp_wrapper(
                 reduce_dtype=grad_reduce_dtype,
                 reshard_after_forward=fsdp_reshard_after_forward,
                 reshard_after_backward=fsdp_reshard_after_backward,
+                unit=fsdp_unit,
             )
         return apply_data_parallel(module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
 
@@ -477,6 +484,7 @@ def _build_split_stages(
     grad_reduce_dtype: str | None = None,
     fsdp_reshard_after_forward: bool | None = None,
     fsdp_reshard_after_backward: bool = False,
+    fsdp_unit: str = "block",
 ) -> BuiltStages:
     split = model.split
     dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
@@ -537,6 +545,7 @@ def _build_split_stages(
         grad_reduce_dtype,
         fsdp_reshard_after_forward,
         fsdp_reshard_after_backward,
+        fsdp_unit,
     )
     stages = []
     for s in my_stages:
