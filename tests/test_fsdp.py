@@ -22,6 +22,13 @@ under HSDP (tp1, pp1, dp4) resumed exactly there and loaded replicated at (pp2, 
 (1F1B, m = 4; float64 gradients within 1e-10, float32 20 steps within 1e-4, gradient accumulation) and under HSDP
 at pp2 x dp4, with the collectives of that mode per optimizer step: m reduce-scatters and 2m all-gathers per unit
 and batch, and still one all-reduce across HSDP replicas per unit and optimizer step, accumulation included.
+
+``fsdp_unit="submodule"`` (with ``fsdp_reshard_after_backward=True``, the memory choice) in the same launches: parity
+at tp2 x pp2 x dp2 (1F1B: float64 gradients within 1e-10, float32 20 steps within 1e-4) and under HSDP, with the
+units the model's structure gives (every parameter-owning submodule of a block: 10 per rank) and their collectives
+(m reduce-scatters and 2m all-gathers per unit and batch), the initial parameters of the meta-built cases equal to one
+process's materialisation and their build peak within the share + one layer; and in the combination launches with
+activation checkpointing, two interleaved stages per rank and compiled blocks.
 """
 
 from __future__ import annotations
@@ -116,6 +123,14 @@ def check_materialised(got: dict) -> list[str]:
     return problems
 
 
+def check_submodule_units(got: dict, model: str) -> list[str]:
+    """Under ``fsdp_unit="submodule"`` every rank wraps the units its stages' structure gives
+    (:data:`SUBMODULE_UNITS`), not the strategy's own count of them alone."""
+    want = SUBMODULE_UNITS[model]
+    wrong = [r for r in got["ranks"] if r["fsdp_units"] != want]
+    return [f"rank {r['coords']}: {r['fsdp_units']} FSDP units, expected {want}" for r in wrong]
+
+
 def _replicas_read_their_batches(got: dict) -> list[str]:
     # FSDP ranks hold different shards: only the data part of check_replicas applies
     return [p for p in check_replicas(got) if "data-parallel replicas differ" not in p]
@@ -132,6 +147,14 @@ MICRO = 4  # micro-batches per batch in these launches (1F1B at pp2)
 # fsdp_reshard_after_backward=True in the same launch, after the other cases (fsdp, and hsdp)
 RAB_CASES = {(2, 2, 2): ["gpt64", "gpt32", "mlp32acc"]}
 HSDP_RAB_CASES = {(1, 2, 4): ["gpt64", "mlp32acc"]}
+# fsdp_unit="submodule" with fsdp_reshard_after_backward=True in the same launch, after those (fsdp, and hsdp)
+SUB_RAB_CASES = {(2, 2, 2): ["gpt64", "gpt32"]}
+HSDP_SUB_RAB_CASES = {(1, 2, 4): ["gpt64"]}
+# FSDP units per rank of tests/models.py's TinyGPT under fsdp_unit="submodule", from its structure: 4 layers (Embed:
+# tok, pos; 2 x Block: ln1, ln2, q_proj, k_proj, v_proj, out_proj, fc, proj; Head: ln, lm_head), split 2 + 2 over pp2
+# (or 1 + 1 + 1 + 1 over two interleaved stages per rank): every rank holds one Block (8 units) and the Embed or the
+# Head (2); the Embed, Block and Head modules and the stage root own no parameter themselves, so they gather nothing
+SUBMODULE_UNITS = {"gpt": 10}
 
 
 def check_hsdp_shares(got: dict, ref: dict, model: str, tp: int, dp: int, dp_shard: int) -> list[str]:
@@ -158,6 +181,7 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The single-device reference of every case the layouts below run."""
     out = tmp_path_factory.mktemp("fsdp_ref")
     every = [*LAYOUTS.values(), *HSDP_CASES.values(), *RAB_CASES.values(), *HSDP_RAB_CASES.values()]
+    every += [*SUB_RAB_CASES.values(), *HSDP_SUB_RAB_CASES.values()]
     cases = sorted({case for cases in every for case in cases})
     run_lightning("parity_run.py", ["--ref", "--cases", ",".join(cases), "--out", out], timeout=300)
     return out
@@ -171,18 +195,22 @@ def test_fsdp_parity_with_single_device(fsdp_reference, tmp_path, tp, pp, dp):
     cases = LAYOUTS[(tp, pp, dp)]
     layout = ["--tp", tp, "--pp", pp, "--dp", dp, "--micro", MICRO, "--data-parallel", "fsdp"]
     hsdp, hsdp_rab = HSDP_CASES.get((tp, pp, dp), []), HSDP_RAB_CASES.get((tp, pp, dp), [])
-    rab = RAB_CASES.get((tp, pp, dp), [])
-    if hsdp or hsdp_rab:
+    rab, sub_rab = RAB_CASES.get((tp, pp, dp), []), SUB_RAB_CASES.get((tp, pp, dp), [])
+    hsdp_sub_rab = HSDP_SUB_RAB_CASES.get((tp, pp, dp), [])
+    if hsdp or hsdp_rab or hsdp_sub_rab:
         layout += ["--hsdp-cases", ",".join(hsdp), "--hsdp-rab-cases", ",".join(hsdp_rab), "--dp-shard", HSDP_SHARD]
-    if rab:
-        layout += ["--rab-cases", ",".join(rab)]
+        layout += ["--hsdp-sub-rab-cases", ",".join(hsdp_sub_rab)]
+    if rab or sub_rab:
+        layout += ["--rab-cases", ",".join(rab), "--sub-rab-cases", ",".join(sub_rab)]
     run_lightning(
         "parity_run.py",
         [*layout, "--cases", ",".join(cases), "--out", tmp_path],
         timeout=1800 if hsdp or rab else 1200,
     )
     runs = [(case, "", False) for case in cases] + [(case, "@rab", True) for case in rab]
+    runs += [(case, "@sub-rab", True) for case in sub_rab]
     runs += [(case, "@hsdp", False) for case in hsdp] + [(case, "@hsdp-rab", True) for case in hsdp_rab]
+    runs += [(case, "@hsdp-sub-rab", True) for case in hsdp_sub_rab]
     problems = []
     for case, tag, reshard_after_backward in runs:
         ref, got = load(parity_reference, case), load(tmp_path, f"{case}{tag}")
@@ -197,7 +225,9 @@ def test_fsdp_parity_with_single_device(fsdp_reference, tmp_path, tp, pp, dp):
             found += check_fsdp_shares(got, ref, model, tp, dp)
         # per shard group as FSDP, plus HSDP's all-reduces across the replicas
         found += check_collectives(got, accumulate, MICRO if reshard_after_backward else None, tag.startswith("@hsdp"))
-        if tag == "@hsdp" and case in BUILT_ON_META:
+        if "sub" in tag:
+            found += check_submodule_units(got, model)
+        if (tag == "@hsdp" or "sub" in tag) and case in BUILT_ON_META:
             found += check_materialised(got)
         problems += [f"{case}{tag}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
@@ -209,8 +239,9 @@ BUILT_ON_META = ("gpt64", "gpt32", "nano64")
 
 
 COMBINATIONS = {  # pp2 x dp2 with the other features, one launch each: parity and shares (not the FSDP counts)
-    "fsdp+checkpointing": ["--data-parallel", "fsdp", "--activation-checkpointing", "full"],
-    # with one more case under fsdp_reshard_after_backward=True (two FSDP roots per rank)
+    # each with one more case under fsdp_unit="submodule" and fsdp_reshard_after_backward=True (its units, counts)
+    "fsdp+checkpointing": ["--data-parallel", "fsdp", "--activation-checkpointing", "full", "--sub-rab-cases", "gpt64"],
+    # and one under fsdp_reshard_after_backward=True alone (two FSDP roots per rank)
     "fsdp+interleaved": [
         "--data-parallel",
         "fsdp",
@@ -220,8 +251,11 @@ COMBINATIONS = {  # pp2 x dp2 with the other features, one launch each: parity a
         2,
         "--rab-cases",
         "gpt64",
+        "--sub-rab-cases",
+        "gpt64",
     ],
-    "buckets+compile": ["--compile-backend", "aot_eager"],
+    # (the submodule case under fsdp, the launch's own cases under replicate)
+    "buckets+compile": ["--compile-backend", "aot_eager", "--sub-rab-cases", "gpt64"],
 }
 
 
@@ -231,22 +265,29 @@ def test_data_parallel_combined_with_other_features(fsdp_reference, tmp_path, co
     """FSDP with activation checkpointing and with two interleaved stages per rank (also under
     ``fsdp_reshard_after_backward=True``: m reduce-scatters and 2m all-gathers per unit), and the bucketed
     replicate (a group per block) with compiled blocks: the same numbers as one process (float64 within 1e-10,
-    float32 20 steps within 1e-4 relative)."""
+    float32 20 steps within 1e-4 relative). In each launch one more case under ``fsdp_unit="submodule"`` with
+    ``fsdp_reshard_after_backward=True`` (FSDP over compiled blocks in the compile launch): parity, its units and
+    m reduce-scatters and 2m all-gathers per unit (under activation checkpointing too: FSDP2 does not reshard a unit
+    the recomputation gathers, so its backward gathers nothing more)."""
     copy_inits(fsdp_reference, tmp_path)
     cases = ["gpt64", "gpt32"]
-    layout = ["--pp", 2, "--dp", 2, "--micro", MICRO, *COMBINATIONS[combination]]
+    options = COMBINATIONS[combination]
+    layout = ["--pp", 2, "--dp", 2, "--micro", MICRO, *options]
     run_lightning("parity_run.py", [*layout, "--cases", ",".join(cases), "--out", tmp_path], timeout=900)
     runs = [(case, "") for case in cases]
-    if "--rab-cases" in COMBINATIONS[combination]:
-        runs += [(case, "@rab") for case in COMBINATIONS[combination][-1].split(",")]
+    for flag, tag in (("--rab-cases", "@rab"), ("--sub-rab-cases", "@sub-rab")):
+        if flag in options:
+            runs += [(case, tag) for case in str(options[options.index(flag) + 1]).split(",")]
     problems = []
     for case, tag in runs:
         got = load(tmp_path, f"{case}{tag}")
         found = compare(load(fsdp_reference, case), got, case[-2:])
-        if combination.startswith("fsdp"):
+        if combination.startswith("fsdp") or tag:
             found += check_fsdp_shares(got, load(fsdp_reference, case), "gpt", 1, 2)
-        if tag == "@rab":
+        if tag:
             found += check_collectives(got, 1, MICRO)
+        if tag == "@sub-rab":
+            found += check_submodule_units(got, "gpt")
         problems += [f"{case}{tag}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
 
@@ -259,18 +300,17 @@ def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list
 def test_fsdp_checkpoint_resumes_exactly_and_loads_replicated(tmp_path: Path) -> None:
     """Saved under FSDP (pp2 x dp2): resumed there bitwise; loaded under replicate at (pp2, dp1): the same full
     parameters and Adam states as at the save, then the same losses within float32 round-off. The same for a
-    checkpoint saved under HSDP (in the same two launches, ``_check_hsdp_checkpoints``)."""
-    run_lightning("fsdp_ckpt.py", ["--phase", "save", "--pp", 2, "--dp", 2, "--hsdp", "--out", tmp_path], timeout=1200)
+    checkpoint saved under HSDP and one saved under ``fsdp_unit="submodule"`` (in the same two launches,
+    ``_check_hsdp_checkpoints``, ``_check_submodule_checkpoints``)."""
+    save = ["--phase", "save", "--pp", 2, "--dp", 2, "--hsdp", "--submodule", "--out", tmp_path]
+    run_lightning("fsdp_ckpt.py", save, timeout=1200)
     saved = torch.load(tmp_path / "fsdp-save.pt", weights_only=False)
     clean, from5 = saved["clean"], saved["from5"]
     assert from5["steps"] == list(range(6, 11)) and from5["losses"] == clean["losses"][5:]
     assert not _differences(from5["snap_end"]["params"], clean["snap_end"]["params"])
     assert not _differences(from5["snap_end"]["opt"], clean["snap_end"]["opt"])
-    run_lightning(
-        "fsdp_ckpt.py",
-        ["--phase", "load", "--pp", 2, "--dp", 1, "--data-parallel", "replicate", "--hsdp", "--out", tmp_path],
-        timeout=900,
-    )
+    load = ["--phase", "load", "--pp", 2, "--dp", 1, "--data-parallel", "replicate", "--hsdp", "--submodule"]
+    run_lightning("fsdp_ckpt.py", [*load, "--out", tmp_path], timeout=900)
     loaded = torch.load(tmp_path / "fsdp-load-replicate-tp1-pp2-dp1.pt", weights_only=False)
     resumed = loaded["resume"]
     at5 = clean["snap_5"]
@@ -281,6 +321,27 @@ def test_fsdp_checkpoint_resumes_exactly_and_loads_replicated(tmp_path: Path) ->
     for got, want in zip(resumed["losses"], clean["losses"][5:], strict=True):
         assert abs(got - want) <= 1e-4 * abs(want), (resumed["losses"], clean["losses"][5:])
     _check_hsdp_checkpoints(saved, loaded["resume_hsdp"])
+    _check_submodule_checkpoints(saved, loaded["resume_sub"])
+
+
+def _check_submodule_checkpoints(saved: dict, resumed: dict) -> None:
+    """``fsdp_unit="submodule"`` (pp2 x dp2, in the save launch; a model whose parameters sit one module below the
+    body's layers, so each inner Linear is its own FSDP unit): the checkpoint keys are the unwrapped names, the run
+    resumed exactly from its step-5 checkpoint, and that checkpoint loaded under replicate at (pp2, dp1) with the same
+    full parameters and Adam states."""
+    clean, from5 = saved["sub_clean"], saved["sub_from5"]
+    at5 = clean["snap_5"]
+    names = [f"body.{i}.0.{k}" for i in range(3) for k in ("bias", "weight")] + ["body.3.bias", "body.3.weight"]
+    assert sorted(at5["params"]) == names  # as unwrapped: FSDP2 keeps every name
+    assert from5["steps"] == list(range(6, 11)) and from5["losses"] == clean["losses"][5:]
+    assert not _differences(from5["snap_end"]["params"], clean["snap_end"]["params"])
+    assert not _differences(from5["snap_end"]["opt"], clean["snap_end"]["opt"])
+    assert len(at5["opt"]) == 3 * len(at5["params"]) > 0
+    assert not _differences(resumed["snap_start"]["params"], at5["params"])
+    assert not _differences(resumed["snap_start"]["opt"], at5["opt"])
+    assert resumed["steps"] == list(range(6, 11))
+    for got, want in zip(resumed["losses"], clean["losses"][5:], strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want), (resumed["losses"], clean["losses"][5:])
 
 
 def _check_hsdp_checkpoints(saved: dict, resumed: dict) -> None:

@@ -14,7 +14,10 @@ same seed (max abs difference), and the peak live tensor bytes of building the s
 beside the rank's parameter share and the largest layer it holds, whole.
 
 ``--rab-cases`` / ``--hsdp-rab-cases`` run more cases in the same launch with ``fsdp_reshard_after_backward=True``
-(``OUT/<case>@rab.pt``, ``OUT/<case>@hsdp-rab.pt``).
+(``OUT/<case>@rab.pt``, ``OUT/<case>@hsdp-rab.pt``); ``--sub-rab-cases`` / ``--hsdp-sub-rab-cases`` more again with
+``fsdp_unit="submodule"`` as well (``OUT/<case>@sub-rab.pt`` under ``"fsdp"``, also in a launch whose own cases run
+under ``"replicate"``, and ``OUT/<case>@hsdp-sub-rab.pt``); those built in ``configure_model`` also record how their
+own materialisation compares with one process's (as the HSDP cases do).
 """
 
 from __future__ import annotations
@@ -340,6 +343,7 @@ def run_case(args: argparse.Namespace, case: str) -> None:
             data_parallel=args.data_parallel,
             dp_shard=args.dp_shard if args.data_parallel == "hsdp" else None,
             fsdp_reshard_after_backward=True if args.rab else None,
+            fsdp_unit=args.fsdp_unit,
             activation_checkpointing=_checkpointing(args.activation_checkpointing),
             compile={"backend": args.compile_backend} if args.compile_backend else False,
         )
@@ -365,8 +369,10 @@ def run_case(args: argparse.Namespace, case: str) -> None:
                 args.ref,
                 args.tag,
                 COUNTER if args.data_parallel != "replicate" else None,
-                # HSDP's own materialisation of a model built on the meta device, checked before the reference loads
-                check_init=args.data_parallel == "hsdp" and build == "configure" and not args.rab,
+                # HSDP's (and submodule units') own materialisation of a model built on the meta device, checked
+                # before the reference loads
+                check_init=build == "configure"
+                and ((args.data_parallel == "hsdp" and not args.rab) or args.fsdp_unit == "submodule"),
                 dp_shard=args.dp_shard if args.data_parallel == "hsdp" else None,
             )
         ],
@@ -392,6 +398,11 @@ def main() -> None:
     # cases (OUT/<case>@hsdp-rab.pt)
     parser.add_argument("--rab-cases", default="")
     parser.add_argument("--hsdp-rab-cases", default="")
+    # and with fsdp_unit="submodule" too: OUT/<case>@sub-rab.pt (under fsdp, or --data-parallel's sharded mode),
+    # OUT/<case>@hsdp-sub-rab.pt
+    parser.add_argument("--sub-rab-cases", default="")
+    parser.add_argument("--hsdp-sub-rab-cases", default="")
+    parser.add_argument("--fsdp-unit", default="block", help="fsdp_unit of the --cases runs (block or submodule)")
     parser.add_argument("--activation-checkpointing", default=None, help="full, selective or N (default: off)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile each block with this backend")
     parser.add_argument("--cases", default=",".join(SEQUENTIAL_CASES))
@@ -402,8 +413,9 @@ def main() -> None:
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
     global COUNTER, BUILD_PROBE
-    COUNTER = CollectiveCounter() if args.data_parallel != "replicate" or args.hsdp_cases else None
-    BUILD_PROBE = BuildProbe() if args.hsdp_cases else None
+    submodule_cases = args.sub_rab_cases or args.hsdp_sub_rab_cases
+    COUNTER = CollectiveCounter() if args.data_parallel != "replicate" or args.hsdp_cases or submodule_cases else None
+    BUILD_PROBE = BuildProbe() if args.hsdp_cases or submodule_cases else None
     args.rab = False
     # a CSV schedule (NAME is its path) is tagged by the file's stem: case C writes OUT/C@<stem>.pt
     runs = [(n, int(v), f"@{Path(n).stem}") for n, v in (s.rsplit(":", 1) for s in args.schedules.split(",") if s)]
@@ -411,13 +423,16 @@ def main() -> None:
         args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag
         for case in filter(None, args.cases.split(",")):
             run_case(args, case)
+    sharded = args.data_parallel if args.data_parallel != "replicate" else "fsdp"
     extra = [
-        (args.data_parallel, True, "@rab", args.rab_cases),
-        ("hsdp", False, "@hsdp", args.hsdp_cases),
-        ("hsdp", True, "@hsdp-rab", args.hsdp_rab_cases),
+        (args.data_parallel, True, "block", "@rab", args.rab_cases),
+        (sharded, True, "submodule", "@sub-rab", args.sub_rab_cases),
+        ("hsdp", False, "block", "@hsdp", args.hsdp_cases),
+        ("hsdp", True, "block", "@hsdp-rab", args.hsdp_rab_cases),
+        ("hsdp", True, "submodule", "@hsdp-sub-rab", args.hsdp_sub_rab_cases),
     ]
-    for data_parallel, rab, tag, cases in extra:
-        args.data_parallel, args.rab, args.tag = data_parallel, rab, tag
+    for data_parallel, rab, unit, tag, cases in extra:
+        args.data_parallel, args.rab, args.fsdp_unit, args.tag = data_parallel, rab, unit, tag
         for case in filter(None, cases.split(",")):
             run_case(args, case)
 
