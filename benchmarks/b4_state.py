@@ -38,9 +38,13 @@ with what that peak is made of (shards, AdamW, gathered parameters, unsharded gr
 buffers, the rest); also FSDP's all-gathers and reduce-scatters per step and the step time, once per row of
 :data:`MEMORY_ROWS` (``fsdp_reshard_after_forward`` False, the default under a pipeline, and True;
 ``fsdp_reshard_after_backward=True``, also with FSDP2's backward prefetch left on, and with each reduce-scatter's
-input freed at once, a CPU-only diagnostic; ``--tiny``: the default only). The record's value is the worst rank's
-step peak under ``fsdp_reshard_after_backward=True``. The initial parameters are checked against one process
-materialising the whole model with the same seed (gathered to rank 0, max abs difference).
+input freed at once, a CPU-only diagnostic; ``fsdp_unit="submodule"`` alone, with ``fsdp_reshard_after_backward=True``
+and with activation checkpointing as well; ``--tiny``: the default only), with the rank's FSDP units and the largest
+one's gathered bytes (:func:`fsdp_unit_bytes`, from the full model's shapes), so that a peak reads as the share plus
+so many blocks and so many largest units. The record's value is the worst rank's step peak under
+``fsdp_unit="submodule"`` with ``fsdp_reshard_after_backward=True`` (:data:`HEADLINE_ROW`). The initial parameters
+are checked against one process materialising the whole model with the same seed (gathered to rank 0, max abs
+difference).
 """
 
 from __future__ import annotations
@@ -239,6 +243,9 @@ MEMORY_ROWS: dict[str, dict[str, Any]] = {
     "rab": {"fsdp_reshard_after_backward": True},
     "rab+prefetch": {"fsdp_reshard_after_backward": True, "backward_prefetch": True},
     "rab-rs-freed": {"fsdp_reshard_after_backward": True, "free_reduce_scatter_input": True},
+    "sub": {"fsdp_unit": "submodule"},
+    "sub-rab": {"fsdp_unit": "submodule", "fsdp_reshard_after_backward": True},
+    "sub-rab-ac": {"fsdp_unit": "submodule", "fsdp_reshard_after_backward": True, "activation_checkpointing": "full"},
 }
 ROW_TITLES = {
     "False": "fsdp_reshard_after_forward=False (default under a pipeline)",
@@ -246,7 +253,12 @@ ROW_TITLES = {
     "rab": "fsdp_reshard_after_backward=True",
     "rab+prefetch": "fsdp_reshard_after_backward=True with FSDP2's backward prefetch left on",
     "rab-rs-freed": "fsdp_reshard_after_backward=True, each reduce-scatter's input freed at once (diagnostic, CPU)",
+    "sub": "fsdp_unit='submodule'",
+    "sub-rab": "fsdp_unit='submodule', fsdp_reshard_after_backward=True",
+    "sub-rab-ac": "fsdp_unit='submodule', fsdp_reshard_after_backward=True, activation_checkpointing='full'",
 }
+HEADLINE_ROW = "sub-rab"
+"""The row whose worst rank is the record's value: the choice that meets the goal."""
 
 
 class FreeingReduceScatter:
@@ -391,6 +403,7 @@ def worker_memory(tiny: bool = False, row: str = "False", steps: int = 3) -> dic
                     init_diff = float("inf")
             del full
             self.shards, self.module, self.optimizers = list(pl_module.parameters()), pl_module, trainer.optimizers
+            units = fsdp_unit_bytes(pl_module, strategy.full_spec)
             if free_reduce_scatter_input:
                 from torch.distributed.fsdp import FSDPModule
 
@@ -404,6 +417,8 @@ def worker_memory(tiny: bool = False, row: str = "False", steps: int = 3) -> dic
                 exact_param_bytes=exact_params,
                 exact_bytes=exact_params * 4 + 4 * len(owned),
                 block_full_bytes=block_full,
+                fsdp_units=len(units),
+                largest_unit_bytes=max(units.values()),
                 init_max_abs_diff=init_diff,
                 live_at_fit_start=self.live_at_start,
                 **phases,
@@ -449,6 +464,25 @@ def worker_memory(tiny: bool = False, row: str = "False", steps: int = 3) -> dic
     return {"ranks": gathered, "config": config}
 
 
+def fsdp_unit_bytes(module: Any, full_spec: dict[str, Any]) -> dict[str, int]:
+    """Each FSDP unit under ``module`` that gathers parameters of its own (not a nested unit's), by module name: the
+    bytes of those parameters gathered over dp (their tensor-parallel share, from the full model's shapes and
+    :data:`benchmarks.common.GPT_SHARDED`, not from the strategy's plan)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .common import gpt_local_numel
+
+    units = {n: m for n, m in module.named_modules() if isinstance(m, FSDPModule)}
+    out: dict[str, int] = {}
+    for name, unit in units.items():
+        nested = {id(p) for sub in unit.modules() if sub is not unit and isinstance(sub, FSDPModule)
+                  for p in sub.parameters()}  # fmt: skip
+        own = [f"{name}.{n}" if name else n for n, p in unit.named_parameters() if id(p) not in nested]
+        if own:
+            out[name] = sum(4 * gpt_local_numel(n, full_spec[n].shape, TP) for n in own)
+    return out
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f}"
 
@@ -467,8 +501,9 @@ def describe_peak(at_peak: dict[str, Any] | None, share: int) -> str:
 
 def run_memory(out: Path, tiny: bool) -> Record:
     """FSDP memory against the goal (share + one layer), per FSDP choice (:data:`MEMORY_ROWS`; ``--tiny``: the
-    default under a pipeline only). The record's value and ratio are those of ``fsdp_reshard_after_backward=True``
-    (the choice made for the goal), the default's with ``--tiny``."""
+    default under a pipeline only). The record's value and ratio are those of :data:`HEADLINE_ROW`
+    (``fsdp_unit="submodule"`` with ``fsdp_reshard_after_backward=True``, the choice made for the goal), the
+    default's with ``--tiny``."""
     from .common import launch
 
     choices = ["False"] if tiny else list(MEMORY_ROWS)
@@ -508,6 +543,7 @@ def run_memory(out: Path, tiny: bool) -> Record:
                 "step_ok": step_peak <= step_goal,
                 "step_over_goal": step_peak / step_goal,
                 "over_share_in_blocks": (step_peak - share) / r["block_full_bytes"],
+                "over_share_in_largest_units": (step_peak - share) / r["largest_unit_bytes"],
                 "all_gathers_per_step": [st["all_gathers"] for st in later],
                 "reduce_scatters_per_step": [st["reduce_scatters"] for st in later],
                 "step_seconds": [st["seconds"] for st in later],
@@ -524,7 +560,9 @@ def run_memory(out: Path, tiny: bool) -> Record:
             )
         worst = max(per_rank, key=lambda r: r["step_over_goal"])
         lines.append(
-            f"  worst rank {worst['rank']}: step peak = share + {worst['over_share_in_blocks']:.2f} blocks; "
+            f"  worst rank {worst['rank']}: step peak = share + {worst['over_share_in_blocks']:.2f} blocks = share + "
+            f"{worst['over_share_in_largest_units']:.2f} x its largest FSDP unit gathered "
+            f"({_mb(worst['largest_unit_bytes'])} MB; {worst['fsdp_units']} units on the rank); "
             + describe_peak(worst["peak_breakdown"], worst["share_bytes"])
         )
         diffs = [r["init_max_abs_diff"] for r in ranks if r["init_max_abs_diff"] is not None]
@@ -536,7 +574,7 @@ def run_memory(out: Path, tiny: bool) -> Record:
         "runs": runs,
         "goal": f"every rank's peak <= its share + one layer's (block's) full weights + {SLACK} bytes",
     }
-    headline = runs["rab" if "rab" in runs else "False"]["ranks"]
+    headline = runs[HEADLINE_ROW if HEADLINE_ROW in runs else "False"]["ranks"]
     worst = max(headline, key=lambda r: r["step_over_goal"])
     ratio = max(max(r["step_over_goal"], r["setup_peak"] / r["setup_goal_bytes"]) for r in headline)
     return Record(
