@@ -153,10 +153,14 @@ class ThreeDSettings:
             stays with the unit above, by the rule of ``replicate``'s gradient buckets. With
             ``fsdp_reshard_after_backward=True`` the step's peak is then the share plus three of the largest unit
             (the one gathered, its gradients, FSDP2's reduce-scatter input of the unit before) and activations,
-            instead of three blocks / tp (measured in the README's B4/FSDP part), at the price of more and smaller
+            instead of three blocks / tp (the README's B4/FSDP part, tp2 x pp2 x dp2 at width 1024: share + 0.56
+            blocks against 1.52, the issue's "share + one layer" met), at the price of more and smaller
             collectives: each unit's count per step is that of a block unit, and there are as many units as
-            parameter-owning submodules (8 per transformer block instead of 1). Parameter names and checkpoints do
-            not change. Refused with ``data_parallel="replicate"``. See ``core/fsdp.py``.
+            parameter-owning submodules (8 per transformer block instead of 1). Alone (without
+            ``fsdp_reshard_after_backward``) it lowers no step peak under a pipeline, where every unit stays
+            gathered through the step. Combines with activation checkpointing (whose recomputation gathers a
+            block's units at once) and ``compile`` (a compiled block breaks into a piece per unit). Parameter names
+            and checkpoints do not change. Refused with ``data_parallel="replicate"``. See ``core/fsdp.py``.
     """
 
     tp: int = 1

@@ -9,8 +9,9 @@ core/partition.py           finding the ``nn.Sequential`` body, splitting it int
 core/tensor_parallel/       the automatic / explicit tensor-parallel plan (DTensor styles)
 core/materialize.py         meta-device layers materialised one at a time; full <-> sharded weights
 core/data_parallel.py       ``replicate`` over the dp mesh
-core/fsdp.py                ``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (per block, then stage);
-                            ``"hsdp"``: the same over the (dp_replicate, dp_shard) view of dp
+core/fsdp.py                ``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (per block, or per
+                            submodule of a block, then stage); ``"hsdp"``: the same over the (dp_replicate, dp_shard)
+                            view of dp
 core/parallelize.py         the three applied in one fixed order: stages, tensor parallel, data parallel
 core/pipeline.py            ``PipelineStage`` + schedules, cached per micro-batch shape
 core/rng.py                 the body's random streams: per stage, per tp rank in sharded regions

@@ -1,11 +1,13 @@
 """Sharded data parallelism (FSDP2, ZeRO-3) over the dp dimension of the mesh: ``data_parallel="fsdp"``.
 
 Each pipeline stage module is wrapped the way torchtitan combines FSDP2 with pipelining and tensor parallelism:
-``fully_shard`` every block the stage holds (its own all-gather / reduce-scatter unit), then the stage's root
-module (the rest: embeddings, final norm, head). Parameters, gradients and optimizer states are then sharded
-over dp: each rank keeps 1 / dp of its stage's (tensor-parallel) parameters as ``DTensor`` shards on the dp
-sub-mesh, or on the (dp, tp) sub-mesh for tensor-parallel ``DTensor`` parameters (2-D sharding; FSDP2
-concatenates the two sub-meshes of the one (dp, pp, tp) root mesh).
+``fully_shard`` every block the stage holds (its own all-gather / reduce-scatter unit; a block that shares a weight
+with a module outside it stays with the root, the rule of ``replicate``'s gradient buckets), then the stage's root
+module (the rest: embeddings, final norm, head); ``fsdp_unit="submodule"`` splits the blocks further (below).
+Parameters, gradients and optimizer states are then sharded over dp: each rank keeps 1 / dp of its stage's
+(tensor-parallel) parameters as ``DTensor`` shards on the dp sub-mesh, or on the (dp, tp) sub-mesh for
+tensor-parallel ``DTensor`` parameters (2-D sharding; FSDP2 concatenates the two sub-meshes of the one (dp, pp, tp)
+root mesh).
 
 HSDP (``data_parallel="hsdp"``): the same wrapping over a 2-D mesh, ``("dp_replicate", "dp_shard")``, HSDP's
 view of the dp ranks (``Topology.build_hsdp_mesh``: replicate outer, so a shard group is consecutive ranks,
@@ -53,6 +55,37 @@ after the input gradients, before the weight gradients exist. What remains at th
 unit of 1 / tp block: the gathered parameters and their gradients, plus the previous unit's reduce-scatter input
 that FSDP2 keeps until the next reduce-scatter (``set_reduce_scatter_max_input_buffers`` >= 1), and activations
 (measured in the README's B4/FSDP part).
+
+``fsdp_unit="submodule"``: smaller units, as DeepSpeed's ZeRO-3 gathers per submodule. :func:`fsdp_units` picks,
+inside each block, every submodule that directly owns parameters (``Linear``, ``Embedding``, ``LayerNorm``, ...),
+children before parents, each wrapped before the module holding it; then the block, only where a parameter is left
+to it (registered on the block itself, or shared by two of its submodules); then the stage root as under ``"block"``
+(the blocks are what the builder hands over: every layer of an ``nn.Sequential`` body, its embedding and head layers
+included; a split model's blocks, its embeddings, final norm and head in the root; no block container at pp = 1: one
+unit). Which submodules may be units is ``data_parallel.bucket_units``' rule applied over the whole stage: one whose
+parameter is also registered on a module outside it (a tied weight) would split that weight's uses between two
+units, and one registered twice runs twice per forward; both stay with the unit above. Wrapping keeps every name
+(FSDP2 changes a module's class, not its place), so parameters, state dicts and checkpoints are unchanged. Each unit
+runs the collectives a block unit runs (the counts above, per unit), but a transformer block is then about 8 units
+(its two norms, q, k, v and output projections, two MLP matrices) instead of 1: more and smaller all-gathers and
+reduce-scatters, each with its fixed cost and FSDP2's hooks. What it buys is the size of what is gathered at once.
+With ``reshard_after_backward`` the peak beyond the share is three of the largest unit (the one computing its
+backward, its gradients, the reduce-scatter input of the unit before) plus activations: for a transformer block's
+largest unit, an MLP matrix (4h^2 / tp of the block's 12h^2 / tp), that is the block's own tensor-parallel share,
+1/tp of one layer's full weights, against 3/tp with block units (B4/FSDP at tp2 x pp2 x dp2, width 1024: share +
+0.56 blocks, the issue's share + one layer met; block units share + 1.52); without it, torch's pipelined FSDP keeps
+every unit gathered through the step anyway, so the peak is that of block units (measured in the README's B4/FSDP
+part). With activation checkpointing the recomputation runs inside the backward, where FSDP2 does not reshard after
+a forward (``post_forward`` skips it there): every unit of the block being recomputed is gathered at once and freed
+by its own post-backward, so that peak holds one block's tensor-parallel share gathered (still no extra all-gather:
+the backward finds each unit gathered). With ``compile``, FSDP2 runs its hooks outside the compiled code
+(``torch._dynamo.disable``), so a compiled block breaks into a piece per unit (numbers unchanged; tested). Under
+tensor parallelism (and compile) a unit's output is a view (FSDP2 warns, the strategy silences it), and FSDP2 says
+an in-place operation on such a view would drop the unit's pre-backward hook; on a tensor-parallel ``Linear``'s
+output autograd refuses in-place operations anyway (under block units too), and on a plain ``Linear``'s (not a view)
+``nn.ReLU(inplace=True)`` keeps the hook (checked: the same gradients). Which to pick: the default (block units, no
+resharding under a pipeline) for throughput; ``fsdp_reshard_after_backward`` when the step's peak does not fit;
+``fsdp_unit="submodule"`` with it when even that does not fit (the README's B4/FSDP part).
 
 Mixed precision from Lightning's precision: ``"bf16-mixed"`` computes with bf16 copies of the parameters and
 reduces gradients in fp32 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); every other
