@@ -7,7 +7,9 @@ storage sums the bytes of the live ones; the peak is the largest such sum. Stora
 its gathered parameters with ``resize_(0)`` and regrows them) count with their size at that moment. Tensors that
 existed before the mode was entered count once an operator touches them. DTensor operators are seen on their local
 tensors (the mode lets DTensor run first). With ``B4_DEBUG=1`` in the environment it also keeps, at each new peak,
-the operator and the 24 largest live storages (``tracker.at_peak``): what a peak is made of.
+the operator and the 24 largest live storages (``tracker.at_peak``): what a peak is made of. ``tracker.on_peak``
+(a callable taking the operator's name and the live storages as ``(bytes, data_ptr)`` pairs) replaces that: its
+result becomes ``tracker.at_peak`` at each new peak.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def peak_tracker() -> Any:
             super().__init__()
             self.storages: dict[int, weakref.ref[Any]] = {}
             self.peak = 0
+            self.on_peak: Any = None
+            self.at_peak: Any = None
 
         def _forget(self, key: int) -> Any:
             return lambda _ref: self.storages.pop(key, None)
@@ -81,13 +85,14 @@ def peak_tracker() -> Any:
             out = func(*args, **kwargs)
             if self._note(out) or func.namespace in ("c10d", "_c10d_functional"):
                 live = self.live()
-                if live > self.peak and DEBUG:
+                if live > self.peak and (DEBUG or self.on_peak is not None):
                     sizes = []
                     for r in self.storages.values():
                         st = r()
                         if st is not None:
                             sizes.append((st.nbytes(), st.data_ptr()))
-                    self.at_peak = (str(func), sorted(set(sizes), reverse=True)[:24])
+                    ranked = sorted(set(sizes), reverse=True)
+                    self.at_peak = (str(func), ranked[:24]) if self.on_peak is None else self.on_peak(str(func), ranked)
                 self.peak = max(self.peak, live)
             return out
 

@@ -21,7 +21,9 @@ from .core import partition
 from .core.checkpointing import checkpoint_every
 from .core.compile import compile_kwargs
 from .core.csv_schedule import check_fits, is_csv_schedule, read_csv_schedule
+from .core.fsdp import FSDP_UNITS
 from .core.pipeline import (
+    ZERO_BUBBLE_SCHEDULES,
     check_schedule_name,
     is_multi_stage,
     is_v_schedule,
@@ -113,18 +115,52 @@ class ThreeDSettings:
         dp_shard: ``data_parallel="hsdp"`` only: the ranks each parameter is sharded over, a divisor of dp with
             ``1 < dp_shard < dp``; ``None`` (default) takes the data-parallel ranks of one node (``dp //
             num_nodes``: shard within a node, replicate across nodes), which needs a job of several nodes.
-            sharded over dp, one reduce-scatter per optimizer step; needs dp > 1). See ``core/fsdp.py``.
         grad_reduce_dtype: the dtype gradients cross the data-parallel wire in (gradient compression):
             ``"bf16"`` or ``"fp16"`` halve the bytes of the all-reduce (``replicate``) or reduce-scatter (``fsdp``)
             of fp32 gradients; ``None`` (default) keeps today's: the gradients' own dtype (fp32 under
             ``bf16-mixed`` FSDP). Gradients land back in the parameters' dtype (the optimizer sees fp32), and
             ``fp16`` divides by about sqrt(dp) before and after the sum, so its range holds; an overflow becomes
             inf, which ``on_nonfinite`` sees as usual. Needs dp > 1. See ``core/data_parallel.py``.
-        fsdp_reshard_after_forward: under ``data_parallel="fsdp"``, whether each FSDP unit frees its gathered
-            parameters after its forward. ``None`` (default): ``False`` under a pipeline (one all-gather per unit
-            per step instead of two per micro-batch; under a pipeline torch keeps the units gathered through the
-            backward anyway, so resharding saves little memory, measured in the README's B4/FSDP part) and torch's
-            own choice at pp = 1; ``True`` or ``False`` forces it for every unit. Only with ``"fsdp"``.
+        fsdp_reshard_after_forward: under ``data_parallel="fsdp"`` or ``"hsdp"``, whether each FSDP unit frees its
+            gathered parameters after its forward. ``None`` (default): ``True`` with
+            ``fsdp_reshard_after_backward=True``; otherwise ``False`` under a pipeline (one all-gather per unit per
+            step instead of two per micro-batch; torch keeps the units gathered through the backward anyway, so
+            resharding saves little memory, measured in the README's B4/FSDP part) and torch's own choice at pp = 1
+            (blocks reshard, the stage's root unit not). ``True`` or ``False`` forces it for every unit. Kept as
+            resolved under ``fsdp_reshard_after_backward=True`` (``True``).
+        fsdp_reshard_after_backward: under ``data_parallel="fsdp"`` or ``"hsdp"``, ZeRO-3 as DeepSpeed runs it under
+            gradient accumulation: ``True`` reshards each FSDP unit after every micro-batch's backward and
+            reduce-scatters its gradients there (the sharded gradients accumulate over micro-batches and over
+            ``accumulate_grad_batches`` batches), so a rank holds one unit gathered, with its unsharded gradients,
+            at a time (and FSDP2's reduce-scatter input of the unit before): the step's peak is the share plus
+            3 / tp blocks and activations (tp2 x pp2 x dp2: share + 1.5 blocks, against 1.8 by default), at the
+            price of ``m`` reduce-scatters and ``2m`` all-gathers per unit and batch instead of 1 and 1 (``m``
+            micro-batches per batch); HSDP's all-reduce across replicas stays once per optimizer step. Implies
+            ``fsdp_reshard_after_forward=True`` (``False`` with it is refused) and turns FSDP2's implicit backward
+            prefetch off. Not with schedules that split the backward (``"interleavedzerobubble"``,
+            ``"zbvzerobubble"``, ``"dualpipev"``, CSV lists with ``I``/``W`` actions). ``None`` (default) or
+            ``False``: torch's pipelined FSDP, each unit gathered from its first forward or backward of the step to
+            the step's one reduce-scatter. At pp = 1 the same choice: torch's ``PipelineStage`` keeps every unit
+            gathered from its backward to the end of the batch there too, so ``True`` is the ZeRO-3 peak at pp = 1
+            (measured with the example GPT at pp1 x dp2, ``micro_batches=1``: the same all-gathers and reduce-scatters
+            per step, 25% less peak memory). See ``core/fsdp.py``.
+        fsdp_unit: under ``data_parallel="fsdp"`` or ``"hsdp"``, what one FSDP unit (one all-gather and one
+            reduce-scatter) holds: ``"block"`` (default: each block the stage holds, then the stage's root with the
+            embeddings, final norm and head) or ``"submodule"`` (inside each block, every submodule that directly
+            owns parameters, a ``Linear``, ``Embedding``, ``LayerNorm``..., is its own unit, as DeepSpeed's ZeRO-3
+            gathers per submodule; then the block, for what is left, then the root as with ``"block"``). A
+            submodule whose parameter is shared with a module outside it (a tied weight), or registered twice,
+            stays with the unit above, by the rule of ``replicate``'s gradient buckets. With
+            ``fsdp_reshard_after_backward=True`` the step's peak is then the share plus three of the largest unit
+            (the one gathered, its gradients, FSDP2's reduce-scatter input of the unit before) and activations,
+            instead of three blocks / tp (the README's B4/FSDP part, tp2 x pp2 x dp2 at width 1024: share + 0.56
+            blocks against 1.52, the issue's "share + one layer" met), at the price of more and smaller
+            collectives: each unit's count per step is that of a block unit, and there are as many units as
+            parameter-owning submodules (8 per transformer block instead of 1). Alone (without
+            ``fsdp_reshard_after_backward``) it lowers no step peak under a pipeline, where every unit stays
+            gathered through the step. Combines with activation checkpointing (whose recomputation gathers a
+            block's units at once) and ``compile`` (a compiled block breaks into a piece per unit). Parameter names
+            and checkpoints do not change. Refused with ``data_parallel="replicate"``. See ``core/fsdp.py``.
     """
 
     tp: int = 1
@@ -153,6 +189,8 @@ class ThreeDSettings:
     dp_shard: int | None = None
     grad_reduce_dtype: str | None = None
     fsdp_reshard_after_forward: bool | None = None
+    fsdp_reshard_after_backward: bool | None = None
+    fsdp_unit: str = "block"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -205,16 +243,64 @@ class ThreeDSettings:
             )
         self._check_dp_shard()
         self._check_grad_reduce_dtype()
-        if self.fsdp_reshard_after_forward not in (None, True, False):
+        self._check_fsdp_resharding()
+        self._check_fsdp_unit()
+
+    def _check_fsdp_unit(self) -> None:
+        if self.fsdp_unit not in FSDP_UNITS:
             raise ValueError(
-                "ThreeDStrategy: fsdp_reshard_after_forward must be True, False or None (the default: False under "
-                f"a pipeline, torch's choice at pp=1), got {self.fsdp_reshard_after_forward!r}."
+                f"ThreeDStrategy: fsdp_unit must be one of {FSDP_UNITS} (what one FSDP unit holds: a block, or each "
+                f"parameter-owning submodule of a block), got {self.fsdp_unit!r}."
             )
-        if self.fsdp_reshard_after_forward is not None and self.data_parallel != "fsdp":
+        if self.fsdp_unit == "block":
+            return
+        if self.data_parallel not in ("fsdp", "hsdp"):
             raise ValueError(
-                "ThreeDStrategy: fsdp_reshard_after_forward applies to data_parallel='fsdp' only, but data_parallel="
-                f"{self.data_parallel!r}. Leave it None, or set data_parallel='fsdp'."
+                f"ThreeDStrategy: fsdp_unit={self.fsdp_unit!r} applies to data_parallel='fsdp' or 'hsdp' only, but "
+                f"data_parallel={self.data_parallel!r}: replicate gathers no parameters (every dp rank holds them "
+                "whole), so there is no FSDP unit to split. Leave fsdp_unit='block', or set data_parallel='fsdp' "
+                "(or 'hsdp')."
             )
+
+    def _check_fsdp_resharding(self) -> None:
+        for name in ("fsdp_reshard_after_forward", "fsdp_reshard_after_backward"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"ThreeDStrategy: {name} must be True, False or None, got {value!r}.")
+            if value is not None and self.data_parallel not in ("fsdp", "hsdp"):
+                fix = "set data_parallel='fsdp' (or 'hsdp')"
+                if name == "fsdp_reshard_after_backward" and value:
+                    fix = (
+                        "set data_parallel='fsdp' (or 'hsdp'): replicate holds whole gradients and all-reduces "
+                        "them once per optimizer step, there is nothing to reshard"
+                    )
+                raise ValueError(
+                    f"ThreeDStrategy: {name}={value!r} applies to data_parallel='fsdp' or 'hsdp' only, but "
+                    f"data_parallel={self.data_parallel!r}. Leave it None, or {fix}."
+                )
+        if not self.fsdp_reshard_after_backward:
+            return
+        if self.fsdp_reshard_after_forward is False:
+            raise ValueError(
+                "ThreeDStrategy: fsdp_reshard_after_backward=True with fsdp_reshard_after_forward=False: each unit "
+                "would stay gathered from its forward to its backward, every unit of the stage at once under a "
+                "pipeline, which is the memory fsdp_reshard_after_backward is there to save. Leave "
+                "fsdp_reshard_after_forward None (it becomes True), or drop fsdp_reshard_after_backward."
+            )
+        split = (
+            read_csv_schedule(self.schedule).split_backward
+            if is_csv_schedule(self.schedule)
+            else self.schedule.lower() in ZERO_BUBBLE_SCHEDULES
+        )
+        if split:
+            raise ValueError(
+                f"ThreeDStrategy: fsdp_reshard_after_backward=True with schedule={self.schedule!r}, which splits each "
+                "backward into an input-gradient and a later weight-gradient action: FSDP2's post-backward (reshard "
+                "and reduce-scatter) runs after the input gradients, before the weight gradients exist. Use a "
+                "schedule with full backwards ('1f1b', 'gpipe', 'interleaved1f1b', 'loopedbfs'), or leave "
+                "fsdp_reshard_after_backward None."
+            )
+        object.__setattr__(self, "fsdp_reshard_after_forward", True)
 
     def _check_dp_shard(self) -> None:
         if self.dp_shard is not None:

@@ -9,8 +9,9 @@ core/partition.py           finding the ``nn.Sequential`` body, splitting it int
 core/tensor_parallel/       the automatic / explicit tensor-parallel plan (DTensor styles)
 core/materialize.py         meta-device layers materialised one at a time; full <-> sharded weights
 core/data_parallel.py       ``replicate`` over the dp mesh
-core/fsdp.py                ``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (per block, then stage);
-                            ``"hsdp"``: the same over the (dp_replicate, dp_shard) view of dp
+core/fsdp.py                ``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over the dp mesh (per block, or per
+                            submodule of a block, then stage); ``"hsdp"``: the same over the (dp_replicate, dp_shard)
+                            view of dp
 core/parallelize.py         the three applied in one fixed order: stages, tensor parallel, data parallel
 core/pipeline.py            ``PipelineStage`` + schedules, cached per micro-batch shape
 core/rng.py                 the body's random streams: per stage, per tp rank in sharded regions
@@ -67,7 +68,7 @@ from .core.optim import foreach_for_dtensors
 from .core.parallelize import add_body_randomness, broadcast_seed, build_stages, describe_layout, plan_model
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
-from .core.step import HeldGrads
+from .core.step import HeldGrads, previous_grads_discarded
 from .core.tied import TiedWeights, canonical_names
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
@@ -402,6 +403,8 @@ class ThreeDStrategy(ParallelStrategy):
             dp_mesh=self._sharding_mesh(),
             grad_reduce_dtype=s.grad_reduce_dtype,
             fsdp_reshard_after_forward=s.fsdp_reshard_after_forward,
+            fsdp_reshard_after_backward=bool(s.fsdp_reshard_after_backward),
+            fsdp_unit=s.fsdp_unit,
         )
         self._compiled = built.compiled
         if built.compiled is not None:
@@ -452,6 +455,7 @@ class ThreeDStrategy(ParallelStrategy):
             scale=1.0 / accumulate if self.loss_scaler is None else self.loss_scaler.loss_weight(1.0 / accumulate),
             defer_grad_sync=accumulate > 1 and trainer.fit_loop.epoch_loop._should_accumulate(),
             flags=flags,
+            discard_prior_grads=previous_grads_discarded(trainer),
         )
         self._held_grads = result.grads  # Lightning's zero_grad runs next; backward() puts them back
         self._step_flags = result.flags

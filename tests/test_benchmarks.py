@@ -358,6 +358,19 @@ def test_peak_tracker_follows_live_tensor_bytes():
         c.untyped_storage().resize_(0)  # how FSDP2 frees its gathered parameters
         d = torch.ones(10)  # noqa: F841 (alive while counted)
         assert tracker.live() == 40 and tracker.peak == 2_000_000
+    # on_peak: called with the live storages (bytes, data pointer), largest first, at each new peak
+    tracker = _import("benchmarks.mem_tracker").peak_tracker()
+    tracker.on_peak = lambda op, storages: (op, [n for n, _ in storages])
+    with tracker:
+        e = torch.zeros(100)
+        f = torch.zeros(1000)  # noqa: F841
+        del e
+        g = torch.zeros(10)  # noqa: F841 (below the peak: no call)
+    assert tracker.at_peak[1] == [4000, 400] and tracker.peak == 4400
+    b4 = _import("benchmarks.b4_state")
+    line = b4.describe_peak({"op": "mm", "bytes": {"other": 2**20, "gathered params": 3 * 2**20}, "live": 4 * 2**20,
+                             "other_largest": [2**20]}, 2**20)  # fmt: skip
+    assert line.startswith("at mm: live 4.0 MB = gathered params 3.0, other 1.0 MB (share 1.0 MB)"), line
 
 
 @pytest.mark.slow

@@ -159,7 +159,7 @@ class ShardedInit:
         self.modules = [m for _, m in modules]
         self._pending: list[tuple[str, nn.Module, list[tuple[nn.Module, nn.Module]], dict[int, Initializer]]] = []
         for name, module in modules:
-            twin = copy.deepcopy(module)  # meta: no memory
+            twin = _hookless_copy(module)  # meta: no memory
             pairs = list(zip(module.modules(remove_duplicate=False), twin.modules(remove_duplicate=False), strict=True))
             inits = {id(t): initializers[id(r)] for r, t in pairs if id(r) in initializers}
             self._pending.append((name, twin, pairs, inits))
@@ -185,6 +185,22 @@ class ShardedInit:
         while self._pending:
             # in a function of its own, so that no local keeps a part of this copy alive into the next one's
             _fill_one(*self._pending.pop(0), device, base_seed, done)
+
+
+def _hookless_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` and its submodules without their hooks (the copy is only initialised).
+
+    A hook can be a bound method of an object that holds the whole model (the stage executor's hooks on a stage's
+    first and last block): ``deepcopy`` copies that object too, and the copy refers back to itself, so it would
+    outlive the layer's fill until the garbage collector runs, keeping that layer's full values alive while the
+    next layer is computed (measured: two blocks whole at once on a stage whose first block has a hook).
+    """
+    memo: dict[int, Any] = {}
+    for sub in module.modules():
+        for attr, value in vars(sub).items():
+            if "hooks" in attr and isinstance(value, dict):
+                memo[id(value)] = type(value)()
+    return copy.deepcopy(module, memo)
 
 
 def _fill_one(

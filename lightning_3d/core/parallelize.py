@@ -329,13 +329,18 @@ def build_stages(
     dp_mesh: DeviceMesh | None = None,
     grad_reduce_dtype: str | None = None,
     fsdp_reshard_after_forward: bool | None = None,
+    fsdp_reshard_after_backward: bool = False,
+    fsdp_unit: str = "block",
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
     ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
     data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``, FSDP2
     sharding over dp (``fsdp.py``); ``"hsdp"``: the same over ``dp_mesh``, HSDP's (dp_replicate, dp_shard) view of
     dp (``None``: ``mesh["dp"]``); ``grad_reduce_dtype`` (``"bf16"``/``"fp16"``) is the dtype of either's gradient
-    reduction; ``fsdp_reshard_after_forward``: the setting of that name."""
+    reduction; ``fsdp_reshard_after_forward`` / ``fsdp_reshard_after_backward`` / ``fsdp_unit``: the settings of
+    those names. A
+    meta-device model under ``"fsdp"`` or ``"hsdp"`` is materialised directly as this rank's shards
+    (``materialize.ShardedInit``)."""
     dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
     if model.split is not None:
         return _build_split_stages(
@@ -351,6 +356,8 @@ def build_stages(
             dp_mesh,
             grad_reduce_dtype,
             fsdp_reshard_after_forward,
+            fsdp_reshard_after_backward,
+            fsdp_unit,
         )
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
@@ -362,9 +369,9 @@ def build_stages(
     partition.prune_body(body, keep)
     precision.convert_module(module)
     tp = mesh["tp"].size()
-    # FSDP on a meta model: shard while on meta, then allocate and fill only this rank's shards (materialize.py)
+    # FSDP / HSDP on a meta model: shard while on meta, then allocate and fill only this rank's shards (materialize.py)
     deferred = None
-    if model.is_meta and data_parallel == "fsdp":
+    if model.is_meta and data_parallel in SHARDED_MODES:
         named = torch_compat.child_modules(body.module)
         deferred = ShardedInit([(f"{body.fqn}.{n}", named[n]) for n in keep])  # type: ignore[misc]
     for name in keep:
@@ -388,7 +395,16 @@ def build_stages(
         checkpointing,
         compile_kwargs,
     )
-    dp_wrap = _dp_wrapper(data_parallel, mesh, dp_mesh, precision, grad_reduce_dtype, fsdp_reshard_after_forward)
+    dp_wrap = _dp_wrapper(
+        data_parallel,
+        mesh,
+        dp_mesh,
+        precision,
+        grad_reduce_dtype,
+        fsdp_reshard_after_forward,
+        fsdp_reshard_after_backward,
+        fsdp_unit,
+    )
     stages = []
     for s in my_stages:
         container = partition.stage_container(body, stage_plan.layer_names[s])
@@ -411,10 +427,13 @@ def _dp_wrapper(
     precision: Precision,
     grad_reduce_dtype: str | None,
     fsdp_reshard_after_forward: bool | None,
+    fsdp_reshard_after_backward: bool = False,
+    fsdp_unit: str = "block",
 ) -> Callable[[nn.Module, Sequence[nn.Module]], nn.Module]:
     """``wrap(stage_module, blocks)`` with this build's settings: the stage made data-parallel as FSDP2 units
-    (``"fsdp"``/``"hsdp"``, over ``dp_mesh``) or ``replicate`` gradient buckets (over ``mesh["dp"]``), each of
-    ``blocks`` its own unit or bucket where it can be."""
+    (``"fsdp"``/``"hsdp"``, over ``dp_mesh``; ``fsdp_unit="submodule"``: the blocks' parameter-owning submodules)
+    or ``replicate`` gradient buckets (over ``mesh["dp"]``), each of ``blocks`` its own unit or bucket where it
+    can be."""
 
     def wrap(module: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
         if data_parallel in SHARDED_MODES:
@@ -426,6 +445,8 @@ def _dp_wrapper(
                 precision=precision,
                 reduce_dtype=grad_reduce_dtype,
                 reshard_after_forward=fsdp_reshard_after_forward,
+                reshard_after_backward=fsdp_reshard_after_backward,
+                unit=fsdp_unit,
             )
         return apply_data_parallel(module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
 
@@ -462,6 +483,8 @@ def _build_split_stages(
     dp_mesh: DeviceMesh | None = None,
     grad_reduce_dtype: str | None = None,
     fsdp_reshard_after_forward: bool | None = None,
+    fsdp_reshard_after_backward: bool = False,
+    fsdp_unit: str = "block",
 ) -> BuiltStages:
     split = model.split
     dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
@@ -481,10 +504,10 @@ def _build_split_stages(
     container = split.container
     blocks_of = {container.block_fqn(b): b for b in container.names} if container is not None else {}
     initializers = library_initializers(module) if model.is_meta else {}
-    # FSDP on a meta model split at its blocks: shard while on meta, then allocate and fill only this rank's shards
-    # (materialize.py); without a block container the one module is materialised whole, as under replicate
+    # FSDP / HSDP on a meta model split at its blocks: shard while on meta, then allocate and fill only this rank's
+    # shards (materialize.py); without a block container the one module is materialised whole, as under replicate
     deferred = None
-    if model.is_meta and data_parallel == "fsdp" and held_names:
+    if model.is_meta and data_parallel in SHARDED_MODES and held_names:
         deferred = ShardedInit([(n, module.get_submodule(n)) for n in held_names], initializers)
     for name in held_names or [""]:  # one module at a time: whole only while it is being sharded
         sub = module.get_submodule(name)
@@ -514,7 +537,16 @@ def _build_split_stages(
         checkpointing,
         compile_kwargs,
     )
-    dp_wrap = _dp_wrapper(data_parallel, mesh, dp_mesh, precision, grad_reduce_dtype, fsdp_reshard_after_forward)
+    dp_wrap = _dp_wrapper(
+        data_parallel,
+        mesh,
+        dp_mesh,
+        precision,
+        grad_reduce_dtype,
+        fsdp_reshard_after_forward,
+        fsdp_reshard_after_backward,
+        fsdp_unit,
+    )
     stages = []
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}

@@ -45,7 +45,7 @@ from torch.distributed.pipelining.schedules import (
 
 from . import torch_compat
 from .csv_schedule import is_csv_schedule, read_csv_schedule
-from .fsdp import reshard_after_eval
+from .fsdp import RESHARD_AFTER_BACKWARD_ATTR, reshard_after_eval
 from .rng import BodyRandomness
 
 SINGLE_STAGE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
@@ -215,6 +215,13 @@ class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
     gradient sync switched off. In the batch that syncs, the last micro-batch's backward runs with sync on, so
     each ``replicate`` group (a gradient bucket, see ``data_parallel.py``) is all-reduced as soon as its
     gradients are ready, during that backward.
+
+    FSDP stages marked by ``fsdp_reshard_after_backward`` (``fsdp.RESHARD_AFTER_BACKWARD_ATTR``) run ZeRO-3 under
+    micro-batches instead: every full backward reshards each unit after its backward and reduce-scatters its
+    gradients there (the sharded gradients accumulate over micro-batches and accumulation batches), deferred or
+    not, so a unit is gathered, with its unsharded gradients, only while its own backward runs. HSDP's all-reduce
+    across the replicas is held back (FSDP2 sums the reduced shards meanwhile) until the optimizer step's last
+    backward, so it still runs once per unit and optimizer step.
     """
 
     defer_grad_sync: bool = False
@@ -240,6 +247,17 @@ class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
     ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
         module = self.submod
+        if getattr(module, RESHARD_AFTER_BACKWARD_ATTR, False) and isinstance(module, FSDPModule):
+            # ZeRO-3: reshard and reduce-scatter after every micro-batch's backward (the settings refuse split
+            # backwards); HSDP all-reduces across replicas on the optimizer step's last backward only. Every
+            # backward is FSDP2's "last" one, so its final callback also waits for and frees the reduce-scatter
+            # buffer it keeps in flight (one unit's flat gradients), which would otherwise live through the next
+            # micro-batch's forward; that callback also drops the forward order backward prefetch reads, which this
+            # mode turns off (fsdp.no_backward_prefetch).
+            final = last_backward and not self.defer_grad_sync
+            with _forced(module, "set_reshard_after_backward", True), _forced(module, "set_is_last_backward", True):
+                with _forced_sync(module, all_reduce=final):
+                    return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if not (last_backward and backward_type == "full" and not self.defer_grad_sync):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if not (isinstance(module, FSDPModule) and torch_compat.is_replicated(module)):
@@ -274,6 +292,23 @@ def _forced(module: nn.Module, setter: str, value: bool) -> Iterator[None]:
         yield
     finally:
         module.__dict__.pop(setter, None)
+
+
+@contextlib.contextmanager
+def _forced_sync(module: FSDPModule, *, all_reduce: bool) -> Iterator[None]:
+    """While inside, ``module.set_requires_gradient_sync(...)`` turns the reduce-scatter on, and HSDP's all-reduce
+    across the replicas to ``all_reduce`` (FSDP2 accumulates the reduced shards until an all-reducing backward)."""
+    real = module.set_requires_gradient_sync
+
+    def sync(_requested: bool, **kw: Any) -> None:
+        real(True, **kw)
+        module.set_requires_all_reduce(all_reduce, **kw)
+
+    module.__dict__["set_requires_gradient_sync"] = sync
+    try:
+        yield
+    finally:
+        module.__dict__.pop("set_requires_gradient_sync", None)
 
 
 class RuntimeObserver(Protocol):

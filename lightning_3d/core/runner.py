@@ -193,6 +193,7 @@ class BatchRunner:
         scale: float | torch.Tensor = 1.0,
         defer_grad_sync: bool = False,
         flags: tuple[int, FlagsFn] | None = None,
+        discard_prior_grads: bool = False,
     ) -> BatchResult:
         """Run ``hook`` over one batch through the pipeline.
 
@@ -209,6 +210,9 @@ class BatchRunner:
                 a device tensor).
             defer_grad_sync: keep data-parallel gradients local (not the last batch of an accumulation window).
             flags: ``(n_flags, fn)``: numbers to sum over every rank in the batch's one exchange (``FlagsFn``).
+            discard_prior_grads: drop the gradients present before the batch instead of putting them back (Lightning
+                zeroes them right after this step: ``step.previous_grads_discarded``), so they are not held while the
+                schedule computes the new ones.
 
         Returns:
             The logs as every rank replayed them, the step's outputs and, in training, the batch's gradients.
@@ -228,6 +232,8 @@ class BatchRunner:
         sample_index = torch.arange(total, device=self.device)
         params = self._params
         prior = take_grads(params)
+        if discard_prior_grads:  # zeroed by Lightning right after this step, and read by nothing before
+            prior = [None] * len(prior)
         held: HeldGrads | None = None
         try:
             with getattr(precision, _CONTEXTS[hook])():

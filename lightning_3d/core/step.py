@@ -360,6 +360,34 @@ def put_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor
         p.grad = g
 
 
+def previous_grads_discarded(trainer: Any) -> bool:
+    """Whether Lightning zeroes the parameters' gradients right after this ``training_step`` with nothing able to
+    read or keep them first, so that the previous optimizer step's gradients need not be held through the schedule.
+
+    Lightning's closure runs ``training_step``, then (on the first batch of an accumulation window) ``zero_grad``,
+    then ``backward``; the schedule runs forward and backward inside ``training_step``, so the gradients found there
+    are the previous step's (or, later in a window, the window's so far). True on the first batch of a window,
+    with automatic optimization and backward not skipped, when neither the LightningModule (``on_before_zero_grad``,
+    ``optimizer_zero_grad``) nor a callback (``on_before_zero_grad``) nor an optimizer class (``zero_grad``)
+    replaces Lightning's or torch's own: dropping them then changes no number and nothing any hook sees, and spares
+    holding a second set of gradients (a whole gradient share) while the schedule computes the new ones.
+    """
+    from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    module = trainer.lightning_module
+    loop = trainer.fit_loop.epoch_loop
+    if not module.automatic_optimization or loop.automatic_optimization._skip_backward:
+        return False
+    if loop.batch_idx % trainer.accumulate_grad_batches != 0:
+        return False
+    if any(is_overridden(hook, module, LightningModule) for hook in ("on_before_zero_grad", "optimizer_zero_grad")):
+        return False
+    if any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks):
+        return False
+    return all(type(opt).zero_grad is torch.optim.Optimizer.zero_grad for opt in trainer.optimizers)
+
+
 @dataclass
 class HeldGrads:
     """A batch's gradients held away from the parameters.

@@ -48,6 +48,7 @@ __all__ = [
     "foreach_default_devices",
     "foreach_non_finite",
     "foreach_norm",
+    "fsdp_comm_buffers",
     "group_timeout",
     "in_backward",
     "is_view",
@@ -188,6 +189,36 @@ def accumulate_unreduced_grads_as_computed(module: nn.Module) -> None:
         for fsdp_param in group.fsdp_params if group is not None else ():
             _private(fsdp_param, "to_accumulated_grad_if_needed", purpose)  # present: torch still has the step
             fsdp_param.to_accumulated_grad_if_needed = _keep_grad
+
+
+def fsdp_comm_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """FSDP2's communication buffers alive now for the FSDP units under ``module``, for memory diagnostics (the B4
+    benchmark's account of a peak): ``("reduce-scatter input", t)`` for each reduce-scatter input FSDP2 keeps in
+    flight (a unit's flat gradients, until the next unit's reduce-scatter or the end of a last backward),
+    ``("all-gather output kept", t)`` for the flat all-gather result a forward keeps to overlap the next unit's
+    all-gather, ``("all-gather output", t)`` for an all-gather issued and not yet copied out."""
+    purpose = "memory diagnostics (FSDP2's communication buffers)"
+    found: list[tuple[str, torch.Tensor]] = []
+    contexts: set[int] = set()
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        group = _private(_private(sub, "_get_fsdp_state", purpose)(), "_fsdp_param_group", purpose)
+        if group is None:
+            continue
+        ctx = _private(group, "comm_ctx", purpose)
+        # the context's buffers exist from FSDP2's lazy init (the first forward) on, with its streams
+        if id(ctx) not in contexts and hasattr(ctx, "all_gather_copy_in_stream"):
+            contexts.add(id(ctx))
+            for state in _private(ctx, "reduce_scatter_states", purpose):
+                found.append(("reduce-scatter input", _private(state, "reduce_scatter_input", purpose)))
+            kept = _private(ctx, "all_gather_state", purpose)
+            if kept is not None:
+                found.append(("all-gather output kept", kept.all_gather_result.all_gather_output))
+        pending = _private(group, "_all_gather_result", purpose)
+        if pending is not None:
+            found.append(("all-gather output", pending.all_gather_output))
+    return found
 
 
 def _keep_grad() -> None:

@@ -62,6 +62,25 @@ class DropoutMLP(NoisyMLP):
         )
 
 
+class NestedMLP(NoisyMLP):
+    """NoisyMLP (noise-free by default) whose hidden layers are blocks of their own, ``Sequential(Linear, ReLU)``:
+    parameters one module below the body's layers (keys ``body.0.0.weight``), so that ``fsdp_unit="submodule"``
+    wraps each inner Linear, not the layer."""
+
+    def __init__(self, noise: bool = False, **kwargs: Any) -> None:
+        super().__init__(noise=noise, **kwargs)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "body"):
+            return
+        self.body = nn.Sequential(
+            nn.Sequential(nn.Linear(16, 32), nn.ReLU()),
+            nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
+            nn.Sequential(nn.Linear(32, 32), nn.ReLU()),
+            nn.Linear(32, 4),
+        )
+
+
 class OtherMLP(TinyMLP):
     """Another model: one more hidden layer, no ReLU before it (keys body.0, 2, 3, 5 instead of 0, 2, 4, 6)."""
 

@@ -12,6 +12,11 @@ snapshots right after the restore and at the end. Writes ``OUT/fsdp-load-<mode>-
 (tp1, pp1, dp4 = 2 replicas x 2 shards), checkpointing in ``OUT/hsdp``, and resumes from its step 5 there
 (records ``hsdp_clean``, ``hsdp_from5``); the load phase also resumes from ``OUT/hsdp/step=5.ckpt`` at its own
 layout and mode (record ``resume_hsdp``).
+
+``--submodule``: the save phase also runs ``NestedMLP`` (parameters one module below the body's layers) for 10 steps
+under ``fsdp_unit="submodule"`` at the launch's layout, checkpointing in ``OUT/sub``, and resumes from its step 5
+there (records ``sub_clean``, ``sub_from5``); the load phase also resumes ``NestedMLP`` from ``OUT/sub/step=5.ckpt``
+at its own layout and mode (record ``resume_sub``).
 """
 
 from __future__ import annotations
@@ -25,18 +30,26 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ckpt_common import NoisyMLP, Recorder, loader
+from ckpt_common import NestedMLP, NoisyMLP, Recorder, loader
 
 from lightning_3d import ThreeDStrategy
 
 STEPS = 10
 
 
-def run(args: argparse.Namespace, callbacks: list, ckpt_path: str | None = None, at_steps=()) -> dict:
+def run(
+    args: argparse.Namespace, callbacks: list, ckpt_path: str | None = None, at_steps=(), nested: bool = False
+) -> dict:
     L.seed_everything(1234, verbose=False)
     recorder = Recorder(at_steps)
+    unit = "submodule" if nested and args.data_parallel != "replicate" else "block"
     strategy = ThreeDStrategy(
-        tp=args.tp, pp=args.pp, print_layout=False, data_parallel=args.data_parallel, dp_shard=args.dp_shard
+        tp=args.tp,
+        pp=args.pp,
+        print_layout=False,
+        data_parallel=args.data_parallel,
+        dp_shard=args.dp_shard,
+        fsdp_unit=unit,
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -50,7 +63,8 @@ def run(args: argparse.Namespace, callbacks: list, ckpt_path: str | None = None,
         callbacks=[recorder, *callbacks],
         enable_checkpointing=bool(callbacks),
     )
-    trainer.fit(NoisyMLP(noise=False), train_dataloaders=loader(args.dp), ckpt_path=ckpt_path)
+    model = NestedMLP() if nested else NoisyMLP(noise=False)
+    trainer.fit(model, train_dataloaders=loader(args.dp), ckpt_path=ckpt_path)
     result = recorder.record()
     result["rank"] = trainer.global_rank
     return result
@@ -65,6 +79,7 @@ def main() -> None:
     parser.add_argument("--data-parallel", default="fsdp")
     parser.add_argument("--dp-shard", type=int, default=None)
     parser.add_argument("--hsdp", action="store_true", help="also save / load under HSDP (see the module text)")
+    parser.add_argument("--submodule", action="store_true", help="also fsdp_unit='submodule' (see the module text)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     hsdp = argparse.Namespace(**{**vars(args), "tp": 1, "pp": 1, "dp": 4, "data_parallel": "hsdp", "dp_shard": 2})
@@ -72,6 +87,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
     step5 = str(out / "all" / "step=5.ckpt")
+    sub_step5 = str(out / "sub" / "step=5.ckpt")
     if args.phase == "save":
         keep = ModelCheckpoint(dirpath=out / "all", filename="{step}", every_n_train_steps=1, save_top_k=-1)
         rec = {"clean": run(args, [keep], at_steps=(5,)), "from5": run(args, [], ckpt_path=step5)}
@@ -79,11 +95,17 @@ def main() -> None:
             keep = ModelCheckpoint(dirpath=out / "hsdp", filename="{step}", every_n_train_steps=5, save_top_k=-1)
             rec["hsdp_clean"] = run(hsdp, [keep], at_steps=(5,))
             rec["hsdp_from5"] = run(hsdp, [], ckpt_path=hsdp_step5)
+        if args.submodule:
+            keep = ModelCheckpoint(dirpath=out / "sub", filename="{step}", every_n_train_steps=5, save_top_k=-1)
+            rec["sub_clean"] = run(args, [keep], at_steps=(5,), nested=True)
+            rec["sub_from5"] = run(args, [], ckpt_path=sub_step5, nested=True)
         name = "fsdp-save.pt"
     else:
         rec = {"resume": run(args, [], ckpt_path=step5)}
         if args.hsdp:
             rec["resume_hsdp"] = run(args, [], ckpt_path=hsdp_step5)
+        if args.submodule:
+            rec["resume_sub"] = run(args, [], ckpt_path=sub_step5, nested=True)
         name = f"fsdp-load-{args.data_parallel}-tp{args.tp}-pp{args.pp}-dp{args.dp}.pt"
     if next(iter(rec.values()))["rank"] == 0:
         torch.save(rec, out / name)

@@ -7,13 +7,24 @@ gradients and the final parameters as full tensors; under ThreeDStrategy also pe
 whether data-parallel replicas are bitwise identical and each rank's parameter element counts.
 
 The 3D run starts from the reference's initial weights (``OUT/<case>.init.pt``), loaded with
-``strategy.load_full_state_dict``.
+``strategy.load_full_state_dict``. Before that, under HSDP (``--hsdp-cases``, models built in ``configure_model``)
+each run also records how its own materialisation compares with one process's: the initial parameters gathered
+to rank 0 against :func:`lightning_3d.core.materialize.materialize` of the whole model on the meta device with the
+same seed (max abs difference), and the peak live tensor bytes of building the stages (``benchmarks/mem_tracker``)
+beside the rank's parameter share and the largest layer it holds, whole.
+
+``--rab-cases`` / ``--hsdp-rab-cases`` run more cases in the same launch with ``fsdp_reshard_after_backward=True``
+(``OUT/<case>@rab.pt``, ``OUT/<case>@hsdp-rab.pt``); ``--sub-rab-cases`` / ``--hsdp-sub-rab-cases`` more again with
+``fsdp_unit="submodule"`` as well (``OUT/<case>@sub-rab.pt`` under ``"fsdp"``, also in a launch whose own cases run
+under ``"replicate"``, and ``OUT/<case>@hsdp-sub-rab.pt``); those built in ``configure_model`` also record how their
+own materialisation compares with one process's (as the HSDP cases do).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -81,23 +92,103 @@ def _gather_named(named: dict[str, torch.Tensor], contribute: bool) -> dict[str,
 
 
 class CollectiveCounter:
-    """Counts FSDP2's reduce-scatters and all-gathers (``torch.distributed.*_single``, which FSDP2 calls)."""
+    """Counts FSDP2's reduce-scatters and all-gathers (``torch.distributed.*_single``, which FSDP2 calls), and the
+    all-reduces over one group of ranks (``replica_ranks``: HSDP's replicas of this rank's shard, set per run)."""
 
     def __init__(self) -> None:
-        self.counts = {"reduce_scatter_single": 0, "all_gather_single": 0}
+        self.counts = {"reduce_scatter_single": 0, "all_gather_single": 0, "all_reduce": 0}
+        self.replica_ranks: list[int] | None = None
         for name in self.counts:
             real = getattr(dist, name)
 
             def counted(*args, _real=real, _name=name, **kwargs):
-                self.counts[_name] += 1
+                if _name != "all_reduce" or self._over_replicas(kwargs.get("group")):
+                    self.counts[_name] += 1
                 return _real(*args, **kwargs)
 
             setattr(dist, name, counted)
 
-    def take(self) -> tuple[int, int]:
-        taken = (self.counts["reduce_scatter_single"], self.counts["all_gather_single"])
+    def _over_replicas(self, group: dist.ProcessGroup | None) -> bool:
+        if self.replica_ranks is None or group is None:
+            return False
+        return sorted(dist.get_process_group_ranks(group)) == self.replica_ranks
+
+    def take(self) -> tuple[int, int, int]:
+        """(reduce-scatters, all-gathers, all-reduces over the replicas) since the last call."""
+        taken = (self.counts["reduce_scatter_single"], self.counts["all_gather_single"], self.counts["all_reduce"])
         self.counts = dict.fromkeys(self.counts, 0)
         return taken
+
+
+def replica_ranks(trainer, dp_shard: int) -> list[int]:
+    """The global ranks holding the same HSDP shard as this rank (same pp and tp coordinates, dp rank equal modulo
+    ``dp_shard``: replicas are the outer half of dp), from the (dp, pp, tp) mesh alone."""
+    mesh = trainer.strategy.device_mesh
+    table = mesh.mesh  # (dp, pp, tp) -> global rank
+    dp, pp, tp = (mesh[d].get_local_rank() for d in ("dp", "pp", "tp"))
+    return sorted(int(table[d, pp, tp]) for d in range(table.shape[0]) if d % dp_shard == dp % dp_shard)
+
+
+class BuildProbe:
+    """Peak live tensor bytes while ``build_stages`` runs (materialising and sharding this rank's stages)."""
+
+    def __init__(self) -> None:
+        import lightning_3d.strategy as strategy_module
+        from benchmarks.mem_tracker import peak_tracker
+
+        self.peak: int | None = None
+        real = strategy_module.build_stages
+
+        def measured(*args, **kwargs):
+            tracker = peak_tracker()
+            with tracker:
+                built = real(*args, **kwargs)
+            self.peak = tracker.peak
+            return built
+
+        strategy_module.build_stages = measured
+
+
+BUILD_PROBE: BuildProbe | None = None
+
+
+def _materialisation_record(trainer, pl_module, model_name: str, seed: int) -> dict[str, Any]:
+    """This rank's build peak, parameter share and largest module it materialises whole (a layer of its stages, or
+    another module holding parameters, counted from the full model's shapes), and (rank 0) the initial parameters'
+    max abs difference from one process materialising the whole model (meta device, same seed)."""
+    from lightning_3d.core.materialize import materialize
+
+    strategy = trainer.strategy
+    share = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in pl_module.parameters()
+    )
+    plan, pp_rank = strategy.stage_plan, strategy.device_mesh["pp"].get_local_rank()
+    layers = [f"{plan.body_fqn}.{k}." for s in range(plan.num_stages) if plan.stage_to_rank[s] == pp_rank
+              for k in plan.layer_names[s]]  # fmt: skip
+    itemsize = next(pl_module.parameters()).element_size()
+    held = {n for n, _ in pl_module.named_parameters()}
+    whole: dict[str, int] = {}  # module materialised at once -> its full bytes
+    for name, spec in strategy.full_spec.items():
+        if spec.is_parameter and name in held:
+            owner = next((k for k in layers if name.startswith(k)), name.rsplit(".", 1)[0])
+            whole[owner] = whole.get(owner, 0) + itemsize * math.prod(spec.shape)
+    full = strategy.full_state_dict()
+    diff = None
+    if full is not None:
+        dtype = next(iter(full.values())).dtype
+        with torch.device("meta"):
+            ref = MODELS[model_name](build="configure")
+            ref.configure_model()
+        ref.to(dtype)
+        materialize(ref, torch.device("cpu"), seed, prefix="")  # the whole model, as one device would
+        want = ref.state_dict()
+        diff = float("inf") if set(full) != set(want) else max(float((full[k] - want[k]).abs().max()) for k in want)
+    return {
+        "build_peak": BUILD_PROBE.peak if BUILD_PROBE is not None else None,
+        "param_share_bytes": share,
+        "largest_layer_full_bytes": max(whole.values()),
+        "init_max_abs_diff": diff,
+    }
 
 
 def _fsdp_units(trainer) -> int:
@@ -117,12 +208,24 @@ def _checkpointing(value: str | None) -> str | int | None:
 
 class Recorder(L.Callback):
     def __init__(
-        self, out: Path, case: str, ref: bool, tag: str = "", counter: CollectiveCounter | None = None
+        self,
+        out: Path,
+        case: str,
+        ref: bool,
+        tag: str = "",
+        counter: CollectiveCounter | None = None,
+        check_init: bool = False,
+        dp_shard: int | None = None,
     ) -> None:
         self.out, self.case, self.ref, self.tag = out, case, ref, tag
         self.rec: dict = {"logged": [], "bar": [], "loss": [], "norm": [], "batches": []}
         self.first_grads = True
         self.counter, self.per_step = counter, []
+        self.check_init, self.dp_shard, self.seed = check_init, dp_shard, 0
+        self.materialised: dict[str, Any] | None = None
+
+    def setup(self, trainer, pl_module, stage):
+        self.seed = torch.initial_seed() % (2**62)  # what the strategy broadcasts from rank 0 (seed=None)
 
     def _is_writer(self, trainer) -> bool:
         if self.ref:
@@ -135,6 +238,10 @@ class Recorder(L.Callback):
         if self.ref:  # (a tied weight is saved under both its names, as Hugging Face's state dicts have it)
             torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, init)
         else:
+            if self.check_init:  # before the reference's weights replace the strategy's own initial ones
+                self.materialised = _materialisation_record(trainer, pl_module, CASES[self.case][0], self.seed)
+            if self.counter is not None:
+                self.counter.replica_ranks = replica_ranks(trainer, self.dp_shard) if self.dp_shard else None
             report = trainer.strategy.load_full_state_dict(torch.load(init))
             assert report.loaded, "nothing loaded"
 
@@ -182,6 +289,7 @@ class Recorder(L.Callback):
                 "numels": numels,
                 "collectives": self.per_step,
                 "fsdp_units": _fsdp_units(trainer),
+                "materialised": self.materialised,
             }
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)
@@ -234,6 +342,8 @@ def run_case(args: argparse.Namespace, case: str) -> None:
             print_layout=args.stages,
             data_parallel=args.data_parallel,
             dp_shard=args.dp_shard if args.data_parallel == "hsdp" else None,
+            fsdp_reshard_after_backward=True if args.rab else None,
+            fsdp_unit=args.fsdp_unit,
             activation_checkpointing=_checkpointing(args.activation_checkpointing),
             compile={"backend": args.compile_backend} if args.compile_backend else False,
         )
@@ -253,7 +363,18 @@ def run_case(args: argparse.Namespace, case: str) -> None:
         num_sanity_val_steps=0,
         use_distributed_sampler=False,
         callbacks=[
-            Recorder(Path(args.out), case, args.ref, args.tag, COUNTER if args.data_parallel != "replicate" else None)
+            Recorder(
+                Path(args.out),
+                case,
+                args.ref,
+                args.tag,
+                COUNTER if args.data_parallel != "replicate" else None,
+                # HSDP's (and submodule units') own materialisation of a model built on the meta device, checked
+                # before the reference loads
+                check_init=build == "configure"
+                and ((args.data_parallel == "hsdp" and not args.rab) or args.fsdp_unit == "submodule"),
+                dp_shard=args.dp_shard if args.data_parallel == "hsdp" else None,
+            )
         ],
     )
     trainer.fit(model, datamodule=OrderedData(model_name, batch, n=GLOBAL_BATCH * 4))
@@ -273,6 +394,15 @@ def main() -> None:
     parser.add_argument("--dp-shard", type=int, default=None, help="HSDP's shard size (with --data-parallel hsdp)")
     # HSDP in the same launch: after the other cases, these under data_parallel="hsdp" (OUT/<case>@hsdp.pt)
     parser.add_argument("--hsdp-cases", default="")
+    # fsdp_reshard_after_backward=True in the same launch: after the cases (OUT/<case>@rab.pt) and after the HSDP
+    # cases (OUT/<case>@hsdp-rab.pt)
+    parser.add_argument("--rab-cases", default="")
+    parser.add_argument("--hsdp-rab-cases", default="")
+    # and with fsdp_unit="submodule" too: OUT/<case>@sub-rab.pt (under fsdp, or --data-parallel's sharded mode),
+    # OUT/<case>@hsdp-sub-rab.pt
+    parser.add_argument("--sub-rab-cases", default="")
+    parser.add_argument("--hsdp-sub-rab-cases", default="")
+    parser.add_argument("--fsdp-unit", default="block", help="fsdp_unit of the --cases runs (block or submodule)")
     parser.add_argument("--activation-checkpointing", default=None, help="full, selective or N (default: off)")
     parser.add_argument("--compile-backend", default=None, help="torch.compile each block with this backend")
     parser.add_argument("--cases", default=",".join(SEQUENTIAL_CASES))
@@ -282,17 +412,28 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.makedirs(args.out, exist_ok=True)
-    global COUNTER
-    COUNTER = CollectiveCounter() if args.data_parallel != "replicate" or args.hsdp_cases else None
+    global COUNTER, BUILD_PROBE
+    submodule_cases = args.sub_rab_cases or args.hsdp_sub_rab_cases
+    COUNTER = CollectiveCounter() if args.data_parallel != "replicate" or args.hsdp_cases or submodule_cases else None
+    BUILD_PROBE = BuildProbe() if args.hsdp_cases or submodule_cases else None
+    args.rab = False
     # a CSV schedule (NAME is its path) is tagged by the file's stem: case C writes OUT/C@<stem>.pt
     runs = [(n, int(v), f"@{Path(n).stem}") for n, v in (s.rsplit(":", 1) for s in args.schedules.split(",") if s)]
     for schedule, stages_per_rank, tag in runs or [(args.schedule, args.stages_per_rank, "")]:
         args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag
-        for case in args.cases.split(","):
+        for case in filter(None, args.cases.split(",")):
             run_case(args, case)
-    if args.hsdp_cases:
-        args.data_parallel, args.tag = "hsdp", "@hsdp"
-        for case in args.hsdp_cases.split(","):
+    sharded = args.data_parallel if args.data_parallel != "replicate" else "fsdp"
+    extra = [
+        (args.data_parallel, True, "block", "@rab", args.rab_cases),
+        (sharded, True, "submodule", "@sub-rab", args.sub_rab_cases),
+        ("hsdp", False, "block", "@hsdp", args.hsdp_cases),
+        ("hsdp", True, "block", "@hsdp-rab", args.hsdp_rab_cases),
+        ("hsdp", True, "submodule", "@hsdp-sub-rab", args.hsdp_sub_rab_cases),
+    ]
+    for data_parallel, rab, unit, tag, cases in extra:
+        args.data_parallel, args.rab, args.fsdp_unit, args.tag = data_parallel, rab, unit, tag
+        for case in filter(None, cases.split(",")):
             run_case(args, case)
 
 

@@ -50,8 +50,8 @@ def test_defaults():
     assert (s.process_group_backend, s.print_layout) == (None, True)
     assert s.compile is False and s.stages is None and s.activation_checkpointing is None
     assert s.data_parallel == "replicate" and s.dp_shard is None and s.grad_reduce_dtype is None
-    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 26
-    assert s.fsdp_reshard_after_forward is None
+    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 28
+    assert s.fsdp_reshard_after_forward is None and s.fsdp_reshard_after_backward is None and s.fsdp_unit == "block"
 
 
 def test_micro_batches_default_to_the_schedules_minimum():

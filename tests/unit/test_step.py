@@ -180,3 +180,61 @@ def test_merge_outputs_per_sample_strings_are_joined_like_the_whole_batch() -> N
     scores = [[torch.tensor([1.0, 2.0]), "x"], [torch.tensor([3.0, 4.0]), "y"]]  # (tensor, tag) per micro-batch
     merged = merge_outputs(scores, [2, 2])
     assert torch.equal(merged[0], torch.tensor([1.0, 2.0, 3.0, 4.0])) and merged[1] == ["x", "y"]
+
+
+# ------------------------------------------------------------------ previous_grads_discarded
+def _trainer(module, *, batch_idx=0, accumulate=1, callbacks=(), optimizer_cls=None, skip_backward=False):
+    from types import SimpleNamespace
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = (optimizer_cls or torch.optim.SGD)(params, lr=0.1)
+    loop = SimpleNamespace(automatic_optimization=SimpleNamespace(_skip_backward=skip_backward), batch_idx=batch_idx)
+    return SimpleNamespace(
+        lightning_module=module,
+        fit_loop=SimpleNamespace(epoch_loop=loop),
+        accumulate_grad_batches=accumulate,
+        callbacks=list(callbacks),
+        optimizers=[optimizer],
+    )
+
+
+def test_previous_grads_are_discarded_only_where_lightning_zeroes_them_unobserved() -> None:
+    """The previous step's gradients are dropped before the schedule only on the first batch of an accumulation
+    window, and only when no hook or optimizer could read or keep them before Lightning's zero_grad."""
+    import lightning as L
+
+    from lightning_3d.core.step import previous_grads_discarded
+
+    plain = L.LightningModule()
+    assert previous_grads_discarded(_trainer(plain))
+    assert previous_grads_discarded(_trainer(plain, batch_idx=4, accumulate=2))
+    assert not previous_grads_discarded(_trainer(plain, batch_idx=3, accumulate=2))  # the window's so far
+    assert not previous_grads_discarded(_trainer(plain, skip_backward=True))
+
+    class Manual(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    class Watches(L.LightningModule):
+        def on_before_zero_grad(self, optimizer) -> None:
+            pass
+
+    class KeepsGrads(L.LightningModule):
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+            pass
+
+    for module in (Manual(), Watches(), KeepsGrads()):
+        assert not previous_grads_discarded(_trainer(module)), type(module).__name__
+
+    class WatchingCallback(L.Callback):
+        def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+            pass
+
+    class OwnZeroGrad(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            pass
+
+    assert previous_grads_discarded(_trainer(plain, callbacks=[L.Callback()]))
+    assert not previous_grads_discarded(_trainer(plain, callbacks=[WatchingCallback()]))
+    assert not previous_grads_discarded(_trainer(plain, optimizer_cls=OwnZeroGrad))

@@ -346,3 +346,25 @@ def test_strided_shard_is_a_placement_with_a_dim_and_split_factor():
     strided = torch_compat.strided_shard_type()
     placement = strided(0, split_factor=2)
     assert placement.dim == 0 and placement.split_factor == 2
+
+
+# ---------------------------------------------------------------------------------------------- FSDP2 buffers
+def test_fsdp_comm_buffers_show_the_reduce_scatter_input_in_flight(world_of_one):
+    """After a backward FSDP2 keeps the last unit's reduce-scatter input (its flat gradients) until the next
+    unit's reduce-scatter; a last backward's final callback frees it. Before the first forward: nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(net[0], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    assert torch_compat.fsdp_comm_buffers(net) == []
+    net.set_is_last_backward(False)
+    net(torch.ones(3, 4)).sum().backward()
+    found = torch_compat.fsdp_comm_buffers(net)
+    assert [label for label, _ in found] == ["reduce-scatter input"]
+    assert found[0][1].numel() in (4 * 8 + 8, 8 * 2 + 2)  # one unit's flat gradients
+    net.set_is_last_backward(True)
+    net(torch.ones(3, 4)).sum().backward()
+    assert torch_compat.fsdp_comm_buffers(net) == []
