@@ -11,7 +11,9 @@ same per-rank batch while rank 1 waits in a barrier. A third variant, NCCL's cho
 ``replicate`` group, a gradient bucket all-reduced as soon as autograd has produced its gradients, during the
 backward), is timed beside them. Rounds alternate the three; medians after warm-up; a dp step is the slower rank's;
 the spread of the per-round ratios is reported too (the machine may be shared). The time of one all-reduce of the
-gradient bytes is measured alone as well.
+gradient bytes is measured alone as well, and so is a round in which both ranks train their own copy at once with
+no communication (``corun``): what two processes sharing the two cores cost by themselves, which the dp=2 step
+pays too; ``ratio_vs_corun`` = that step / the dp=2 step is what data parallelism itself costs.
 
 One more step of each runs under ``torch.profiler`` to split the time into collectives, replicate's hooks,
 DTensor dispatch (the replicated parameters are DTensors), copies, matmul/attention and the rest, with AdamW's
@@ -65,8 +67,10 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     config = model_config(tiny)
     x, y = token_batch(config, batch, seed=rank)
-    single = build_gpt(config) if rank == 0 else None
-    single_opt = torch.optim.AdamW(single.parameters(), lr=1e-4) if single is not None else None
+    # every rank trains its own copy too: rank 0's alone is the baseline; both at once (no communication) show what
+    # two processes sharing the two cores cost by themselves (memory bandwidth and caches), apart from data parallelism
+    single = build_gpt(config)
+    single_opt = torch.optim.AdamW(single.parameters(), lr=1e-4)
     dp_model = build_gpt(config)
     apply_data_parallel(dp_model.body, mesh, blocks=list(dp_model.body))  # what build_stages does to a stage
     dp_opt = torch.optim.AdamW(dp_model.parameters(), lr=1e-4)
@@ -87,7 +91,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
             cpu[key].append(time.process_time() - start_cpu)  # cannot inflate, unlike the wall clock
         return time.perf_counter() - start
 
-    times: dict[str, list[float]] = {"single": [], "dp2": [], "dp2_per_layer": [], "allreduce": []}
+    times: dict[str, list[float]] = {"single": [], "corun": [], "dp2": [], "dp2_per_layer": [], "allreduce": []}
     flat = torch.zeros(grad_elems)
     for r in range(warmup + rounds):
         dist.barrier()
@@ -95,6 +99,10 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
             t = step(single, single_opt, "single" if r >= warmup else None)
             if r >= warmup:
                 times["single"].append(t)
+        dist.barrier()
+        t = step(single, single_opt)  # both ranks at once, each its own copy
+        if r >= warmup:
+            times["corun"].append(t)
         dist.barrier()
         t = step(dp_model, dp_opt, "dp2" if r >= warmup else None)
         if r >= warmup:
@@ -120,8 +128,8 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
         single_parts = profile_breakdown(lambda: step(single, single_opt))
     dist.barrier()
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (times["dp2"], times["dp2_per_layer"], times["allreduce"]))
-    for i, key in enumerate(("dp2", "dp2_per_layer", "allreduce")):
+    dist.all_gather_object(gathered, (times["dp2"], times["dp2_per_layer"], times["allreduce"], times["corun"]))
+    for i, key in enumerate(("dp2", "dp2_per_layer", "allreduce", "corun")):
         times[key] = [max(v) for v in zip(*(g[i] for g in gathered))]
     return {
         **times,
@@ -142,7 +150,9 @@ def run(out: Path, tiny: bool = False) -> Record:
     res = launch(
         "b7_data_parallel:worker", 2, {"batch": 4, "rounds": 1 if tiny else 8, "warmup": 1 if tiny else 2, "tiny": tiny}
     )
-    single, dp, per_layer, ar = (median(res[k]) * 1e3 for k in ("single", "dp2", "dp2_per_layer", "allreduce"))
+    single, dp, per_layer, ar, corun = (
+        median(res[k]) * 1e3 for k in ("single", "dp2", "dp2_per_layer", "allreduce", "corun")
+    )
     per_round = sorted(s / d for s, d in zip(res["single"], res["dp2"]))
     per_round_per_layer = sorted(s / d for s, d in zip(res["single"], res["dp2_per_layer"]))
     red, red_per_layer = res["reduction_rank0"], res["reduction_per_layer_rank0"]
@@ -159,6 +169,9 @@ def run(out: Path, tiny: bool = False) -> Record:
         f"  CPU time per step (rank 0, all its threads; a busy machine does not inflate it): one process "
         f"{cpu_single:.1f} ms, dp=2 {cpu_dp:.1f} ms ({cpu_single / cpu_dp:.3f}), a bucket per layer "
         f"{cpu_per_layer:.1f} ms ({cpu_single / cpu_per_layer:.3f})",
+        f"  two processes each training its own copy at the same time (no communication): {corun:.1f} ms/step, "
+        f"{single / corun:.3f} of one alone: the two cores' shared memory bandwidth and caches, not data "
+        f"parallelism; dp=2 against that: {corun / dp:.3f}",
         f"  all-reduce of the {res['grad_bytes'] / 2**20:.1f} MB of gradients alone: {ar:.1f} ms; the rest of the "
         f"gap: {dp - single - ar:.1f} ms",
         f"  profile dp=2 rank 0: {breakdown_text(res['profile_dp2_rank0'])}",
@@ -169,6 +182,9 @@ def run(out: Path, tiny: bool = False) -> Record:
         "dp2_ms": dp,
         "dp2_per_layer_ms": per_layer,
         "ratio_per_layer": single / per_layer,
+        "corun_ms": corun,
+        "corun_ratio": single / corun,
+        "ratio_vs_corun": corun / dp,
         "ratio_rounds": per_round,
         "ratio_rounds_per_layer": per_round_per_layer,
         "allreduce_ms": ar,
