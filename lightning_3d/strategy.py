@@ -65,7 +65,14 @@ from .core.grad_norm import clip_grads_, global_grad_norm
 from .core.loss_scale import LossScaler, scaler_of
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
 from .core.optim import foreach_for_dtensors
-from .core.parallelize import add_body_randomness, broadcast_seed, build_stages, describe_layout, plan_model
+from .core.parallelize import (
+    DataParallelPlan,
+    add_body_randomness,
+    broadcast_seed,
+    build_stages,
+    describe_layout,
+    plan_model,
+)
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
 from .core.step import HeldGrads, previous_grads_discarded
@@ -399,12 +406,14 @@ class ThreeDStrategy(ParallelStrategy):
             seed,
             compile_kwargs(s.compile),
             s.activation_checkpointing,
-            data_parallel=s.data_parallel,
-            dp_mesh=self._sharding_mesh(),
-            grad_reduce_dtype=s.grad_reduce_dtype,
-            fsdp_reshard_after_forward=s.fsdp_reshard_after_forward,
-            fsdp_reshard_after_backward=bool(s.fsdp_reshard_after_backward),
-            fsdp_unit=s.fsdp_unit,
+            DataParallelPlan(
+                s.data_parallel,
+                self._sharding_mesh(),
+                s.grad_reduce_dtype,
+                s.fsdp_reshard_after_forward,
+                bool(s.fsdp_reshard_after_backward),
+                s.fsdp_unit,
+            ),
         )
         self._compiled = built.compiled
         if built.compiled is not None:

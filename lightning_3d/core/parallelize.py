@@ -10,7 +10,7 @@ sharded), and wrap each stage for data parallelism.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,6 +316,49 @@ def broadcast_seed(seed: int | None) -> int:
     return int(holder[0])
 
 
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """How :func:`build_stages` makes each stage data-parallel: the settings of the same names, in one place.
+
+    Attributes:
+        mode: ``"replicate"`` (gradient buckets over ``mesh["dp"]``), ``"fsdp"`` or ``"hsdp"`` (FSDP2 units over
+            ``mesh``, see ``fsdp.py``).
+        mesh: what FSDP shards over: ``mesh["dp"]``, or HSDP's (dp_replicate, dp_shard) view of dp; ``None``:
+            the build's ``mesh["dp"]``.
+        reduce_dtype: ``"bf16"``/``"fp16"``: the dtype of the gradient reduction (``None``: the parameters').
+        reshard_after_forward / reshard_after_backward / unit: the ``fsdp_*`` settings of those names.
+    """
+
+    mode: str = "replicate"
+    mesh: DeviceMesh | None = None
+    reduce_dtype: str | None = None
+    reshard_after_forward: bool | None = None
+    reshard_after_backward: bool = False
+    unit: str = "block"
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parameters are sharded over dp (FSDP or HSDP), not replicated."""
+        return self.mode in SHARDED_MODES
+
+    def wrap(self, module: nn.Module, blocks: Sequence[nn.Module], mesh: DeviceMesh, precision: Precision) -> nn.Module:
+        """``module`` (a stage) made data-parallel, each of ``blocks`` its own FSDP unit (or, with
+        ``unit="submodule"``, its parameter-owning submodules) or its own gradient bucket where it can be."""
+        if self.sharded:
+            return apply_fsdp(
+                module,
+                blocks,
+                mesh["dp"] if self.mesh is None else self.mesh,
+                pp=mesh["pp"].size(),
+                precision=precision,
+                reduce_dtype=self.reduce_dtype,
+                reshard_after_forward=self.reshard_after_forward,
+                reshard_after_backward=self.reshard_after_backward,
+                unit=self.unit,
+            )
+        return apply_data_parallel(module, mesh["dp"], blocks=blocks, reduce_dtype=self.reduce_dtype)
+
+
 def build_stages(
     module: LightningModule,
     model: ModelPlan,
@@ -325,23 +368,15 @@ def build_stages(
     seed: int,
     compile_kwargs: Mapping[str, Any] | None = None,
     checkpointing: int | str | None = None,
-    data_parallel: str = "replicate",
-    dp_mesh: DeviceMesh | None = None,
-    grad_reduce_dtype: str | None = None,
-    fsdp_reshard_after_forward: bool | None = None,
-    fsdp_reshard_after_backward: bool = False,
-    fsdp_unit: str = "block",
+    dp_plan: DataParallelPlan | None = None,
 ) -> BuiltStages:
     """Prune, materialise, tensor-shard, checkpoint activations (``checkpointing`` not ``None``: see
     ``checkpointing.py``), compile (``compile_kwargs`` not ``None``: each block, see ``compile.py``) and
-    data-parallel-wrap this rank's stages (in that order): ``replicate`` or, with ``data_parallel="fsdp"``, FSDP2
-    sharding over dp (``fsdp.py``); ``"hsdp"``: the same over ``dp_mesh``, HSDP's (dp_replicate, dp_shard) view of
-    dp (``None``: ``mesh["dp"]``); ``grad_reduce_dtype`` (``"bf16"``/``"fp16"``) is the dtype of either's gradient
-    reduction; ``fsdp_reshard_after_forward`` / ``fsdp_reshard_after_backward`` / ``fsdp_unit``: the settings of
-    those names. A
-    meta-device model under ``"fsdp"`` or ``"hsdp"`` is materialised directly as this rank's shards
+    data-parallel-wrap this rank's stages (in that order) as ``dp_plan`` says (``None``: ``replicate`` over
+    ``mesh["dp"]``, gradients reduced in the parameters' dtype; see :class:`DataParallelPlan`). A meta-device
+    model under ``"fsdp"`` or ``"hsdp"`` is materialised directly as this rank's shards
     (``materialize.ShardedInit``)."""
-    dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
+    dp_plan = DataParallelPlan() if dp_plan is None else dp_plan
     if model.split is not None:
         return _build_split_stages(
             module,
@@ -352,12 +387,7 @@ def build_stages(
             seed,
             compile_kwargs,
             checkpointing,
-            data_parallel,
-            dp_mesh,
-            grad_reduce_dtype,
-            fsdp_reshard_after_forward,
-            fsdp_reshard_after_backward,
-            fsdp_unit,
+            dp_plan,
         )
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
@@ -371,7 +401,7 @@ def build_stages(
     tp = mesh["tp"].size()
     # FSDP / HSDP on a meta model: shard while on meta, then allocate and fill only this rank's shards (materialize.py)
     deferred = None
-    if model.is_meta and data_parallel in SHARDED_MODES:
+    if model.is_meta and dp_plan.sharded:
         named = torch_compat.child_modules(body.module)
         deferred = ShardedInit([(f"{body.fqn}.{n}", named[n]) for n in keep])  # type: ignore[misc]
     for name in keep:
@@ -395,62 +425,19 @@ def build_stages(
         checkpointing,
         compile_kwargs,
     )
-    dp_wrap = _dp_wrapper(
-        data_parallel,
-        mesh,
-        dp_mesh,
-        precision,
-        grad_reduce_dtype,
-        fsdp_reshard_after_forward,
-        fsdp_reshard_after_backward,
-        fsdp_unit,
-    )
     stages = []
     for s in my_stages:
         container = partition.stage_container(body, stage_plan.layer_names[s])
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
         # a Sequential body has no ties: every layer of the stage its own FSDP unit or gradient bucket
-        wrapped = dp_wrap(container, held)
+        wrapped = dp_plan.wrap(container, held, mesh, precision)
         stages.append(StageSpec(s, wrapped))
     if deferred is not None:
         deferred.allocate([s.module for s in stages], device)
         deferred.fill(device, seed)
         module.to(device)
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
-
-
-def _dp_wrapper(
-    data_parallel: str,
-    mesh: DeviceMesh,
-    dp_mesh: DeviceMesh,
-    precision: Precision,
-    grad_reduce_dtype: str | None,
-    fsdp_reshard_after_forward: bool | None,
-    fsdp_reshard_after_backward: bool = False,
-    fsdp_unit: str = "block",
-) -> Callable[[nn.Module, Sequence[nn.Module]], nn.Module]:
-    """``wrap(stage_module, blocks)`` with this build's settings: the stage made data-parallel as FSDP2 units
-    (``"fsdp"``/``"hsdp"``, over ``dp_mesh``; ``fsdp_unit="submodule"``: the blocks' parameter-owning submodules)
-    or ``replicate`` gradient buckets (over ``mesh["dp"]``), each of ``blocks`` its own unit or bucket where it
-    can be."""
-
-    def wrap(module: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module:
-        if data_parallel in SHARDED_MODES:
-            return apply_fsdp(
-                module,
-                blocks,
-                dp_mesh,
-                pp=mesh["pp"].size(),
-                precision=precision,
-                reduce_dtype=grad_reduce_dtype,
-                reshard_after_forward=fsdp_reshard_after_forward,
-                reshard_after_backward=fsdp_reshard_after_backward,
-                unit=fsdp_unit,
-            )
-        return apply_data_parallel(module, mesh["dp"], blocks=blocks, reduce_dtype=grad_reduce_dtype)
-
-    return wrap
 
 
 def _checkpoint_and_compile(
@@ -479,15 +466,9 @@ def _build_split_stages(
     seed: int,
     compile_kwargs: Mapping[str, Any] | None = None,
     checkpointing: int | str | None = None,
-    data_parallel: str = "replicate",
-    dp_mesh: DeviceMesh | None = None,
-    grad_reduce_dtype: str | None = None,
-    fsdp_reshard_after_forward: bool | None = None,
-    fsdp_reshard_after_backward: bool = False,
-    fsdp_unit: str = "block",
+    dp_plan: DataParallelPlan | None = None,
 ) -> BuiltStages:
     split = model.split
-    dp_mesh = mesh["dp"] if dp_mesh is None else dp_mesh
     assert split is not None
     check_compilable(model.hf_plan is not None, mesh["tp"].size(), compile_kwargs)
     pp_rank = mesh["pp"].get_local_rank()
@@ -507,7 +488,7 @@ def _build_split_stages(
     # FSDP / HSDP on a meta model split at its blocks: shard while on meta, then allocate and fill only this rank's
     # shards (materialize.py); without a block container the one module is materialised whole, as under replicate
     deferred = None
-    if model.is_meta and data_parallel in SHARDED_MODES and held_names:
+    if model.is_meta and dp_plan.sharded and held_names:
         deferred = ShardedInit([(n, module.get_submodule(n)) for n in held_names], initializers)
     for name in held_names or [""]:  # one module at a time: whole only while it is being sharded
         sub = module.get_submodule(name)
@@ -537,16 +518,6 @@ def _build_split_stages(
         checkpointing,
         compile_kwargs,
     )
-    dp_wrap = _dp_wrapper(
-        data_parallel,
-        mesh,
-        dp_mesh,
-        precision,
-        grad_reduce_dtype,
-        fsdp_reshard_after_forward,
-        fsdp_reshard_after_backward,
-        fsdp_unit,
-    )
     stages = []
     for s in my_stages:
         held = {"": module} if container is None else {n: module.get_submodule(n) for n in split.modules_of(s)}
@@ -554,7 +525,8 @@ def _build_split_stages(
         blocks = []  # the stage's transformer blocks: each a gradient bucket (or an FSDP unit) of its own
         if container is not None:
             blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
-        wrapped = dp_wrap(stage_module, blocks)  # embeddings, norm and head in the stage's root unit (or bucket)
+        # embeddings, norm and head in the stage's root unit (or bucket)
+        wrapped = dp_plan.wrap(stage_module, blocks, mesh, precision)
         stages.append(StageSpec(s, wrapped))
     if deferred is not None:
         deferred.allocate([s.module for s in stages], device)
