@@ -19,8 +19,10 @@ included (its ``Popen`` of each child is answered by a fork), which takes some 6
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -187,6 +189,7 @@ class _Zygote:
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="l3d-zygote-"))
+        atexit.register(shutil.rmtree, self.dir, True)  # socket, log and exit codes (the server exits with us)
         self.socket = str(self.dir / "server.sock")
         read, self._lifeline = os.pipe()  # the server exits when this end closes (with the test session)
         self.log = open(self.dir / "server.log", "w")
