@@ -6,10 +6,11 @@ each call handing over what that hook needs (it never sees the strategy itself):
 ==========================  ======================================================================================
 ``on_process_group_ready``  setup timeout on every process group; a layout check (tp, pp, dp, world) BEFORE the
                             mesh is built (a mismatched mesh hangs in ``new_group``); starts the ``FailureWatch``
-``check_consistency``       the first collective of ``_parallelize``: a hash of every ``ThreeDSettings`` field,
-                            the Trainer settings and the model structure, compared across ranks; on mismatch,
-                            every rank raises ``ConsistencyError`` naming the keys that differ and their values
-                            on which ranks
+``check_consistency``       twice in ``_parallelize``: a hash of every ``ThreeDSettings`` field, the Trainer
+                            settings and the model's tensors, compared across ranks before planning (which may
+                            itself communicate: the compute partitioner's timing), then again with the plan
+                            (stage split, tensor-parallel plan); on mismatch, every rank raises
+                            ``ConsistencyError`` naming the keys that differ and their values on which ranks
 ``on_model_ready``          the module and this rank's stages, for ``after_backward``
 ``after_train_step``        after the first training step: a barrier, then the shorter ``train_timeout`` on every
                             process group (the mesh's sub-groups included) and on pipeline receives (gloo)
@@ -34,7 +35,7 @@ import math
 import re
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +50,7 @@ from .core import torch_compat
 from .core.agreed import is_agreed, mark_agreed
 from .core.grad_norm import ScanNorms
 from .core.parallelize import ModelPlan
+from .core.partition import TensorSpec, full_model_spec
 from .core.pipeline import StageSpec
 from .core.topology import Topology
 from .settings import ThreeDSettings, as_timedelta
@@ -151,12 +153,19 @@ def config_items(
     if module is not None:
         items["model.class"] = f"{type(module).__module__}.{type(module).__qualname__}"
     if model is not None:
-        for name, spec in model.full_spec.items():
-            kind = "parameter" if spec.is_parameter else "buffer"
-            items[f"model.{name}"] = f"{kind} {tuple(spec.shape)} {spec.dtype}"
+        items.update(spec_items(model.full_spec))
         for name, entry in model.tp_plan.entries.items():
             style = entry.style if isinstance(entry.style, str) else type(entry.style).__name__
             items[f"tp_plan.{name}"] = style
+    return items
+
+
+def spec_items(full_spec: Mapping[str, TensorSpec]) -> dict[str, str]:
+    """The model's tensors: ``model.NAME`` -> kind, shape and dtype."""
+    items = {}
+    for name, spec in full_spec.items():
+        kind = "parameter" if spec.is_parameter else "buffer"
+        items[f"model.{name}"] = f"{kind} {tuple(spec.shape)} {spec.dtype}"
     return items
 
 
@@ -421,17 +430,20 @@ class Reliability:
         precision: Precision,
         model: ModelPlan | None,
         error: BaseException | None = None,
+        settings_only: bool = False,
     ) -> None:
-        """The first collective of ``_parallelize``: settings and model structure are the same on every rank.
+        """Settings and model structure are the same on every rank (``_parallelize``'s first collectives).
 
         Args:
             module: the LightningModule being set up.
             precision: Lightning's precision plugin.
-            model: what ``plan_model`` decided; ``None`` when it raised ``error``.
+            model: what ``plan_model`` decided; ``None`` when it raised ``error`` or with ``settings_only``.
             error: this rank's planning error, if any (a configuration the model does not fit): it joins the
                 compared items, so a rank that fails planning while another does not is named in a
                 ``ConsistencyError`` on every rank instead of leaving the others waiting; when every rank
                 failed alike the caller raises it.
+            settings_only: compare the settings and the unsplit module's tensors, before a planning step that is
+                itself a collective (the compute partitioner's timing); the whole check follows the planning.
         """
         self._module = module
         if self.setup_timeout is not None:
@@ -439,7 +451,9 @@ class Reliability:
         if self.settings.check_consistency:
             assert self._topology is not None, "on_process_group_ready comes first"
             items = config_items(self.settings, self._topology.world_size, precision, module, model)
-            if model is not None and error is None:
+            if settings_only:  # the unsplit module's tensors, as planning would list them
+                items.update(spec_items(full_model_spec(module)))
+            elif model is not None and error is None:
                 items.update(body_items(model.body, model.stage_plan))
             else:
                 items["setup_error"] = f"{type(error).__name__}: {error}"

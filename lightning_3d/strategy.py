@@ -365,8 +365,12 @@ class ThreeDStrategy(ParallelStrategy):
         assert module is not None and self.topology is not None
         self._validate_module(module)
         s = self.settings
+        # ---- reliability: planning may communicate (the compute partitioner times a share of the layers on each
+        # rank and all-gathers the table), so the settings are agreed on first: ranks configured apart name the
+        # difference instead of meeting in different collectives
+        self._reliability.check_consistency(module, self.precision_plugin, None, settings_only=True)
         try:
-            # every check that needs no communication, on every rank alike
+            # every check that needs no communication (the compute partitioner's timing aside), on every rank alike
             model = plan_model(
                 module,
                 tp=s.tp,
@@ -394,7 +398,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._example_input = model.example_input
         layout = describe_layout(self.topology, self.device_mesh, model, self.schedule, self.micro_batches)
         # --- from here on ranks communicate
-        # ---- reliability: the FIRST collective
+        # ---- reliability: the plan (tensor-parallel plan, stage split) agreed on before anything is built
         self._reliability.check_consistency(module, self.precision_plugin, model)
         seed = broadcast_seed(s.seed)
         built = build_stages(

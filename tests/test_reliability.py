@@ -272,6 +272,22 @@ def test_config_mismatch_is_named(tmp_path):
 
 
 @pytest.mark.slow
+def test_partitioner_mismatch_is_named_before_the_timing_collective(tmp_path):
+    """A rank asking for partitioner="compute" (which times the layers and all-gathers the table) among ranks asking
+    for "uniform": the settings are compared before that collective, so every rank names the difference instead of
+    meeting the others in a different collective."""
+    result, info = _lightning_job(
+        tmp_path, "--pp", 2, "--fault", "partition", "--rank", 1, "--timeout", 60, timeout=150
+    )
+    assert info["main_rc"] != 0 and info["leftover"] == [], result.tail()
+    out = result.output
+    assert "ConsistencyError: ThreeDStrategy: the ranks of this job do not agree" in out, result.tail()
+    assert "strategy.partitioner: 'uniform' on rank 0; 'compute' on rank 1" in out, result.tail()
+    for rec in _records(tmp_path, 2):
+        assert "ConsistencyError" in rec["exception"], rec
+
+
+@pytest.mark.slow
 def test_dp_divergence_is_named(tmp_path):
     result, _ = _external_job(
         tmp_path, 2, "--pp", 1, "--dp", 2, "--fault", "diverge", "--rank", 1, "--step", 2, "--dp-check", 2

@@ -14,6 +14,8 @@ nan_grad   the gradient flowing into that layer's output becomes NaN (its stage'
 nan_loss   the loss of every last-stage rank becomes NaN at step K
 diverge    after step K, rank R adds 1e-3 to its first parameter (DPConsistencyCheck must name it)
 mismatch   rank R is built with micro_batches=4 (others 2) and a wider first hidden layer (ConsistencyError)
+partition  rank R asks for partitioner="compute" (others "uniform"), whose layer timing is a collective; the
+           model has an ``example_input_array`` so that it times (ConsistencyError, before that collective)
 none       no fault
 =========  ===========================================================================================
 
@@ -191,6 +193,7 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, f"pid.{rank}").write_text(str(os.getpid()))
     odd = args.fault == "mismatch" and rank == args.rank
+    timed = args.fault == "partition" and rank == args.rank
     L.seed_everything(1234, verbose=False)
     strategy = ThreeDStrategy(
         tp=args.tp,
@@ -200,6 +203,7 @@ def main() -> None:
         train_timeout=args.train_timeout,
         on_nonfinite=args.on_nonfinite,
         print_layout=False,
+        partitioner="compute" if timed else "uniform",
     )
     callbacks: list[L.Callback] = [Fault(args)]
     if args.dp_check:
@@ -220,6 +224,8 @@ def main() -> None:
         callbacks=callbacks,
     )
     model = FaultMLP(hidden=40 if odd else 32, optimizer="adam", lr=0.01)
+    if args.fault == "partition":
+        model.example_input_array = torch.zeros(args.batch // 2, 16)  # one micro-batch: what the timing runs on
     trainer.fit(model, loader("mlp", args.batch, n=args.batch * args.dp * args.steps * args.accumulate))
 
 
