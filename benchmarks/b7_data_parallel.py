@@ -81,11 +81,22 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
 
     cpu: dict[str, list[float]] = {"single": [], "dp2": [], "dp2_per_layer": []}
 
-    def step(model: Any, opt: Any, key: str | None = None) -> float:
+    phases: dict[str, list[float]] = {"flatten": [], "optimizer_single": [], "optimizer_dp2": []}
+
+    def step(model: Any, opt: Any, key: str | None = None, phase: str | None = None) -> float:
         start, start_cpu = time.perf_counter(), time.process_time()
         gpt_loss(model(x), y).backward()
+        if phase == "single":  # the flattening copy replicate makes, alone and unprofiled (a profiler inflates it)
+            grads = [p.grad.reshape(-1) for p in model.parameters()]
+            t = time.perf_counter()
+            torch.cat(grads, out=torch.empty(grad_elems))
+            phases["flatten"].append(time.perf_counter() - t)
+            start += time.perf_counter() - t  # not part of the step
+        t = time.perf_counter()
         with foreach_for_dtensors(opt):  # what the strategy's optimizer step does for DTensor parameters
             opt.step()
+        if phase is not None:
+            phases[f"optimizer_{phase}"].append(time.perf_counter() - t)
         opt.zero_grad(set_to_none=True)
         if key is not None:  # CPU seconds of the whole process (gloo's threads included): what a busy machine
             cpu[key].append(time.process_time() - start_cpu)  # cannot inflate, unlike the wall clock
@@ -100,11 +111,11 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
             if r >= warmup:
                 times["single"].append(t)
         dist.barrier()
-        t = step(single, single_opt)  # both ranks at once, each its own copy
+        t = step(single, single_opt, phase="single" if r >= warmup else None)  # both ranks at once, each its own
         if r >= warmup:
             times["corun"].append(t)
         dist.barrier()
-        t = step(dp_model, dp_opt, "dp2" if r >= warmup else None)
+        t = step(dp_model, dp_opt, "dp2" if r >= warmup else None, phase="dp2" if r >= warmup else None)
         if r >= warmup:
             times["dp2"].append(t)
         dist.barrier()
@@ -134,6 +145,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     return {
         **times,
         "cpu": cpu,
+        "phases_rank0": phases,
         "grad_bytes": grad_elems * 4,
         "buckets": gradient_buckets(dp_model.body),
         "profile_dp2_rank0": dp_parts,
@@ -157,14 +169,18 @@ def run(out: Path, tiny: bool = False) -> Record:
     per_round_per_layer = sorted(s / d for s, d in zip(res["single"], res["dp2_per_layer"]))
     red, red_per_layer = res["reduction_rank0"], res["reduction_per_layer_rank0"]
     cpu_single, cpu_dp, cpu_per_layer = (median(res["cpu"][k]) * 1e3 for k in ("single", "dp2", "dp2_per_layer"))
+    flatten, opt_single, opt_dp = (
+        median(res["phases_rank0"][k]) * 1e3 for k in ("flatten", "optimizer_single", "optimizer_dp2")
+    )
     lines = [
         f"one process {single:.1f} ms/step, dp=2 {dp:.1f} ms/step (4 sequences per rank) -> efficiency "
         f"{single / dp:.3f} (rounds {per_round[0]:.3f}-{per_round[-1]:.3f})",
         f"  {res['buckets']} gradient bucket(s) (the strategy's choice for gloo: one replicate group per stage); "
         f"a bucket per layer (NCCL's choice, forced): {per_layer:.1f} ms/step -> {single / per_layer:.3f} "
         f"(rounds {per_round_per_layer[0]:.3f}-{per_round_per_layer[-1]:.3f})",
-        f"  un-overlapped reduction on the step's thread (profiled): {red['reduce_ms']:.1f} ms in "
-        f"{red['buckets']} reductions, of which flattening copies {red['flatten_ms']:.1f} ms "
+        f"  un-overlapped reduction on the step's thread (profiled, which inflates the copies): "
+        f"{red['reduce_ms']:.1f} ms in {red['buckets']} reductions, of which flattening copies "
+        f"{red['flatten_ms']:.1f} ms "
         f"(a bucket per layer: {red_per_layer['reduce_ms']:.1f} ms, copies {red_per_layer['flatten_ms']:.1f} ms)",
         f"  CPU time per step (rank 0, all its threads; a busy machine does not inflate it): one process "
         f"{cpu_single:.1f} ms, dp=2 {cpu_dp:.1f} ms ({cpu_single / cpu_dp:.3f}), a bucket per layer "
@@ -174,6 +190,10 @@ def run(out: Path, tiny: bool = False) -> Record:
         f"parallelism; dp=2 against that: {corun / dp:.3f}",
         f"  all-reduce of the {res['grad_bytes'] / 2**20:.1f} MB of gradients alone: {ar:.1f} ms; the rest of the "
         f"gap: {dp - single - ar:.1f} ms",
+        f"  unprofiled, rank 0: the flattening copy alone (one cat of the gradients after a co-run backward) "
+        f"{flatten:.1f} ms; AdamW over replicate's DTensor parameters {opt_dp:.1f} ms vs {opt_single:.1f} ms over "
+        f"plain tensors (co-run); so dp=2 - co-run = all-reduce {ar:.1f} + flattening {flatten:.1f} + optimizer "
+        f"{opt_dp - opt_single:.1f} + the rest {dp - corun - ar - flatten - (opt_dp - opt_single):.1f} ms",
         f"  profile dp=2 rank 0: {breakdown_text(res['profile_dp2_rank0'])}",
         f"  profile one process: {breakdown_text(res['profile_single'])}",
     ]
@@ -194,6 +214,8 @@ def run(out: Path, tiny: bool = False) -> Record:
         "buckets": res["buckets"],
         "unoverlapped_reduction_ms": red["reduce_ms"],
         "flatten_ms": red["flatten_ms"],
+        "flatten_unprofiled_ms": flatten,
+        "optimizer_ms": {"single": opt_single, "dp2": opt_dp},
         "unoverlapped_reduction_per_layer_ms": red_per_layer["reduce_ms"],
         "rounds_s": res,
         "layout": "dp=2 on 2 processes (apply_data_parallel: one replicate group per stage on gloo), 1 thread each; "
