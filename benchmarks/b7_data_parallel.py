@@ -2,18 +2,18 @@
 
 Two processes, one thread each, the benchmark GPT, 4 sequences per rank, forward + backward + AdamW. dp=2 is what
 the strategy does to a stage: ``lightning_3d.core.data_parallel.apply_data_parallel`` with the body's layers as
-blocks, and to its optimizer: AdamW left to choose runs its multi-tensor implementation over the replicated DTensor
-parameters (``lightning_3d.core.optim.foreach_for_dtensors``, torch's own choice on GPUs; bitwise the same numbers
-as its per-tensor loop); the buckets follow the backend (``per_block_buckets``): on gloo, here, the body is ONE
-``replicate`` group, all-reduced once after the whole backward (gloo's all-reduce blocks the thread, so per-layer
-buckets cannot overlap the backward on a CPU). Baseline, in the same run: rank 0 alone training its own copy on the
-same per-rank batch while rank 1 waits in a barrier. A third variant, NCCL's choice forced on gloo (each layer a
-``replicate`` group, a gradient bucket all-reduced as soon as autograd has produced its gradients, during the
-backward), is timed beside them. Rounds alternate the three; medians after warm-up; a dp step is the slower rank's;
-the spread of the per-round ratios is reported too (the machine may be shared). The time of one all-reduce of the
-gradient bytes is measured alone as well, and so is a round in which both ranks train their own copy at once with
-no communication (``corun``): what two processes sharing the two cores cost by themselves, which the dp=2 step
-pays too; ``ratio_vs_corun`` = that step / the dp=2 step is what data parallelism itself costs.
+blocks, and to its optimizer: AdamW left to choose steps the replicated DTensor parameters over their local tensors
+with torch's choice for plain tensors, from the second step on (``lightning_3d.core.optim.optimizer_for_dtensors``;
+bitwise the same numbers as over the DTensors); the buckets follow the backend (``per_block_buckets``): on gloo,
+here, the body is ONE ``replicate`` group, all-reduced once after the whole backward (gloo's all-reduce blocks the
+thread, so per-layer buckets cannot overlap the backward on a CPU). Baseline, in the same run: rank 0 alone training
+its own copy on the same per-rank batch while rank 1 waits in a barrier. A third variant, NCCL's choice forced on
+gloo (each layer a ``replicate`` group, a gradient bucket all-reduced as soon as autograd has produced its
+gradients, during the backward), is timed beside them. Rounds alternate the three; medians after warm-up; a dp step
+is the slower rank's; the spread of the per-round ratios is reported too (the machine may be shared). The time of
+one all-reduce of the gradient bytes is measured alone as well, and so is a round in which both ranks train their
+own copy at once with no communication (``corun``): what two processes sharing the two cores cost by themselves,
+which the dp=2 step pays too; ``ratio_vs_corun`` = that step / the dp=2 step is what data parallelism itself costs.
 
 One more step of each runs under ``torch.profiler`` to split the time into collectives, replicate's hooks,
 DTensor dispatch (the replicated parameters are DTensors), copies, matmul/attention and the rest, with AdamW's
@@ -59,7 +59,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_3d.core.data_parallel import apply_data_parallel, gradient_buckets
-    from lightning_3d.core.optim import foreach_for_dtensors
+    from lightning_3d.core.optim import optimizer_for_dtensors
 
     from .common import build_gpt, gpt_loss, init_distributed, model_config, profile_breakdown, token_batch
 
@@ -93,7 +93,7 @@ def worker(batch: int, rounds: int, warmup: int, tiny: bool) -> dict[str, Any]:
             phases["flatten"].append(time.perf_counter() - t)
             start += time.perf_counter() - t  # not part of the step
         t = time.perf_counter()
-        with foreach_for_dtensors(opt):  # what the strategy's optimizer step does for DTensor parameters
+        with optimizer_for_dtensors(opt):  # what the strategy's optimizer step does for DTensor parameters
             opt.step()
         if phase is not None:
             phases[f"optimizer_{phase}"].append(time.perf_counter() - t)

@@ -64,7 +64,7 @@ from .core.compile import CompiledBlocks, compile_kwargs
 from .core.grad_norm import clip_grads_, global_grad_norm
 from .core.loss_scale import LossScaler, scaler_of
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
-from .core.optim import foreach_for_dtensors
+from .core.optim import optimizer_for_dtensors
 from .core.parallelize import (
     DataParallelPlan,
     add_body_randomness,
@@ -505,9 +505,9 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's optimizer step; under ``precision="16-mixed"`` the plugin's ``GradScaler`` is driven from the
-        overflow every rank agreed on (``core/loss_scale.py``) instead of a local inf check. DTensor parameters get
-        torch's multi-tensor optimizer where the user left the choice to torch (``core/optim.py``)."""
-        with foreach_for_dtensors(optimizer):
+        overflow every rank agreed on (``core/loss_scale.py``) instead of a local inf check. DTensor parameters are
+        stepped over their local tensors where the user left the implementation to torch (``core/optim.py``)."""
+        with optimizer_for_dtensors(optimizer):
             if self.loss_scaler is None:
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
             model = model or self.lightning_module

@@ -49,6 +49,7 @@ __all__ = [
     "foreach_non_finite",
     "foreach_norm",
     "fsdp_comm_buffers",
+    "global_optimizer_hooks",
     "group_timeout",
     "in_backward",
     "is_view",
@@ -240,6 +241,18 @@ def foreach_default_devices() -> list[str]:
     from torch.utils import _foreach_utils
 
     return list(_private(_foreach_utils, "_get_foreach_kernels_supported_devices", "the optimizer's foreach choice")())
+
+
+def global_optimizer_hooks() -> bool:
+    """Whether any optimizer step hook is registered for every optimizer (``register_optimizer_step_pre_hook`` /
+    ``_post_hook``; torch keeps them in ``torch.optim.optimizer._global_optimizer_pre_hooks`` / ``_post_hooks``)."""
+    from torch.optim import optimizer
+
+    purpose = "the optimizer step over local tensors"
+    return bool(
+        _private(optimizer, "_global_optimizer_pre_hooks", purpose)
+        or _private(optimizer, "_global_optimizer_post_hooks", purpose)
+    )
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
