@@ -272,15 +272,16 @@ class FailureWatch:
             self._store.set(self._key(f"exiting/{self.rank}"), "1")
         except Exception:
             pass
+        first = False  # whether this rank's record is the one that stands (the job's first failure)
         if agreed:
             self.stop()  # every rank stops by itself; nobody needs to be told
         elif record is not None:
-            self._post(record)
+            first = self._post(record).get("rank") == record["rank"] == self.rank
             if comm and not dead and "timed out" in str(_chain(exc)[-1]).lower():
                 self._name_stuck_ranks()
         self.reap_children()
         if not agreed:
-            self.linger(self._store)
+            self.linger(self._store, first=first)
 
     def _record(self) -> dict[str, Any] | None:
         try:
@@ -424,14 +425,16 @@ class FailureWatch:
         sys.stdout.flush()
         os._exit(ABORT_EXIT_CODE)
 
-    def linger(self, store: Any) -> None:
-        """On rank 0, whose process hosts the rendezvous store: before exiting, wait (a few polls at most)
-        until every other rank has seen the failure record or is gone, so that nobody loses the store first
-        and blames rank 0."""
-        if self.rank != 0 or store is None:
+    def linger(self, store: Any, first: bool = False) -> None:
+        """Before exiting, wait (a few polls at most) until every other rank has seen the failure record or is
+        gone: on rank 0, whose process hosts the rendezvous store, so that nobody loses the store first and blames
+        rank 0; and on the rank that failed first (``first``), because under Lightning's launcher rank 0's process
+        SIGKILLs every child as soon as one has exited with an error, which would cut the others off before they
+        say why they stop."""
+        if (self.rank != 0 and not first) or store is None:
             return
         deadline = time.monotonic() + 4 * self.interval + 1
-        pending = set(range(1, self.world_size))
+        pending = {r for r in range(self.world_size) if r != self.rank}
         while pending and time.monotonic() < deadline:
             for rank in list(pending):
                 peer = self._peers.get(rank)

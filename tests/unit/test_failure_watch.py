@@ -100,3 +100,29 @@ def test_position_tells_communication_waits_apart() -> None:
     assert _position([wait, busy]) == {"at": "/home/user/model.py:42 in forward: y = x @ w", "comm": False}
     p2p = traceback.FrameSummary("/x/reliability.py", 1, "_wait_p2p", line="")
     assert _position([p2p])["comm"] is True
+
+
+def test_the_first_failing_rank_lingers_until_the_others_have_said_why_they_stop() -> None:
+    """Under Lightning's launcher rank 0's process SIGKILLs every child once one has exited with an error: the rank
+    that failed first waits (a few polls at most) until every other rank has marked itself exiting; a rank whose
+    failure was a consequence, not rank 0, does not wait."""
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_3d.tools.failure_watch import FailureWatch
+
+    store = dist.HashStore()
+    watch = FailureWatch(1, 3, lambda r: f"stage {r}", lambda: [], interval=0.1)
+    budget = 4 * watch.interval + 1  # what linger waits at the most
+    start = time.monotonic()
+    watch.linger(store)  # not the first failure, not rank 0: no wait
+    assert time.monotonic() - start < 0.2
+    start = time.monotonic()
+    watch.linger(store, first=True)  # nobody has said anything: waits its whole budget
+    assert budget - 0.05 <= time.monotonic() - start < budget + 1.0
+    for rank in (0, 2):
+        store.set(f"/exiting/{rank}", "1")
+    start = time.monotonic()
+    watch.linger(store, first=True)  # both others have: no wait
+    assert time.monotonic() - start < 0.2
