@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from .core import torch_compat
 from .core.agreed import is_agreed, mark_agreed
+from .core.grad_groups import GradGrouper, GroupKey, Groups
 from .core.grad_norm import ScanNorms
 from .core.parallelize import ModelPlan
 from .core.partition import TensorSpec, full_model_spec
@@ -58,8 +59,6 @@ from .tools.dp_check import DPConsistencyCheck, DPDivergenceError
 from .tools.failure_watch import FailureWatch
 
 log = logging.getLogger(__name__)
-
-_GroupKey = tuple[int, torch.device, torch.dtype]  # gradients scanned together: (pipeline stage, device, dtype)
 
 
 class ConsistencyError(ValueError):
@@ -364,6 +363,7 @@ class Reliability:
         self._stages: list[StageSpec] | None = None
         self._num_stages = 0
         self._stage_of: dict[int, int] = {}  # id(parameter) -> the pipeline stage holding it
+        self._grouper = GradGrouper(self._stage_of, 0)
         self._stage_index_cache: tuple[tuple[Any, ...], Tensor] | None = None
         self._ones: dict[torch.device, Tensor] = {}
         # the per-gradient 2-norms of the last non-finite scan, for gradient clipping in the same step
@@ -469,6 +469,7 @@ class Reliability:
         """
         self._module, self._stages, self._num_stages = module, list(stages), num_stages
         self._stage_of = {id(p): spec.index for spec in stages for p in spec.module.parameters()}
+        self._grouper = GradGrouper(self._stage_of, num_stages - 1)
 
     # ------------------------------------------------------------------ steps
     def after_train_step(self) -> None:
@@ -520,15 +521,7 @@ class Reliability:
         flags = torch.zeros(num_stages + 1, dtype=torch.float64, device=device)
         self.scan_norms.clear()
         if held is not None:
-            last = num_stages - 1
-            groups: dict[_GroupKey, tuple[list[Tensor], list[Tensor]]] = {}  # key: (stage, device, dtype)
-            for p, g in zip(held.params, held.grads, strict=True):
-                if g is not None:
-                    local = torch_compat.local_tensor(g)  # the storage itself: no autograd wrapper per gradient
-                    key = (self._stage_of.get(id(p), last), local.device, local.dtype)
-                    grads, locals_ = groups.setdefault(key, ([], []))
-                    grads.append(g)
-                    locals_.append(local)
+            groups = self._grouper.group(held.params, held.grads)  # local tensors: no autograd wrapper each
             if groups:
                 stage_index = self._group_stages(list(groups), device)
                 if self._clips_by_norm() and all(dtype != torch.float16 for _, _, dtype in groups):
@@ -555,9 +548,7 @@ class Reliability:
             return False
         return getattr(trainer, "gradient_clip_algorithm", None) in (None, "norm")
 
-    def _per_element_check(
-        self, groups: dict[_GroupKey, tuple[list[Tensor], list[Tensor]]], device: torch.device
-    ) -> Tensor:
+    def _per_element_check(self, groups: Groups, device: torch.device) -> Tensor:
         """One fused NaN/inf check per group of gradients (stage, device, dtype): ``1.0`` per group holding one."""
         found = {d: torch.zeros(len(groups), dtype=torch.float32, device=d) for _, d, _ in groups}
         for i, ((_, d, _), (_, locals_)) in enumerate(groups.items()):
@@ -572,7 +563,7 @@ class Reliability:
             one = self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
         return one
 
-    def _group_stages(self, keys: list[_GroupKey], device: torch.device) -> Tensor:
+    def _group_stages(self, keys: list[GroupKey], device: torch.device) -> Tensor:
         """The pipeline stage of each group of gradients (a device tensor, built once per list of groups)."""
         cached = self._stage_index_cache
         if cached is None or cached[0] != tuple(keys):

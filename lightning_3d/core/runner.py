@@ -32,6 +32,7 @@ from .step import (
     StepAdapter,
     batch_size_of,
     capture_body_input,
+    drop_grads,
     merge_outputs,
     put_grads,
     shape_key,
@@ -231,9 +232,13 @@ class BatchRunner:
         # micro-batch k's slice of it and reads which samples of the batch (the user's own, unsplit) are its own.
         sample_index = torch.arange(total, device=self.device)
         params = self._params
-        prior = take_grads(params)
-        if discard_prior_grads:  # zeroed by Lightning right after this step, and read by nothing before
-            prior = [None] * len(prior)
+        # The gradients already there: zeroed by Lightning right after this step and read by nothing before (freed
+        # now, as its zero_grad would have freed them), or put back after the schedule.
+        prior: list[torch.Tensor | None] | None = None
+        if discard_prior_grads:
+            drop_grads(params)
+        else:
+            prior = take_grads(params)
         held: HeldGrads | None = None
         try:
             with getattr(precision, _CONTEXTS[hook])():
@@ -263,7 +268,10 @@ class BatchRunner:
             if train:
                 held = HeldGrads(params, take_grads(params))
         finally:
-            if held is None or any(g is not None for g in prior):  # else every .grad is None already (taken above)
+            if prior is None:  # discarded: a failed batch leaves no partial gradients behind either
+                if held is None:
+                    drop_grads(params)
+            elif held is None or any(g is not None for g in prior):  # else every .grad is None already (taken above)
                 put_grads(params, prior)
         last = runtime.has_last
         sizes = [total // n_micro] * n_micro

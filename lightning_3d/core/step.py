@@ -354,6 +354,12 @@ def take_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None
     return grads
 
 
+def drop_grads(params: Sequence[torch.nn.Parameter]) -> None:
+    """Set the parameters' gradients to ``None``, freeing them (what ``Optimizer.zero_grad()`` does by default)."""
+    for p in params:
+        p.grad = None
+
+
 def put_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
     """Set the parameters' gradients to ``grads`` (as returned by :func:`take_grads`)."""
     for p, g in zip(params, grads, strict=True):

@@ -238,3 +238,20 @@ def test_previous_grads_are_discarded_only_where_lightning_zeroes_them_unobserve
     assert previous_grads_discarded(_trainer(plain, callbacks=[L.Callback()]))
     assert not previous_grads_discarded(_trainer(plain, callbacks=[WatchingCallback()]))
     assert not previous_grads_discarded(_trainer(plain, optimizer_cls=OwnZeroGrad))
+
+
+def test_grads_taken_put_back_and_dropped() -> None:
+    """``take_grads`` leaves every ``.grad`` None and returns them, ``put_grads`` sets them back, ``drop_grads``
+    frees them (the runner drops the previous step's gradients this way when Lightning would zero them)."""
+    from lightning_3d.core.step import drop_grads, put_grads, take_grads
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    grads = [torch.ones(2), None, torch.full((2,), 3.0)]
+    put_grads(params, grads)
+    taken = take_grads(params)
+    assert [g is t for g, t in zip(grads, taken, strict=True)] == [True, True, True]
+    assert all(p.grad is None for p in params)
+    put_grads(params, taken)
+    assert params[0].grad is grads[0] and params[1].grad is None and params[2].grad is grads[2]
+    drop_grads(params)
+    assert all(p.grad is None for p in params)
