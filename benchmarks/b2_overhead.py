@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def _hand_loop(config: dict[str, Any], tp: int, pp: int, m: int, batch: int, ste
     schedule = Schedule1F1B(stage, m, loss_fn=gpt_loss)
     optimizer = model.configure_optimizers()
     first, last = pp_rank == 0, pp_rank == pp - 1
-    starts, inside, opt = [], [], []
+    starts, inside, opt, zero = [], [], [], []
     for x, y in _data(config, batch, steps):
         starts.append(time.perf_counter())
         t = time.perf_counter()
@@ -141,9 +142,16 @@ def _hand_loop(config: dict[str, Any], tp: int, pp: int, m: int, batch: int, ste
         inside.append(time.perf_counter() - t)
         t = time.perf_counter()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        c = time.thread_time()
+        optimizer.zero_grad(set_to_none=True)  # frees the gradients (the strategy frees them in its step)
+        zero.append(time.thread_time() - c)
         opt.append(time.perf_counter() - t)
-    return {"steps": [b - a for a, b in itertools.pairwise(starts)], "schedule": inside[:-1], "optimizer": opt[:-1]}
+    return {
+        "steps": [b - a for a, b in itertools.pairwise(starts)],
+        "schedule": inside[:-1],
+        "optimizer": opt[:-1],
+        "zero_grad_cpu": zero[:-1],
+    }
 
 
 def _strategy_run(
@@ -166,6 +174,8 @@ def _strategy_run(
         capture + gradient stash + log relay), in the log relay alone, and from the optimizer step to the
         batch's end."""
 
+        SUMS = tuple(f"{k}{c}" for k in ("log_replay", "scan", "discard", "lightning_hooks") for c in ("", "_cpu"))
+
         def __init__(self) -> None:
             self.starts: list[float] = []
             self.times: dict[str, list[float]] = {
@@ -183,8 +193,12 @@ def _strategy_run(
                 "log_replay_cpu": [],
                 "scan": [],
                 "scan_cpu": [],
+                "discard": [],
+                "discard_cpu": [],
+                "lightning_hooks": [],
+                "lightning_hooks_cpu": [],
             }
-            self._patched: list[tuple[Any, str, Any]] = []
+            self._patched: list[tuple[Any, str, Any]] = []  # (owner, name, original or None: an instance's)
             self._sums: dict[str, float] = {}
             self._before_opt = 0.0
             self.losses: list[float] = []
@@ -206,8 +220,9 @@ def _strategy_run(
             obj.__dict__[name] = wrapper
 
         def _sum_into(self, owner: Any, name: str, key: str) -> None:
-            """Add the wall and CPU time of every call of the module function ``owner.name`` to the step's
-            ``key`` (restored at the end of the run: the phases of one process patch it in turn)."""
+            """Add the wall and CPU time of every call of ``owner.name`` (a module's function, or an object's
+            method) to the step's ``key`` (restored at the end of the run: the phases of one process patch it in
+            turn)."""
             real = getattr(owner, name)
             sums = self._sums
 
@@ -219,8 +234,12 @@ def _strategy_run(
                     sums[key] = sums.get(key, 0.0) + time.perf_counter() - t
                     sums[f"{key}_cpu"] = sums.get(f"{key}_cpu", 0.0) + time.thread_time() - c
 
-            setattr(owner, name, wrapper)
-            self._patched.append((owner, name, real))
+            if isinstance(owner, types.ModuleType):
+                setattr(owner, name, wrapper)
+                self._patched.append((owner, name, real))
+            else:  # shadow the bound method on the instance; dropping the shadow restores it
+                owner.__dict__[name] = wrapper
+                self._patched.append((owner, name, None))
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             from lightning_3d.core import runner as runner_module
@@ -230,6 +249,12 @@ def _strategy_run(
             # the same calls), and the non-finite scan of the gradients (reads every gradient once)
             self._sum_into(runner_module, "replay", "log_replay")
             self._sum_into(torch_compat, "foreach_non_finite", "scan")
+            # freeing the previous step's gradients, which Lightning's zero_grad (set_to_none) would otherwise
+            # free after training_step (it then finds none): moved into the window, not added
+            self._sum_into(runner_module, "drop_grads", "discard")
+            # Lightning's own hooks around backward (callbacks' on_before/after_backward): any strategy runs them
+            for hook in ("pre_backward", "post_backward"):
+                self._sum_into(trainer.strategy.precision_plugin, hook, "lightning_hooks")
             runner = trainer.strategy.runner
             self._wrap(runner.runtime, "run", "schedule")
             self._wrap(runner, "run", "runner")
@@ -247,14 +272,17 @@ def _strategy_run(
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.times["optimizer"].append(time.perf_counter() - self._before_opt)
-            for key in ("log_replay", "log_replay_cpu", "scan", "scan_cpu"):
+            for key in self.SUMS:
                 self.times[key].append(self._sums.get(key, 0.0))
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss) if loss is not None else float("nan"))
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             for owner, name, real in reversed(self._patched):
-                setattr(owner, name, real)
+                if real is None:
+                    owner.__dict__.pop(name, None)
+                else:
+                    setattr(owner, name, real)
             self._patched.clear()
 
     clock = Clock()
@@ -280,6 +308,9 @@ def _strategy_run(
         # less the user's own self.log calls (replayed through Lightning's log; plain Lightning pays them too)
         replayed = out[f"log_replay{suffix}"]
         out[f"fixed_own{suffix}"] = [f - r for f, r in zip(out[f"fixed{suffix}"], replayed, strict=False)]
+        # the host overhead: less also the scan (device work), the moved free and Lightning's own hooks
+        others = zip(*(out[f"{k}{suffix}"] for k in ("scan", "discard", "lightning_hooks")), strict=False)
+        out[f"host{suffix}"] = [f - sum(o) for f, o in zip(out[f"fixed_own{suffix}"], others, strict=False)]
     if module is not None:  # the loss of every batch (on the last stage), to compare with the hand loop's
         out["losses"] = clock.losses[:-1]
     return out
@@ -427,12 +458,24 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
                 f"scan reading every gradient once {parts['scan_cpu']:.2f} ms CPU (grows with the stage's gradient "
                 "bytes; none with on_nonfinite='off')"
             )
-    host_cpu = own_cpu["per_step_ms"] - parts["scan_cpu"] if own_cpu else None
-    if own_cpu is not None and host_cpu is not None:
+    host = fixed_cost({table[k]["variant"]["m"]: table[k]["strategy_ms"]["host_cpu"] for k in pp2})
+    host_cpu = host["per_step_ms"] if host else None
+    moved = {k: main["strategy_ms"].get(k, float("nan")) for k in ("discard_cpu", "lightning_hooks_cpu")}
+    hand_zero = main["hand_ms"].get("zero_grad_cpu", float("nan"))
+    if host is not None:
         lines.append(
-            "   the strategy's host overhead (CPU time, less the user's self.log and less the scan's pass over the "
-            f"gradients, which is device work: one fused kernel per dtype on a GPU): {host_cpu:.2f} ms per step + "
-            f"{own_cpu['per_micro_batch_ms']:.3f} ms per micro-batch (goals <= 1 and <= 0.2)"
+            "   the strategy's host overhead (CPU time, less the user's self.log, less the scan's pass over the "
+            "gradients, which is device work: one fused kernel per dtype on a GPU, less freeing the previous "
+            f"step's gradients, {moved['discard_cpu']:.2f} ms, which Lightning's zero_grad would free otherwise "
+            f"and the hand loop's zero_grad frees, {hand_zero:.2f} ms, and less Lightning's own hooks around "
+            f"backward, {moved['lightning_hooks_cpu']:.2f} ms): {host['per_step_ms']:.2f} ms per step + "
+            f"{host['per_micro_batch_ms']:.3f} ms per micro-batch (goals <= 1 and <= 0.2)"
+            + (
+                f" [the line through m={'/'.join(str(k) for k in sorted(host['at']))} sloped down: read as flat, the "
+                "mean of the two]"
+                if host["clamped"]
+                else ""
+            )
         )
     details = {
         "fixed_cost": fixed,
@@ -442,6 +485,10 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         "user_log_replay_cpu_ms": parts["log_replay_cpu"],
         "nonfinite_scan_cpu_ms": parts["scan_cpu"],
         "host_overhead_cpu_per_step_ms": host_cpu,
+        "host_overhead_cpu": host,
+        "previous_grads_free_cpu_ms": moved["discard_cpu"],
+        "hand_loop_zero_grad_cpu_ms": hand_zero,
+        "lightning_backward_hooks_cpu_ms": moved["lightning_hooks_cpu"],
         "ratio_spread": {
             "min": main["round_ratio_min"],
             "max": main["round_ratio_max"],
@@ -462,6 +509,7 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         "fixed_own_cpu_per_micro_batch_ms": own_cpu["per_micro_batch_ms"] if own_cpu else None,
         "nonfinite_scan_cpu_ms": parts["scan_cpu"],
         "host_cpu_per_step_ms": host_cpu,
+        "host_cpu_per_micro_batch_ms": host["per_micro_batch_ms"] if host else None,
     }
     return Record(
         ID,
@@ -490,12 +538,18 @@ def round_ratios(strategy_ms: list[float], hand_ms: list[float]) -> list[float]:
 
 def fixed_cost(by_m: dict[int, float]) -> dict[str, Any] | None:
     """Split the strategy's time around the schedule, measured at two micro-batch counts, into a part per step
-    and a part per micro-batch (a straight line through the two points); ``None`` without two counts."""
+    and a part per micro-batch (a straight line through the two points); ``None`` without two counts.
+
+    A cost cannot shrink as micro-batches are added, so a line sloping down is noise: it is read as flat (no
+    part per micro-batch, the per-step part the mean of the two points; ``clamped``) instead of extrapolated to a
+    per-step part above both measurements."""
     if len(by_m) < 2:
         return None
     (m1, f1), (m2, f2) = sorted(by_m.items())[:2]
     per_micro = (f2 - f1) / (m2 - m1)
-    return {"per_step_ms": f1 - m1 * per_micro, "per_micro_batch_ms": per_micro, "at": by_m}
+    if per_micro < 0:
+        return {"per_step_ms": (f1 + f2) / 2, "per_micro_batch_ms": 0.0, "at": by_m, "clamped": True}
+    return {"per_step_ms": f1 - m1 * per_micro, "per_micro_batch_ms": per_micro, "at": by_m, "clamped": False}
 
 
 # ---------------------------------------------------------------------- the Hugging Face Llama (--model hf_llama)
