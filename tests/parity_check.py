@@ -19,6 +19,13 @@ TOL = {
     # loss averaged over micro-batches differs from the whole batch's by float32 round-off (~1e-7); gradients and
     # parameters stay float64-exact.
     "64hf": {"grad_rtol": 1e-10, "grad_atol": 1e-10, "curve": 1e-6, "param_rel": 1e-10},
+    # Compiled blocks at tp 2 (test_compile.py): float32 as above, but the final parameters within 2e-4. Splitting the
+    # row-parallel projection's reduction over two tp ranks alone moves gpt32's body.1.proj.weight by 9.6e-5 after
+    # its 20 AdamW steps on an AVX2 CPU (eager, test_parity.py; 1.9e-5 on an AVX-512 one): Adam's normalisation turns
+    # round-off in near-zero gradients into update-sized steps. Compiling the blocks (AOT autograd's decompositions)
+    # adds 2e-5 of the same round-off (1.15e-4 in all). Losses, gradients and norms keep the float32 tolerance, and
+    # exactness is checked in float64 (1e-10) by test_parity.py on the same code path.
+    "32tp_compiled": {"grad_rtol": 1e-5, "grad_atol": 4e-5, "curve": 1e-4, "param_rel": 2e-4},
 }
 
 

@@ -44,7 +44,8 @@ def _names(case: str, indices: list[int]) -> list[str]:
 @pytest.mark.slow
 def test_compiled_blocks_match_one_eager_process(tmp_path: Path) -> None:
     """tp1 pp1 (one process) and tp2 x pp2 under 1F1B, GPipe and interleaved 1F1B, with each block compiled:
-    float32 losses, gradients, norms and parameters as one eager process; dropout's masks as eager's."""
+    float32 losses, gradients, norms and parameters as one eager process (the final parameters at tp 2 within 2e-4,
+    see ``parity_check.TOL``); dropout's masks as eager's."""
     single = run_lightning("compile_run.py", ["--phase", "single", "--out", tmp_path], timeout=600)
     assert "compile: 4 blocks on this rank with torch.compile(backend='aot_eager')" in single.output
     # rank 0 reports the compile time after the first step
@@ -60,7 +61,7 @@ def test_compiled_blocks_match_one_eager_process(tmp_path: Path) -> None:
     assert "compile: 2 blocks on this rank" in multi.output
     for case, schedule in MULTI:
         got = tmp_path / f"{case}.{schedule}"
-        problems += [f"{case} {schedule}: {p}" for p in compare(load(tmp_path, case), load(got, case), "32")]
+        problems += [f"{case} {schedule}: {p}" for p in compare(load(tmp_path, case), load(got, case), "32tp_compiled")]
         first, last = EXPECTED_BLOCKS[(case, schedule)]
         expected = [_names(case, first)] * 2 + [_names(case, last)] * 2
         assert torch.load(got / "compiled.pt") == expected, f"{case} {schedule}: wrong blocks compiled"
