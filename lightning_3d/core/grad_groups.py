@@ -28,7 +28,7 @@ Groups = dict[GroupKey, tuple[list[Tensor], list[Tensor]]]
 class _Plan:
     params: Sequence[torch.nn.Parameter]  # the list the plan was made for (compared by identity)
     size: int
-    groups: tuple[tuple[GroupKey, list[int], bool], ...]  # key, parameter indices, whether they are DTensors
+    groups: tuple[tuple[GroupKey, list[int], bool], ...]  # key, parameter indices, whether any is a DTensor
 
 
 class GradGrouper:
@@ -60,17 +60,12 @@ class GradGrouper:
         return out
 
     def _make_plan(self, params: Sequence[torch.nn.Parameter]) -> _Plan:
-        by_key: dict[tuple[GroupKey, bool], list[int]] = {}
+        by_key: dict[GroupKey, tuple[list[int], list[bool]]] = {}  # indices, and whether any is a DTensor
         for i, p in enumerate(params):
             local = torch_compat.local_tensor(p)
             key = (self._stage_of.get(id(p), self._default_stage), local.device, local.dtype)
-            by_key.setdefault((key, local is not p), []).append(i)
-        merged: dict[GroupKey, tuple[list[int], bool]] = {}
-        for (key, distributed), indices in by_key.items():
-            if key in merged:  # DTensor and plain parameters of one stage, device and dtype: one group
-                earlier, was = merged[key]
-                merged[key] = (sorted(earlier + indices), was or distributed)
-            else:
-                merged[key] = (indices, distributed)
-        groups = tuple((key, indices, distributed) for key, (indices, distributed) in merged.items())
+            indices, distributed = by_key.setdefault(key, ([], [False]))
+            indices.append(i)
+            distributed[0] |= local is not p
+        groups = tuple((key, indices, distributed[0]) for key, (indices, distributed) in by_key.items())
         return _Plan(params, len(params), groups)
