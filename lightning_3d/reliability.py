@@ -364,8 +364,7 @@ class Reliability:
         self._num_stages = 0
         self._stage_of: dict[int, int] = {}  # id(parameter) -> the pipeline stage holding it
         self._grouper = GradGrouper(self._stage_of, 0)
-        self._stage_index_cache: tuple[tuple[Any, ...], Tensor] | None = None
-        self._ones: dict[torch.device, Tensor] = {}
+        self._scan_plan_cache: _ScanPlan | None = None
         # the per-gradient 2-norms of the last non-finite scan, for gradient clipping in the same step
         self.scan_norms = ScanNorms()
 
@@ -523,20 +522,19 @@ class Reliability:
         if held is not None:
             groups = self._grouper.group(held.params, held.grads)  # local tensors: no autograd wrapper each
             if groups:
-                stage_index = self._group_stages(list(groups), device)
+                plan = self._scan_plan(tuple(groups), device)
                 if self._clips_by_norm() and all(dtype != torch.float16 for _, _, dtype in groups):
                     found = []
                     for grads, locals_ in groups.values():
                         norms = torch_compat.foreach_norm(locals_, 2.0)
                         self.scan_norms.record(grads, norms)
                         found.append((~torch.isfinite(torch.stack(norms))).any().to(device, torch.float64))
-                    bad = torch.stack(found)
+                    flags.index_add_(0, plan.stage_index, torch.stack(found))
                 else:
-                    bad = self._per_element_check(groups, device)
-                flags.index_add_(0, stage_index, bad)
+                    plan.per_element_check(groups, flags)
         loss_total = getattr(logs, "loss_total", None) if logs is not None else None
         if isinstance(loss_total, Tensor):
-            flags[num_stages] = (~torch.isfinite(loss_total)).to(flags.device, torch.float64)
+            flags.select(0, num_stages).copy_(torch.isfinite(loss_total).logical_not_())
         elif isinstance(loss_total, float) and not math.isfinite(loss_total):
             flags[num_stages] = 1.0
         return flags
@@ -548,28 +546,12 @@ class Reliability:
             return False
         return getattr(trainer, "gradient_clip_algorithm", None) in (None, "norm")
 
-    def _per_element_check(self, groups: Groups, device: torch.device) -> Tensor:
-        """One fused NaN/inf check per group of gradients (stage, device, dtype): ``1.0`` per group holding one."""
-        found = {d: torch.zeros(len(groups), dtype=torch.float32, device=d) for _, d, _ in groups}
-        for i, ((_, d, _), (_, locals_)) in enumerate(groups.items()):
-            torch_compat.foreach_non_finite(locals_, found[d][i : i + 1], self._one(d))
-        per_device = [f.to(device, torch.float64) for f in found.values()]
-        return per_device[0] if len(per_device) == 1 else torch.stack(per_device).sum(0)
-
-    def _one(self, device: torch.device) -> Tensor:
-        """A float32 ``[1.0]`` on ``device`` (the per-element check's unscale factor), made once per device."""
-        one = self._ones.get(device)
-        if one is None:
-            one = self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
-        return one
-
-    def _group_stages(self, keys: list[GroupKey], device: torch.device) -> Tensor:
-        """The pipeline stage of each group of gradients (a device tensor, built once per list of groups)."""
-        cached = self._stage_index_cache
-        if cached is None or cached[0] != tuple(keys):
-            stages = torch.tensor([stage for stage, _, _ in keys], dtype=torch.long, device=device)
-            cached = self._stage_index_cache = (tuple(keys), stages)
-        return cached[1]
+    def _scan_plan(self, keys: tuple[GroupKey, ...], device: torch.device) -> _ScanPlan:
+        """The per-step buffers of the scan over these groups (made once per list of groups)."""
+        plan = self._scan_plan_cache
+        if plan is None or plan.keys != keys:
+            plan = self._scan_plan_cache = _ScanPlan(keys, device)
+        return plan
 
     def after_backward(self, loss: Tensor, flags: list[float] | None = None) -> None:
         """In ``backward``, after the schedule's gradients are back on the parameters.
@@ -658,6 +640,50 @@ class Reliability:
             set_timeouts(self.setup_timeout)
         if watching:
             self._barrier("lightning_3d.teardown")  # no rank exits while another's watch still runs
+
+
+class _ScanPlan:
+    """The non-finite scan's fixed parts for one list of gradient groups (``(stage, device, dtype)`` keys): each
+    group's stage as a device tensor, and the per-element check's flag buffers, reused step after step.
+
+    Args:
+        keys: the groups, in the order the scan visits them.
+        device: where the flags live.
+    """
+
+    def __init__(self, keys: tuple[GroupKey, ...], device: torch.device) -> None:
+        self.keys = keys
+        stages = [stage for stage, _, _ in keys]
+        self.stage_index = torch.tensor(stages, dtype=torch.long, device=device)
+        # One float32 flag per group (GradScaler's found-inf check writes float32), in one buffer per device.
+        counts: dict[torch.device, int] = {}
+        for _, d, _ in keys:
+            counts[d] = counts.get(d, 0) + 1
+        self._found = {d: torch.zeros(n, dtype=torch.float32, device=d) for d, n in counts.items()}
+        seen: dict[torch.device, int] = {}
+        self._slots: list[Tensor] = []  # group i's one-element view of its device's buffer
+        for _, d, _ in keys:
+            i = seen[d] = seen.get(d, -1) + 1
+            self._slots.append(self._found[d][i : i + 1])
+        self._one = {d: torch.ones(1, dtype=torch.float32, device=d) for d in self._found}
+        # The usual case: one device (the flags'), one group per stage in stage order: the flags are a slice copy.
+        consecutive = stages == list(range(stages[0], stages[0] + len(stages)))
+        self._slice = (stages[0], stages[0] + len(stages)) if consecutive and list(self._found) == [device] else None
+        self._device = device
+
+    def per_element_check(self, groups: Groups, flags: Tensor) -> None:
+        """One fused NaN/inf check per group (torch's ``GradScaler`` kernel); adds ``1.0`` to the flag of the
+        stage of each group holding one."""
+        for found in self._found.values():
+            found.zero_()
+        for slot, (key, (_, locals_)) in zip(self._slots, groups.items(), strict=True):
+            torch_compat.foreach_non_finite(locals_, slot, self._one[key[1]])
+        if self._slice is not None:
+            flags[self._slice[0] : self._slice[1]].copy_(self._found[self._device])
+            return
+        for d, found in self._found.items():
+            index = self.stage_index[[i for i, (_, e, _) in enumerate(self.keys) if e == d]]
+            flags.index_add_(0, index, found.to(self._device, torch.float64))
 
 
 def _local(t: Tensor) -> Tensor:

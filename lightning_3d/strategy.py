@@ -75,7 +75,7 @@ from .core.parallelize import (
 )
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
-from .core.step import HeldGrads, previous_grads_discarded
+from .core.step import HeldGrads, ZeroGradHooks, previous_grads_discarded
 from .core.tied import TiedWeights, canonical_names
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
@@ -152,6 +152,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._layout = ""
         self.last_grad_norm: Tensor | None = None
         self._held_grads: HeldGrads | None = None  # the last training batch's gradients, until backward()
+        self._zero_grad_hooks = ZeroGradHooks()  # whether zero_grad is Lightning's own, checked once per fit
         self._step_flags: list[float] | None = None  # the last training batch's non-finite flags, until backward()
         self._tied: TiedWeights | None = None
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
@@ -468,7 +469,7 @@ class ThreeDStrategy(ParallelStrategy):
             scale=1.0 / accumulate if self.loss_scaler is None else self.loss_scaler.loss_weight(1.0 / accumulate),
             defer_grad_sync=accumulate > 1 and trainer.fit_loop.epoch_loop._should_accumulate(),
             flags=flags,
-            discard_prior_grads=previous_grads_discarded(trainer),
+            discard_prior_grads=previous_grads_discarded(trainer, self._zero_grad_hooks),
         )
         self._held_grads = result.grads  # Lightning's zero_grad runs next; backward() puts them back
         self._step_flags = result.flags

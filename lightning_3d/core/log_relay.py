@@ -265,10 +265,13 @@ def pack(logs: StepLogs, device: torch.device) -> torch.Tensor:
 def unpack(rows: torch.Tensor, schema: Schema) -> StepLogs:
     """The logs of every replica combined, from their packed values (``rows``: one row per replica)."""
     replicas = rows.shape[0]
-    out = StepLogs(loss_total=rows[:, 0].sum(), loss_weight=schema.loss_weight * replicas, loss_dtype=schema.loss_dtype)
+    # every column summed in one kernel (one replica: its row as it is); max / min columns reduced on their own
+    totals = (rows[0] if replicas == 1 else rows.sum(0)).unbind(0)
+    out = StepLogs(loss_total=totals[0], loss_weight=schema.loss_weight * replicas, loss_dtype=schema.loss_dtype)
     for i, (name, reduce_fx, kwargs, dtype, weight) in enumerate(schema.entries, start=1):
-        column = rows[:, i]
-        total = column.sum() if reduce_fx in ("mean", "sum") else column.amax() if reduce_fx == "max" else column.amin()
+        total = totals[i]
+        if reduce_fx not in ("mean", "sum") and replicas > 1:
+            total = rows[:, i].amax() if reduce_fx == "max" else rows[:, i].amin()
         out.entries[name] = _Entry(reduce_fx, dict(kwargs), dtype, total, weight * replicas)
     return out
 

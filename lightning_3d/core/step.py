@@ -366,7 +366,7 @@ def put_grads(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor
         p.grad = g
 
 
-def previous_grads_discarded(trainer: Any) -> bool:
+def previous_grads_discarded(trainer: Any, memo: ZeroGradHooks | None = None) -> bool:
     """Whether Lightning zeroes the parameters' gradients right after this ``training_step`` with nothing able to
     read or keep them first, so that the previous optimizer step's gradients need not be held through the schedule.
 
@@ -377,21 +377,49 @@ def previous_grads_discarded(trainer: Any) -> bool:
     ``optimizer_zero_grad``) nor a callback (``on_before_zero_grad``) nor an optimizer class (``zero_grad``)
     replaces Lightning's or torch's own: dropping them then changes no number and nothing any hook sees, and spares
     holding a second set of gradients (a whole gradient share) while the schedule computes the new ones.
-    """
-    from lightning.pytorch import Callback
-    from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    Args:
+        trainer: the running Trainer.
+        memo: remembers the hook checks across steps (the strategy keeps one); ``None``: checked afresh.
+    """
     module = trainer.lightning_module
     loop = trainer.fit_loop.epoch_loop
     if not module.automatic_optimization or loop.automatic_optimization._skip_backward:
         return False
     if loop.batch_idx % trainer.accumulate_grad_batches != 0:
         return False
+    return (memo or ZeroGradHooks()).untouched(module, trainer.callbacks, trainer.optimizers)
+
+
+class ZeroGradHooks:
+    """Whether ``zero_grad`` is Lightning's and torch's own (no hook or optimizer class replaces it), remembered for
+    the last (module, callbacks, optimizers) it was asked about: the same objects every step of a fit, so the
+    override checks (``is_overridden`` inspects each hook's code) run once instead of every step."""
+
+    def __init__(self) -> None:
+        self._key: tuple[Any, ...] | None = None
+        self._answer = False
+
+    def untouched(self, module: LightningModule, callbacks: Sequence[Any], optimizers: Sequence[Any]) -> bool:
+        """``True`` when neither ``module`` nor a callback observes or replaces ``zero_grad``, nor an optimizer
+        class overrides it."""
+        key = (module, *callbacks, None, *optimizers)  # the objects themselves, compared by identity
+        last = self._key
+        if last is not None and len(last) == len(key) and all(a is b for a, b in zip(last, key, strict=True)):
+            return self._answer
+        self._key, self._answer = key, _zero_grad_untouched(module, callbacks, optimizers)
+        return self._answer
+
+
+def _zero_grad_untouched(module: LightningModule, callbacks: Sequence[Any], optimizers: Sequence[Any]) -> bool:
+    from lightning.pytorch import Callback
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
     if any(is_overridden(hook, module, LightningModule) for hook in ("on_before_zero_grad", "optimizer_zero_grad")):
         return False
-    if any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks):
+    if any(is_overridden("on_before_zero_grad", callback, Callback) for callback in callbacks):
         return False
-    return all(type(opt).zero_grad is torch.optim.Optimizer.zero_grad for opt in trainer.optimizers)
+    return all(type(opt).zero_grad is torch.optim.Optimizer.zero_grad for opt in optimizers)
 
 
 @dataclass

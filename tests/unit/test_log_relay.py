@@ -235,16 +235,18 @@ def test_tensor_values_stay_tensors_without_a_host_read() -> None:
     assert float(logs.loss(torch.device("cpu"))) == pytest.approx(2.0) and not logs.loss_total.requires_grad
 
 
-def test_pack_unpack_equals_merge_over_replicas() -> None:
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_pack_unpack_equals_merge_over_replicas(replicas: int) -> None:
     from lightning_3d.core.log_relay import pack, schema_of, unpack
 
     def replica(a: float, b: float, hi: float) -> StepLogs:
         logs = logs_of([("m", torch.tensor(a), {"prog_bar": True}, 2), ("n", b, {"reduce_fx": "sum"}, 2)])
         logs.add("hi", torch.tensor(hi), {"reduce_fx": "max"}, 2, None)
+        logs.add("lo", torch.tensor(-hi), {"reduce_fx": "min"}, 2, None)
         logs.add_loss(torch.tensor(a + b), 2)
         return logs
 
-    parts = [replica(1.0, 2.0, 7.0), replica(3.0, 0.5, 9.0), replica(-1.0, 1.0, 8.0)]
+    parts = [replica(1.0, 2.0, 7.0), replica(3.0, 0.5, 9.0), replica(-1.0, 1.0, 8.0)][:replicas]
     schema = schema_of(parts[0])
     assert schema is not None and all(schema_of(p) == schema for p in parts)
     rows = torch.stack([pack(p, torch.device("cpu")) for p in parts])
@@ -255,7 +257,7 @@ def test_pack_unpack_equals_merge_over_replicas() -> None:
         assert out.entries[name].weight == reference.entries[name].weight
         assert out.entries[name].kwargs == reference.entries[name].kwargs
     assert float(out.loss_total) == pytest.approx(float(reference.loss_total))
-    assert out.loss_weight == reference.loss_weight == 6
+    assert out.loss_weight == reference.loss_weight == 2 * replicas
 
 
 def test_schema_changes_with_keys_and_weights_and_not_with_values() -> None:

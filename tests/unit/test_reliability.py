@@ -178,6 +178,33 @@ def test_local_flags_name_the_stage_and_the_loss_without_reading_the_device(gloo
     assert rel.flags_request() is not None and rel.n_flags == 3
 
 
+def test_local_flags_of_interleaved_stages_and_mixed_dtypes(gloo_world: dist.ProcessGroup) -> None:
+    """A rank holding stages 0 and 2 of 4 (interleaved), stage 2 in two dtypes: the flags land on the stages that
+    hold the non-finite gradients, step after step (the scan's buffers are reused and reset)."""
+    from types import SimpleNamespace
+
+    from lightning_3d.core.step import HeldGrads
+    from lightning_3d.reliability import Reliability
+    from lightning_3d.settings import ThreeDSettings
+
+    two = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to(torch.float64))
+    stages = [SimpleNamespace(index=0, module=torch.nn.Linear(2, 2)), SimpleNamespace(index=2, module=two)]
+    rel = Reliability(ThreeDSettings())
+    rel.on_model_ready(torch.nn.Module(), stages, 4)
+    params = [p for s in stages for p in s.module.parameters()]
+
+    def flags(bad: set[int]) -> list[float]:
+        grads = [torch.full_like(p, float("nan")) if i in bad else torch.ones_like(p) for i, p in enumerate(params)]
+        return rel.local_flags(HeldGrads(params, grads), None).tolist()
+
+    assert flags(set()) == [0.0, 0.0, 0.0, 0.0, 0.0]
+    assert flags({0}) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert flags({2}) == [0.0, 0.0, 1.0, 0.0, 0.0]  # stage 2's float32 layer
+    assert flags({2, 5}) == [0.0, 0.0, 2.0, 0.0, 0.0]  # both of stage 2's dtype groups
+    assert flags({1, 4}) == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert flags(set()) == [0.0, 0.0, 0.0, 0.0, 0.0]
+
+
 def test_no_flags_requested_when_the_check_is_off() -> None:
     rel, *_ = _reliability_with_stages(on_nonfinite="off")
     assert rel.flags_request() is None

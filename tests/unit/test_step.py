@@ -240,6 +240,36 @@ def test_previous_grads_are_discarded_only_where_lightning_zeroes_them_unobserve
     assert not previous_grads_discarded(_trainer(plain, optimizer_cls=OwnZeroGrad))
 
 
+def test_zero_grad_hook_checks_remembered_per_objects(monkeypatch) -> None:
+    """The strategy's memo answers as a fresh check does, re-checks when the module, a callback or an optimizer
+    changes, and runs the override checks once for the same objects."""
+    import lightning as L
+    from lightning.pytorch.utilities import model_helpers
+
+    from lightning_3d.core.step import ZeroGradHooks, previous_grads_discarded
+
+    class WatchingCallback(L.Callback):
+        def on_before_zero_grad(self, trainer, pl_module, optimizer) -> None:
+            pass
+
+    calls = []
+    real = model_helpers.is_overridden
+    monkeypatch.setattr(model_helpers, "is_overridden", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    memo = ZeroGradHooks()
+    plain = L.LightningModule()
+    trainer = _trainer(plain)
+    assert previous_grads_discarded(trainer, memo)
+    checked = len(calls)
+    assert checked > 0
+    for _ in range(3):
+        assert previous_grads_discarded(trainer, memo)
+    assert len(calls) == checked  # the same objects: remembered
+    watched = _trainer(plain, callbacks=[WatchingCallback()])
+    assert not previous_grads_discarded(watched, memo)  # a new callback list: checked again
+    assert previous_grads_discarded(trainer, memo)
+    assert not previous_grads_discarded(_trainer(L.LightningModule(), batch_idx=1, accumulate=2), memo)
+
+
 def test_grads_taken_put_back_and_dropped() -> None:
     """``take_grads`` leaves every ``.grad`` None and returns them, ``put_grads`` sets them back, ``drop_grads``
     frees them (the runner drops the previous step's gradients this way when Lightning would zero them)."""
