@@ -656,19 +656,18 @@ class _ScanPlan:
         stages = [stage for stage, _, _ in keys]
         self.stage_index = torch.tensor(stages, dtype=torch.long, device=device)
         # One float32 flag per group (GradScaler's found-inf check writes float32), in one buffer per device.
-        counts: dict[torch.device, int] = {}
-        for _, d, _ in keys:
-            counts[d] = counts.get(d, 0) + 1
-        self._found = {d: torch.zeros(n, dtype=torch.float32, device=d) for d, n in counts.items()}
-        seen: dict[torch.device, int] = {}
-        self._slots: list[Tensor] = []  # group i's one-element view of its device's buffer
-        for _, d, _ in keys:
-            i = seen[d] = seen.get(d, -1) + 1
-            self._slots.append(self._found[d][i : i + 1])
+        positions: dict[torch.device, list[int]] = {}  # per device, the groups (their positions in ``keys``) on it
+        for i, (_, d, _) in enumerate(keys):
+            positions.setdefault(d, []).append(i)
+        self._found = {d: torch.zeros(len(at), dtype=torch.float32, device=d) for d, at in positions.items()}
+        slot_of = {i: self._found[d][j : j + 1] for d, at in positions.items() for j, i in enumerate(at)}
+        self._slots = [slot_of[i] for i in range(len(keys))]  # group i's one-element view of its device's buffer
         self._one = {d: torch.ones(1, dtype=torch.float32, device=d) for d in self._found}
         # The usual case: one device (the flags'), one group per stage in stage order: the flags are a slice copy.
         consecutive = stages == list(range(stages[0], stages[0] + len(stages)))
         self._slice = (stages[0], stages[0] + len(stages)) if consecutive and list(self._found) == [device] else None
+        # Otherwise each device's flags are added to their stages' (index tensors made here, not per step).
+        self._stage_of_found = {d: self.stage_index[at] for d, at in positions.items()}
         self._device = device
 
     def per_element_check(self, groups: Groups, flags: Tensor) -> None:
@@ -682,8 +681,7 @@ class _ScanPlan:
             flags[self._slice[0] : self._slice[1]].copy_(self._found[self._device])
             return
         for d, found in self._found.items():
-            index = self.stage_index[[i for i, (_, e, _) in enumerate(self.keys) if e == d]]
-            flags.index_add_(0, index, found.to(self._device, torch.float64))
+            flags.index_add_(0, self._stage_of_found[d], found.to(self._device, torch.float64))
 
 
 def _local(t: Tensor) -> Tensor:
