@@ -268,11 +268,18 @@ def _run_forked(
 
 
 def run_commands(
-    cmds: list[list[str]], envs: list[dict[str, str]], *, timeout: float = 240, check: bool = True
+    cmds: list[list[str]],
+    envs: list[dict[str, str]],
+    *,
+    timeout: float = 240,
+    check: bool = True,
+    fork: bool = False,
 ) -> JobResult:
     """Start several commands at once (e.g. two torchrun "nodes"), each in its own session, with one time limit.
 
     ``envs`` are complete environments (start from :func:`base_env`). The output is every command's log in
-    turn, headed ``----- rank i -----`` where ``i`` is the command's index.
+    turn, headed ``----- rank i -----`` where ``i`` is the command's index. ``fork``: each ``python script ...``
+    command is a fork of the test zygote (as :func:`run_ranks` starts ranks) instead of a fresh interpreter; a
+    launcher such as torchrun starts its own interpreters and cannot be forked.
     """
-    return _run(cmds, envs, timeout=timeout, check=check)
+    return _run(cmds, envs, timeout=timeout, check=check, fork=fork)

@@ -5,10 +5,13 @@ that prints every loss at full precision and each rank's view of the launch). Ev
 ``tests/launch.py`` (own sessions, killed on exit, hard time limit).
 
 * Two torchrun launchers (``--nnodes 2 --node-rank 0|1``, c10d rendezvous on localhost, 4 processes each) train
-  the tiny GPT at tp2 x pp2 x dp2 with the same per-step losses as one launcher of 8 processes; the mesh puts
-  each tensor-parallel pair inside one node.
+  the tiny GPT at tp2 x pp2 x dp2 with the same per-step losses as one launcher of 8 processes (Lightning's own,
+  ``trainer.devices=8``); the mesh puts each tensor-parallel pair inside one node.
 * 4 processes started by hand with the variables ``srun`` sets (2 "nodes" x 2 tasks) train at pp2 x dp2 through
-  Lightning's ``SLURMEnvironment`` with the same losses as torchrun.
+  Lightning's ``SLURMEnvironment`` with the same losses as Lightning's launcher of 4 processes.
+
+torchrun starts fresh interpreters (its children cannot be forks of the test zygote); the references (Lightning's
+launcher) and the SLURM tasks are forks of it, as ``tests/launch.py`` starts every other job.
 * Under ``torchrun --max-restarts 1``, rank 3 SIGKILLed at step 5 of the first attempt: the group restarts,
   resumes from the last complete checkpoint (step 3, found as ``ckpt_path="last"``) and ends with the losses of
   the uninterrupted run.
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import base_env, free_port, run_commands
+from launch import base_env, free_port, run_commands, run_lightning
 
 SCRIPT = str(Path(__file__).resolve().parent / "scripts" / "train_app.py")
 pytestmark = pytest.mark.slow
@@ -81,13 +84,18 @@ def _torchrun_job(tmp: Path, nproc: int, args: list[str], *, timeout: float, env
     return run_commands([cmd], [base_env(env)], timeout=timeout)
 
 
+def _launcher_job(tmp: Path, args: list[str], *, timeout: float):
+    """The same training under Lightning's own launcher (``trainer.devices=N`` from one process)."""
+    return run_lightning(SCRIPT, [*COMMON, *args, f"hydra.run.dir={tmp}"], timeout=timeout)
+
+
 # ------------------------------------------------------------------------------------------------ two nodes
 
 
 def test_two_torchrun_nodes_train_like_one_launcher(tmp_path):
     layout = ["strategy.tp=2", "strategy.pp=2", "strategy.dp=2", "trainer.max_steps=6"]
     layout.append("trainer.enable_checkpointing=false")
-    one = _torchrun_job(tmp_path / "one", 8, [*layout, "trainer.devices=8"], timeout=400)
+    one = _launcher_job(tmp_path / "one", [*layout, "trainer.devices=8"], timeout=300)
 
     rdzv = f"127.0.0.1:{free_port()}"
     args = [*COMMON, *layout, "trainer.devices=4", "trainer.num_nodes=2", f"hydra.run.dir={tmp_path / 'two'}"]
@@ -124,12 +132,12 @@ LAYOUT_4 = ["strategy.tp=1", "strategy.pp=2", "strategy.dp=2", "trainer.max_step
 
 
 @pytest.fixture(scope="module")
-def torchrun_reference(tmp_path_factory):
-    """The uninterrupted run under torchrun: 4 processes on one node."""
-    return _torchrun_job(tmp_path_factory.mktemp("reference"), 4, [*LAYOUT_4, "trainer.devices=4"], timeout=300)
+def launcher_reference(tmp_path_factory):
+    """The uninterrupted run under Lightning's launcher: 4 processes on one node."""
+    return _launcher_job(tmp_path_factory.mktemp("reference"), [*LAYOUT_4, "trainer.devices=4"], timeout=300)
 
 
-def test_slurm_tasks_train_like_torchrun(tmp_path, torchrun_reference):
+def test_slurm_tasks_train_like_one_launcher(tmp_path, launcher_reference):
     """4 processes with what ``srun --nodes 2 --ntasks-per-node 2`` sets, read by Lightning's SLURMEnvironment."""
     args = [SCRIPT, *COMMON, *LAYOUT_4, "trainer.devices=2", "trainer.num_nodes=2", f"hydra.run.dir={tmp_path}"]
     port = str(free_port())
@@ -150,7 +158,7 @@ def test_slurm_tasks_train_like_torchrun(tmp_path, torchrun_reference):
         env = base_env(slurm)
         env.pop("MASTER_ADDR", None)
         envs.append(env)
-    job = run_commands([[sys.executable, *args]] * 4, envs, timeout=300)
+    job = run_commands([[sys.executable, *args]] * 4, envs, timeout=300, fork=True)
     seen = sorted(_ranks(job.output), key=lambda r: int(r["rank"]))
     assert [(int(r["rank"]), int(r["node"]), int(r["local"])) for r in seen] == [
         (0, 0, 0),
@@ -160,18 +168,18 @@ def test_slurm_tasks_train_like_torchrun(tmp_path, torchrun_reference):
     ]
     assert {r["env"] for r in seen} == {"SLURMEnvironment"} and {r["world"] for r in seen} == {"4"}
     assert job.output.count("lightning_3d layout: world=4 = dp 2 x pp 2 x tp 1") == 1, job.tail()
-    ref = torchrun_reference.output
-    assert sorted(_losses(ref)) == list(range(9)), torchrun_reference.tail()
+    ref = launcher_reference.output
+    assert sorted(_losses(ref)) == list(range(9)), launcher_reference.tail()
     _close(_losses(job.output), _losses(ref))
     _close(_losses(job.output, "val_loss"), _losses(ref, "val_loss"))
 
 
-def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, torchrun_reference):
+def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path, launcher_reference):
     """Rank 3 SIGKILLed at step 5 of the first attempt; torchrun restarts the group, which resumes from step 3."""
     # torchrun's shared rendezvous store keeps the first attempt's addresses (README, GPUs and clusters).
     kill = {"L3D_TEST_KILL_AT_STEP": "5", "L3D_TEST_KILL_RANK": "3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     job = _torchrun_job(tmp_path, 4, [*LAYOUT_4, "trainer.devices=4"], timeout=450, env=kill, restarts=1)
-    out, ref = job.output, torchrun_reference.output
+    out, ref = job.output, launcher_reference.output
     assert "L3D_KILL rank=3 step=5" in out, job.tail()
     first, second = _losses(out, attempt=0), _losses(out, attempt=1)
     assert sorted(first) == list(range(5)), job.tail()

@@ -51,9 +51,12 @@ def _fault_time(output: str) -> float:
     return float(match.group(1))
 
 
-def _lightning_job(tmp_path: Path, *args: object, timeout: float = 150) -> tuple[JobResult, dict[str, object]]:
-    """One job under Lightning's launcher, through the supervisor that reports leftover ranks."""
-    result = run_lightning("fault_supervise.py", [*args, "--out", tmp_path], timeout=timeout, check=False)
+def _lightning_job(
+    tmp_path: Path, *args: object, timeout: float = 150, env: dict[str, str] | None = None
+) -> tuple[JobResult, dict[str, object]]:
+    """One job under Lightning's launcher, through the supervisor that reports leftover ranks (its processes forked
+    from the test zygote, or fresh interpreters with ``env={"L3D_TEST_SPAWN": "1"}``: scripts/fault_supervise.py)."""
+    result = run_lightning("fault_supervise.py", [*args, "--out", tmp_path], timeout=timeout, check=False, env=env)
     line = re.search(
         r"SUPERVISOR main_rc=(-?\d+) main_exit=([\d.]+) all_exit=([\d.]+) leftover=\[(.*?)\]", result.output
     )
@@ -303,13 +306,14 @@ def test_dp_divergence_is_named(tmp_path):
 @pytest.mark.slow
 def test_same_run_twice_is_bitwise_identical(tmp_path):
     """tp2 x pp2 x dp2, 6 steps, DPConsistencyCheck every 2 steps: losses and parameter bits equal between two
-    launches; replicas identical throughout; all process groups on train_timeout after the first step."""
+    launches, one of fresh interpreters (each with its own hash seed and allocator history) and one of forks of the
+    test zygote; replicas identical throughout; all process groups on train_timeout after the first step."""
     runs = []
-    for i in range(2):
+    for i, env in enumerate(({"L3D_TEST_SPAWN": "1"}, None)):
         out = tmp_path / f"run{i}"
         result, info = _lightning_job(
             out, "--tp", 2, "--pp", 2, "--dp", 2, "--steps", 6, "--dp-check", 2, "--timeout", 300,
-            "--train-timeout", 45, timeout=200,
+            "--train-timeout", 45, timeout=200, env=env,
         )  # fmt: skip
         assert info["main_rc"] == 0 and info["leftover"] == [], result.tail()
         runs.append(_records(out, 8))

@@ -2,7 +2,7 @@
 
 Usage: ``python fault_supervise.py fault_run.py-arguments... --out DIR``
 
-The job's main process (rank 0, which starts the other ranks) runs as a child of this one. When it exits,
+The job's main process (rank 0, which starts the other ranks) is started by this one (``popen``). When it exits,
 the ranks' process ids (``DIR/pid.<rank>``) are checked: any rank still running is an orphan. This script
 then waits up to 60 s for every rank to be gone, kills what is left, and prints one line::
 
@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,10 +32,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def popen() -> Any:
+    """How the job's main process is started: as Lightning's launcher starts its ranks. Under the test suite's zygote
+    (``tests/zygote.py``) that launcher's ``subprocess`` answers ``Popen`` with a fork of the pre-imported server, and
+    the job does too, so every process of it is a fork; ``L3D_TEST_SPAWN=1`` (or no zygote) starts a fresh interpreter,
+    whose launcher then starts fresh interpreters for the other ranks (the path users take)."""
+    if os.environ.get("L3D_TEST_SPAWN", "0") != "1":
+        launcher = sys.modules.get("lightning.pytorch.strategies.launchers.subprocess_script")
+        return getattr(launcher, "subprocess", subprocess).Popen
+    return subprocess.Popen
+
+
 def main() -> None:
     args = sys.argv[1:]
     out = Path(args[args.index("--out") + 1])
-    proc = subprocess.Popen([sys.executable, str(HERE / "fault_run.py"), *args])
+    proc = popen()([sys.executable, str(HERE / "fault_run.py"), *args], cwd=os.getcwd())
     rc = proc.wait()
     main_exit = time.time()
     pids = {int(p.name.split(".")[1]): int(p.read_text()) for p in out.glob("pid.*")}
