@@ -22,7 +22,6 @@ pattern, the optimizer-state layout against torch's, the data-position arithmeti
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from lightning_3d.checkpoint.named_state import compare_keys, optimizer_state_di
 from lightning_3d.checkpoint.resume import _skip_for_layout, source_rank
 from lightning_3d.core.topology import Topology
 
-from launch import base_env, run_lightning
+from launch import base_env, run_commands, run_lightning
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -127,14 +126,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def exported(saved: Path) -> Path:
     """``python -m lightning_3d.checkpoint export`` of the step-5 checkpoint (one process, no process group)."""
     target = saved / "step5.pt"
+    # as ``python -m`` runs them (a fork of the test zygote: runpy.run_module, as the interpreter does)
     cmd = [sys.executable, "-m", "lightning_3d.checkpoint", "export", str(saved / "all" / "step=5.ckpt"), str(target)]
-    done = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "wrote" in done.stdout and "RuntimeWarning" not in done.stderr, done.stderr
+    done = run_commands([cmd], [base_env()], timeout=120, fork=True)
+    assert "wrote" in done.output and "RuntimeWarning" not in done.output, done.output
     info = [sys.executable, "-m", "lightning_3d.checkpoint", "info", str(saved / "all" / "step=5.ckpt")]
-    shown = subprocess.run(info, env=base_env(), capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0, shown.stderr
-    assert "global step 5" in shown.stdout and "body.0.weight" in shown.stdout, shown.stdout
+    shown = run_commands([info], [base_env()], timeout=120, fork=True)
+    assert "global step 5" in shown.output and "body.0.weight" in shown.output, shown.output
     return target
 
 
