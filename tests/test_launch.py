@@ -67,6 +67,6 @@ def test_exit_codes_come_back(args, code, text):
 @pytest.mark.slow
 def test_a_hanging_job_is_killed_at_its_time_limit():
     start = time.monotonic()
-    with pytest.raises(AssertionError, match="timed out after 20s"):
-        run_ranks("launch_probe.py", 2, ["hang"], timeout=20)
-    assert time.monotonic() - start < 60
+    with pytest.raises(AssertionError, match="timed out after 8s"):
+        run_ranks("launch_probe.py", 2, ["hang"], timeout=8)
+    assert time.monotonic() - start < 40
