@@ -216,6 +216,17 @@ class LaunchError(RuntimeError):
     """A benchmark job failed or ran past its time limit (the message ends with the output's tail)."""
 
 
+def _start_session(cmd: list[str], env: dict[str, str], log: Any) -> Any:
+    """Start one worker: a fresh interpreter in a session of its own, its output in the open file ``log``."""
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+start_process: Callable[[list[str], dict[str, str], Any], Any] = _start_session
+"""How :func:`launch` starts each worker (``cmd``, its environment, its open log file); returns an object with
+``pid``, ``wait()`` and ``kill()``. The test harness replaces it with forks of its pre-imported server
+(``tests/scripts/bench_run.py``)."""
+
+
 def launch(
     target: str,
     nprocs: int,
@@ -267,11 +278,7 @@ def launch(
             proc_env.update(extra_env)
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
             logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=proc_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            )
+            procs.append(start_process(cmd, proc_env, log))
         timed_out = False
         try:
             for proc in procs:
@@ -283,9 +290,9 @@ def launch(
         finally:
             for proc in procs:
                 try:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    os.killpg(proc.pid, signal.SIGKILL)  # the worker's session: it and whatever it started
                 except (ProcessLookupError, PermissionError):
-                    pass
+                    proc.kill()  # not a session leader (a process ``start_process`` was replaced to start)
             for proc in procs:
                 proc.wait()
         outputs = []

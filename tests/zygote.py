@@ -83,14 +83,21 @@ def _forkable(args: Any) -> bool:
 
 
 class ForkedPopen:
-    """The part of ``subprocess.Popen`` that Lightning's launcher and its child-process observer use."""
+    """The part of ``subprocess.Popen`` that Lightning's launcher and its child-process observer use.
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, cwd: str | None = None) -> None:
+    ``log``: a file the process's stdout and stderr go to (else it inherits the job's). Inside a job, scripts that
+    start processes of their own reach this class as ``import l3d_test_zygote`` (an ``ImportError`` outside the
+    zygote's forks)."""
+
+    def __init__(
+        self, args: list[str], env: dict[str, str] | None = None, cwd: str | None = None, log: str | None = None
+    ) -> None:
         self.args = list(args)
         self.returncode: int | None = None
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.connect(_STATE["socket"])
-            _send(sock, {"argv": self.args, "env": dict(os.environ if env is None else env), "cwd": cwd})
+            env = dict(os.environ if env is None else env)
+            _send(sock, {"argv": self.args, "env": env, "cwd": cwd, "log": log})
             self.pid: int = _recv(sock)["pid"]
 
     def poll(self) -> int | None:
@@ -262,7 +269,7 @@ def run_job(spec: dict[str, Any]) -> None:
         if ready:
             conn, _ = listener.accept()
             request = _recv(conn)
-            pid = _fork(request["argv"], request["env"], request["cwd"], None, [listener, conn])
+            pid = _fork(request["argv"], request["env"], request["cwd"], request.get("log"), [listener, conn])
             live.add(pid)
             _send(conn, {"pid": pid})
             conn.close()
@@ -323,6 +330,7 @@ def serve(socket_path: str, lifeline: int) -> int:
         except Exception:  # the forks import it again and fail there, in their own logs
             traceback.print_exc()
     _install_launcher_shim()
+    sys.modules["l3d_test_zygote"] = sys.modules[__name__]  # what a job's own launchers import (ForkedPopen)
     after = dict(os.environ)
     delta: dict[str, str | None] = {k: v for k, v in after.items() if before.get(k) != v}
     delta.update({k: None for k in before if k not in after})

@@ -34,12 +34,16 @@ def alive(pid: int) -> bool:
 
 def popen() -> Any:
     """How the job's main process is started: as Lightning's launcher starts its ranks. Under the test suite's zygote
-    (``tests/zygote.py``) that launcher's ``subprocess`` answers ``Popen`` with a fork of the pre-imported server, and
-    the job does too, so every process of it is a fork; ``L3D_TEST_SPAWN=1`` (or no zygote) starts a fresh interpreter,
-    whose launcher then starts fresh interpreters for the other ranks (the path users take)."""
+    (``tests/zygote.py``) that is a fork of the pre-imported server, and so is every other rank of the job;
+    ``L3D_TEST_SPAWN=1`` (or no zygote) starts a fresh interpreter, whose launcher then starts fresh interpreters for
+    the other ranks (the path users take)."""
     if os.environ.get("L3D_TEST_SPAWN", "0") != "1":
-        launcher = sys.modules.get("lightning.pytorch.strategies.launchers.subprocess_script")
-        return getattr(launcher, "subprocess", subprocess).Popen
+        try:
+            import l3d_test_zygote  # type: ignore[import-not-found]  # only inside the zygote's forks
+        except ImportError:
+            pass
+        else:
+            return l3d_test_zygote.ForkedPopen
     return subprocess.Popen
 
 
