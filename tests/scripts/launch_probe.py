@@ -67,6 +67,8 @@ def lightning_job() -> None:
     )
     trainer.fit(Tiny(), data)
     print(f"PROBE-DONE rank {trainer.global_rank}", flush=True)
+    # the job ends with rank 0 (the launching process), as a fresh launch does: every rank has printed before it
+    trainer.strategy.barrier()
 
 
 if __name__ == "__main__":
