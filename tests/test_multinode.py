@@ -9,7 +9,6 @@ that prints every loss at full precision and each rank's view of the launch). Ev
   ``trainer.devices=8``); the mesh puts each tensor-parallel pair inside one node.
 * 4 processes started by hand with the variables ``srun`` sets (2 "nodes" x 2 tasks) train at pp2 x dp2 through
   Lightning's ``SLURMEnvironment`` with the same losses as Lightning's launcher of 4 processes.
-
 * Under ``torchrun --max-restarts 1``, rank 3 SIGKILLed at step 5 of the first attempt: the group restarts,
   resumes from the last complete checkpoint (step 3, found as ``ckpt_path="last"``) and ends with the losses of
   the uninterrupted run.
