@@ -37,13 +37,9 @@ def popen() -> Any:
     (``tests/zygote.py``) that is a fork of the pre-imported server, and so is every other rank of the job;
     ``L3D_TEST_SPAWN=1`` (or no zygote) starts a fresh interpreter, whose launcher then starts fresh interpreters for
     the other ranks (the path users take)."""
-    if os.environ.get("L3D_TEST_SPAWN", "0") != "1":
-        try:
-            import l3d_test_zygote  # type: ignore[import-not-found]  # only inside the zygote's forks
-        except ImportError:
-            pass
-        else:
-            return l3d_test_zygote.ForkedPopen
+    zygote = sys.modules.get("l3d_test_zygote")  # registered by the zygote: present only in its forks
+    if zygote is not None and os.environ.get("L3D_TEST_SPAWN", "0") != "1":
+        return zygote.ForkedPopen
     return subprocess.Popen
 
 
