@@ -384,7 +384,6 @@ class ThreeDStrategy(ParallelStrategy):
                 tp_autoplan=s.tp_autoplan,
                 stages=s.stages,
                 schedule=s.schedule,
-                dp=self.topology.dp,
             )
         except ValueError as err:
             # Every rank raises it alike (the consistency check below proves it): not a one-rank failure.

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from ..core.agreed import mark_agreed
 from ..core.partition import TensorSpec
 from ..core.rng import BodyRandomness
+from ..core.tied import assign, canonical_names
 from ..core.topology import Topology
 from .named_state import (
     MODEL,
@@ -302,6 +303,8 @@ def load_checkpoint(
     with torch.no_grad():
         for key, loaded in model.items():
             _local(targets[key]).copy_(_local(loaded))
+    for copy, key in _untied_copies(module, model).items():
+        assign(copy, model[key])
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(torch_optimizer_state(names, optimizer, state[f"optimizer_{i}"]))
     _restore_rank_state(context, trainer, section, fitting)
@@ -310,6 +313,18 @@ def load_checkpoint(
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _untied_copies(module: nn.Module, loaded: Mapping[str, Tensor]) -> dict[Tensor, str]:
+    """The second copies of tied weights held on this rank beside their canonical parameter (both ends of a V
+    schedule with tp or dp > 1: ``core/tied.py``), each with the loaded key it takes its value from; the state dict
+    names only the canonical one."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return {
+        params[alias]: canonical
+        for alias, canonical in canonical_names(module).items()
+        if canonical in loaded and alias in params and canonical in params and params[alias] is not params[canonical]
+    }
 
 
 def _restore_rank_state(

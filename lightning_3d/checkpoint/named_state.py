@@ -95,6 +95,7 @@ def torch_optimizer_state(names: Mapping[int, str], optimizer: Any, flat: Mappin
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
+    seen: set[str] = set()
     for group in optimizer.param_groups:
         new = {k: v for k, v in group.items() if k != "params"}
         ids = []
@@ -104,6 +105,10 @@ def torch_optimizer_state(names: Mapping[int, str], optimizer: Any, flat: Mappin
                 new.update({k: flat[f"param_groups.{fqn}.{k}"] for k in new if f"param_groups.{fqn}.{k}" in flat})
             head = f"state.{fqn}."
             entries = {key[len(head) :]: value for key, value in flat.items() if key.startswith(head)}
+            if fqn in seen:  # a tied weight's second copy (both ends of a V on this rank): states of its own, as
+                # torch's load_state_dict keeps the tensors it is given and the optimizer updates them in place
+                entries = {k: v.clone() if isinstance(v, Tensor) else v for k, v in entries.items()}
+            seen.add(fqn)
             if entries:
                 state[index] = entries
             ids.append(index)

@@ -272,11 +272,13 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
 
 
-def _local_targets(module: nn.Module) -> dict[str, torch.Tensor]:
+def _local_targets(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` for every parameter and persistent buffer held here. A weight tied across stages goes by its
+    canonical name; when a rank holds two copies of it (both ends of a V schedule), both are listed under it."""
     persistent = set(module.state_dict(keep_vars=True).keys())
-    aliases = canonical_names(module)  # a weight tied across stages goes by its canonical name
-    targets = {aliases.get(n, n): p for n, p in module.named_parameters()}
-    targets.update({n: b for n, b in module.named_buffers() if n in persistent})
+    aliases = canonical_names(module)
+    targets = [(aliases.get(n, n), p) for n, p in module.named_parameters()]
+    targets += [(n, b) for n, b in module.named_buffers() if n in persistent]
     return targets
 
 
@@ -308,10 +310,11 @@ def load_full_state_dict(
         ValueError: a tensor's shape differs from the model's.
     """
     targets = _local_targets(module)
-    known = set(full_keys) if full_keys is not None else set(targets)
+    keys = {k for k, _ in targets}
+    known = set(full_keys) if full_keys is not None else keys
     report = LoadReport(
-        missing=sorted(k for k in targets if k not in state_dict),
-        unexpected=sorted(k for k in state_dict if k not in known and k not in targets),
+        missing=sorted(k for k in keys if k not in state_dict),
+        unexpected=sorted(k for k in state_dict if k not in known and k not in keys),
     )
     if strict and (report.missing or report.unexpected):
         raise KeyError(
@@ -320,7 +323,7 @@ def load_full_state_dict(
             f"{' ...' if len(report.unexpected) > 10 else ''}. Nothing was loaded."
         )
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for name, target in targets.items():
+    for name, target in targets:
         if name not in state_dict:
             continue
         full = state_dict[name]
@@ -336,7 +339,8 @@ def load_full_state_dict(
             staged.append((target.to_local(), local))
         else:
             staged.append((target, full.detach()))
-        report.loaded.append(name)
+        if name not in report.loaded:  # (both copies of a tied weight: one key)
+            report.loaded.append(name)
     with torch.no_grad():
         for dst, src in staged:
             dst.copy_(src.to(dst.device, dst.dtype))

@@ -39,7 +39,7 @@ from .pipeline import StageSpec, stage_ranks
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
 from .tensor_parallel.hf_plan import HFPlan, hf_tp_plan
-from .tied import TiedWeights, install_alias_hooks, retie
+from .tied import TiedWeights, install_alias_hooks, retie, untie
 from .topology import Topology, mesh_ranks_table
 
 
@@ -80,7 +80,6 @@ def plan_model(
     tp_autoplan: bool = True,
     stages: Sequence[Sequence[str]] | None = None,
     schedule: str = "1f1b",
-    dp: int = 1,
 ) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
 
@@ -89,7 +88,6 @@ def plan_model(
         tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan, stages, schedule: the settings of
             the same names (see ``lightning_3d.settings.ThreeDSettings``); the schedule decides which rank runs which
             stage.
-        dp: the data-parallel degree (resolved).
 
     Returns:
         The body, the stage split, the tensor-parallel plan, the whole model's tensor specs and the example input.
@@ -106,7 +104,6 @@ def plan_model(
         if plan.split is not None and plan.split.container is not None:  # the schedule's placement (a V, or looping)
             plan.split.stage_to_rank = placement
             plan.stage_plan.stage_to_rank = list(placement)
-            _check_v_tie(plan.split, schedule, tp, dp)
         return plan
     found = partition.find_body(module, body)
     partition.check_no_outside_parameters(module, found)
@@ -135,22 +132,6 @@ def plan_model(
     if is_meta:
         check_materializable(found.module, found.fqn)
     return ModelPlan(found, stage_plan, resolved, full_spec, example_input, is_meta)
-
-
-def _check_v_tie(split: blocks.ModelSplit, schedule: str, tp: int, dp: int) -> None:
-    """Refuse a weight tied across the first and the last stage when a V schedule puts both stages on one rank and
-    the rank wraps each stage separately for tensor or data parallelism: the two wrappers would each make their own
-    copy of the one weight, and the copy the embedding uses would miss the head's gradient (measured: wrong
-    gradients at dp=2). Untied models, and dp = tp = 1, run under V schedules."""
-    if not split.tied or split.stage_to_rank[0] != split.stage_to_rank[-1] or (dp == 1 and tp == 1):
-        return
-    names = "; ".join(" = ".join(group) for group in split.tied)
-    raise ValueError(
-        f"ThreeDStrategy(schedule={schedule!r}) places the first and the last pipeline stage on the same rank, and "
-        f"this model ties weights across them ({names}): with tp={tp}, dp={dp} that is not supported yet. Use "
-        "schedule='interleaved1f1b' or 'interleavedzerobubble' (first and last stage on different ranks), or untie "
-        "the weights."
-    )
 
 
 def _check_no_meta_metrics(module: nn.Module) -> None:
@@ -482,6 +463,13 @@ def _build_split_stages(
         held_names = [n for s in my_stages for n in split.modules_of(s)]
     precision.convert_module(module)
     tp = mesh["tp"].size()
+    # a V schedule puts the first and the last stage on one rank: with tensor or data parallelism each stage is
+    # wrapped on its own, so a weight tied across them gets a copy per stage there, summed as across ranks
+    ends = (split.stage_to_rank[0], split.stage_to_rank[-1])
+    untied: list[tuple[str, ...]] = []
+    if split.tied and ends[0] == ends[1] and pp_rank == ends[0] and (tp > 1 or mesh["dp"].size() > 1):
+        untied = untie(module, split.tied)
+    kept_ties = [group for group in split.aliases if tuple(group) not in untied]
     container = split.container
     blocks_of = {container.block_fqn(b): b for b in container.names} if container is not None else {}
     initializers = library_initializers(module) if model.is_meta else {}
@@ -493,7 +481,7 @@ def _build_split_stages(
     for name in held_names or [""]:  # one module at a time: whole only while it is being sharded
         sub = module.get_submodule(name)
         if deferred is None and model.is_meta:  # (with deferred: on meta until its shards are allocated)
-            retie(module, split.aliases, name)  # a head tied to an embedding materialised before it
+            retie(module, kept_ties, name)  # a head tied to an embedding materialised before it
             materialize(sub, device, seed, prefix=name, initializers=initializers)
         elif deferred is None:
             sub.to(device)
@@ -533,12 +521,14 @@ def _build_split_stages(
         deferred.fill(device, seed)
         module.to(device)
     # after tensor and data parallelism have put their parameter objects in place
-    # (under a V schedule the first and the last stage share a rank: a tied weight is then one tensor, nothing to sum)
+    # (under a V schedule at dp = tp = 1 the first and the last stage share a rank and a tied weight is one tensor:
+    # nothing to sum; with tp or dp > 1 that rank holds a copy per stage, summed there)
     # (the pp ranks of the first and the last stage follow the schedule's placement: a CSV list may put them anywhere)
-    ends = (split.stage_to_rank[0], split.stage_to_rank[-1])
     tied = None
     if split.tied and mesh["pp"].size() > 1 and ends[0] != ends[1]:
         tied = TiedWeights(module, split.tied, mesh, ends)
+    elif untied:
+        tied = TiedWeights.local(module, untied)
     if tied is not None:
         tied.broadcast_from_first()
     return BuiltStages(stages, executor, tied, compiled, checkpointed)

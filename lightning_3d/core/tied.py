@@ -7,6 +7,11 @@ same dp and tp coordinates), so both copies take the same optimizer step. The gr
 (the last stage's copy is left out of the norm), and checkpoints store it once, under the name it has in the
 unsplit model (the first name it is registered under): ``alias_hooks`` renames the other name in ``state_dict`` and
 back in ``load_state_dict``.
+
+Under a V schedule the first and the last stage share a pipeline rank. At dp = tp = 1 the weight stays one tensor
+there; with tensor or data parallelism each stage is wrapped on its own, and two wrappers cannot share one
+parameter, so that rank holds two copies as well (:func:`untie`), and their gradients are summed locally
+(:meth:`TiedWeights.local`) instead of over an embedding group.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 ALIASES_ATTR = "_lightning_3d_aliases"
 
@@ -82,6 +87,58 @@ def retie(root: nn.Module, groups: Sequence[Sequence[str]], prefix: str) -> None
             owner.register_parameter(leaf, canonical)
 
 
+def untie(root: nn.Module, groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
+    """Give every alias of ``groups`` that ``root`` holds as the canonical parameter itself a parameter of its own,
+    equal to it (on the meta device while the model is): the two can then be wrapped by different stages.
+
+    Returns:
+        The groups that were untied (both names held by ``root``).
+    """
+    named = dict(root.named_parameters(remove_duplicate=False))
+    untied = []
+    for group in groups:
+        canonical = named.get(group[0])
+        if canonical is None:
+            continue
+        aliases = [alias for alias in group[1:] if named.get(alias) is canonical]
+        for alias in aliases:
+            owner_name, _, leaf = alias.rpartition(".")
+            owner = root.get_submodule(owner_name) if owner_name else root
+            copy = nn.Parameter(canonical.detach().clone(), requires_grad=canonical.requires_grad)
+            owner.register_parameter(leaf, copy)
+        if aliases:
+            untied.append(tuple(group))
+    return untied
+
+
+def _in_layout(src: Tensor, like: Tensor) -> Tensor:
+    """``src`` laid out as ``like``: the same DTensor mesh and placements, or a plain tensor."""
+    if not isinstance(like, DTensor):
+        return src.full_tensor() if isinstance(src, DTensor) else src
+    if isinstance(src, DTensor):
+        if src.device_mesh == like.device_mesh:
+            return src if src.placements == like.placements else src.redistribute(like.device_mesh, like.placements)
+        src = src.full_tensor()
+    # every rank holds the whole value: each takes its own shard, no communication
+    return distribute_tensor(src, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def assign(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` for two copies of one tied weight, whatever their layouts (plain, or DTensors of any
+    placements); local when the layouts agree."""
+    with torch.no_grad():
+        if _same_layout(dst, src):
+            _local(dst).copy_(_local(src))
+        else:
+            dst.copy_(_in_layout(src, dst))
+
+
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    if isinstance(a, DTensor) and isinstance(b, DTensor):
+        return a.device_mesh == b.device_mesh and a.placements == b.placements
+    return not isinstance(a, DTensor) and not isinstance(b, DTensor)
+
+
 def canonical_names(module: nn.Module) -> Mapping[str, str]:
     """``{alias: canonical}`` for the tied weights of ``module`` (empty when there are none)."""
     return getattr(module, ALIASES_ATTR, {})
@@ -100,6 +157,7 @@ class TiedWeights:
     """This rank's copies of the weights tied across the first and last stage, and their embedding groups.
 
     Build it on every rank (it creates process groups: a collective call); ranks on neither end stage hold nothing.
+    A rank holding both ends (a V schedule with tensor or data parallelism) uses :meth:`local` instead.
 
     Args:
         module: the LightningModule, already pruned to this rank's stages.
@@ -117,6 +175,8 @@ class TiedWeights:
         end_ranks: tuple[int, int] | None = None,
     ) -> None:
         self.group: dist.ProcessGroup | None = None
+        self.first = 0
+        self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (canonical, copy), both held here
         me = dist.get_rank()
         for ranks in embedding_groups(mesh.mesh.tolist(), end_ranks):
             group = dist.new_group(ranks)  # every rank creates every group, in the same order
@@ -134,8 +194,30 @@ class TiedWeights:
             if names[0] not in named:
                 self.secondary.add(id(param))
 
+    @classmethod
+    def local(cls, module: nn.Module, groups: Sequence[Sequence[str]]) -> TiedWeights:
+        """The tied weights of a rank that holds the first and the last stage, each stage its own copy (after
+        :func:`untie`): their gradients are summed here, no process group is created (not a collective call).
+
+        Args:
+            module: the LightningModule, already pruned to this rank's stages.
+            groups: the untied groups (first name canonical).
+        """
+        self = cls.__new__(cls)
+        self.group, self.first, self.params, self.secondary, self.pairs = None, 0, [], set(), []
+        named = dict(module.named_parameters(remove_duplicate=False))
+        for names in groups:
+            held = [named[n] for n in names if n in named]
+            for copy in held[1:]:
+                if copy is not held[0]:
+                    self.pairs.append((held[0], copy))
+                    self.secondary.add(id(copy))
+        return self
+
     def broadcast_from_first(self) -> None:
         """Give the last stage's copies the first stage's values (they must start equal)."""
+        for canonical, copy in self.pairs:
+            assign(copy, canonical)
         if self.group is None:
             return
         with torch.no_grad():
@@ -145,9 +227,19 @@ class TiedWeights:
     def sum_grads(self, params: Sequence[nn.Parameter], grads: list[Tensor | None]) -> None:
         """Sum one batch's gradients of the tied weights over the embedding group, in ``grads`` (aligned with
         ``params``): both copies then hold the gradient single-device training computes for the one weight."""
+        index = {id(p): i for i, p in enumerate(params)}
+        for canonical, copy in self.pairs:  # both copies here: first stage's gradient + last stage's
+            i, j = index[id(canonical)], index[id(copy)]
+            first, last = (grads[k] if grads[k] is not None else torch.zeros_like(params[k]) for k in (i, j))
+            with torch.no_grad():
+                if _same_layout(first, last):
+                    _local(first).add_(_local(last))
+                else:
+                    first.add_(_in_layout(last, first))
+            assign(last, first)
+            grads[i], grads[j] = first, last
         if self.group is None:
             return
-        index = {id(p): i for i, p in enumerate(params)}
         for param in self.params:
             i = index[id(param)]
             grad = grads[i]

@@ -2,6 +2,8 @@
 
 ``--phase save`` (tp2 x pp2 x dp2): ``fit`` 6 steps saving at steps 3 and 6 (float64), then ``fit(ckpt_path=step 3)``
 to step 6 again at the same layout; then ``validate`` (val_loss and a torchmetrics accuracy) of the trained model.
+The models named by ``--v-models`` run that phase under ``zbvzerobubble`` (two stages per rank in a V: rank 0 holds
+the first and the last stage, so a tied embedding and head are two copies on one rank), the others under 1F1B.
 ``--phase reshard`` (another layout): ``fit(ckpt_path=step 3)`` to step 6, and the same ``validate``.
 ``--phase single`` (one process, plain Lightning): the reference: 6 steps, and ``validate`` of a module loaded
 with the checkpoint's exported weights.
@@ -45,8 +47,11 @@ class StartSnapshot(L.Callback):
         self.params = snap["snap_start"]["params"]
 
 
-def trainer(args: argparse.Namespace, steps: int, callbacks: list, single: bool = False) -> L.Trainer:
-    strategy = "auto" if single else ThreeDStrategy(tp=args.tp, pp=args.pp, micro_batches=4, print_layout=False)
+def trainer(args: argparse.Namespace, steps: int, callbacks: list, single: bool = False, v: bool = False) -> L.Trainer:
+    schedule = {"schedule": "zbvzerobubble", "stages_per_rank": 2} if v else {}
+    strategy = (
+        "auto" if single else ThreeDStrategy(tp=args.tp, pp=args.pp, micro_batches=4, print_layout=False, **schedule)
+    )
     return L.Trainer(
         accelerator="cpu",
         devices=1 if single else args.tp * args.pp * args.dp,
@@ -86,6 +91,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--v-models", default="", help="models whose save phase runs under zbvzerobubble")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -109,10 +115,11 @@ def run(args: argparse.Namespace, name: str) -> None:
         torch.save(rec, out / f"{name}-single.pt")
         return
     ckpts = out / f"{name}-ckpt"
+    v = args.phase == "save" and name in args.v_models.split(",")
     if args.phase == "save":
         recorder = Recorder()
         saver = ModelCheckpoint(dirpath=ckpts, every_n_train_steps=3, save_top_k=-1, filename="{step}")
-        t = trainer(args, 6, [LoadWeights(str(init)), recorder, saver])
+        t = trainer(args, 6, [LoadWeights(str(init)), recorder, saver], v=v)
         t.fit(model, datamodule=data(args.dp))
         rec["fit"] = canonical(recorder.record(), model)
         if t.global_rank == 0:  # the trained model as a Hugging Face folder, and what from_pretrained makes of it
@@ -133,7 +140,7 @@ def run(args: argparse.Namespace, name: str) -> None:
     recorder = Recorder()
     L.seed_everything(4321, verbose=False)  # the checkpoint, not the seed, decides
     resumed = module(name)
-    t = trainer(args, 6, [recorder])
+    t = trainer(args, 6, [recorder], v=v)
     t.fit(resumed, datamodule=data(args.dp), ckpt_path=ckpts / "step=3.ckpt")
     rec["resume"] = canonical(recorder.record(), resumed)
     rec["validate"] = t.validate(resumed, datamodule=data(args.dp), verbose=False)[0]

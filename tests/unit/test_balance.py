@@ -255,12 +255,12 @@ def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
         def forward(self, x):
             return self.model(x)
 
-    uniform = plan_model(Module(True), tp=1, pp=3, partitioner="uniform", dp=1)
+    uniform = plan_model(Module(True), tp=1, pp=3, partitioner="uniform")
     assert uniform.stage_plan.layer_names == [["0", "1"], ["2", "3"], ["4"]] and not uniform.stage_plan.estimates
-    plan = plan_model(Module(True), tp=1, pp=3, partitioner="compute", dp=1)
+    plan = plan_model(Module(True), tp=1, pp=3, partitioner="compute")
     assert plan.stage_plan.layer_names == [["0", "1"], ["2"], ["3", "4"]]  # the heavy block alone, timed
     assert plan.stage_plan.describe().count("ms fwd+bwd per micro-batch, measured") == 3
-    memory = plan_model(Module(True), tp=1, pp=3, partitioner="memory", dp=1)
+    memory = plan_model(Module(True), tp=1, pp=3, partitioner="memory")
     assert "MiB peak" in memory.stage_plan.describe()
     with pytest.raises(ValueError, match="example_input_array"):
-        plan_model(Module(False), tp=1, pp=3, partitioner="compute", dp=1)
+        plan_model(Module(False), tp=1, pp=3, partitioner="compute")

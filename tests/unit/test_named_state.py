@@ -151,3 +151,36 @@ def test_optimizer_template_shapes_tensors_like_the_saved_entries() -> None:
     assert template["state.0.weight.step"].shape == ()
     assert template["param_groups.0.weight.lr"] is None
     assert template["state.0.bias.exp_avg"].dtype == torch.float64
+
+
+def test_two_copies_of_a_tied_weight_load_states_of_their_own() -> None:
+    """Both ends of a V on one rank with data parallelism: the embedding and the head each hold a copy of the tied
+    weight, saved once under the canonical name; loading gives each copy its own state tensors (torch keeps the
+    tensors it is given, and a shared ``exp_avg`` or ``step`` would be updated twice per step)."""
+    from lightning_3d.core.tied import install_alias_hooks, untie
+
+    def tied_pair() -> nn.Module:
+        root = nn.Module()
+        root.embed = nn.Embedding(6, 3)
+        root.head = nn.Linear(3, 6, bias=False)
+        root.head.weight = root.embed.weight
+        install_alias_hooks(root, [("embed.weight", "head.weight")])
+        untie(root, [("embed.weight", "head.weight")])
+        return root
+
+    saved = tied_pair()
+    opt = torch.optim.Adam(saved.parameters())
+    for _ in range(2):
+        saved.head(saved.embed(torch.tensor([1, 4]))).pow(2).sum().backward()
+        for p in saved.parameters():  # both copies take the summed gradient, as TiedWeights.sum_grads gives them
+            p.grad = saved.embed.weight.grad + saved.head.weight.grad
+        opt.step()
+        opt.zero_grad()
+    flat = optimizer_state_dict(saved, opt)
+    assert {k.split(".")[1] for k in flat} == {"embed"}  # one name for both copies
+    fresh = tied_pair()
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    fresh_opt.load_state_dict(torch_optimizer_state(param_names(fresh), fresh_opt, flat))
+    states = [fresh_opt.state[p] for p in (fresh.embed.weight, fresh.head.weight)]
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(states[0][key], states[1][key]) and states[0][key] is not states[1][key], key

@@ -65,3 +65,46 @@ def test_embedding_groups_join_the_pp_ranks_holding_the_first_and_last_stage() -
     # a CSV action list whose last stage sits on pp rank 1 (e.g. pp 3, two stages per rank, stages 0 and 5 placed
     # on ranks 0 and 1): the group must be pp ranks 0 and 1, not 0 and pp - 1
     assert embedding_groups(grid, (0, 1)) == [[0, 2], [1, 3], [6, 8], [7, 9]]
+
+
+def test_untie_gives_the_alias_a_copy_and_local_sums_give_both_the_one_weights_gradient() -> None:
+    """A V schedule's rank 0 with tp or dp > 1: the embedding (first stage) and the head (last stage) each get their
+    own copy; after a backward both copies hold the gradient of the single tied weight, and the norm counts it
+    once."""
+    from lightning_3d.core.tied import TiedWeights, untie
+
+    reference = tied()
+    root = tied()
+    root.load_state_dict(reference.state_dict())
+    assert untie(root, [("embed.weight", "head.weight"), ("nothing.weight", "other.weight")]) == [
+        ("embed.weight", "head.weight")
+    ]
+    assert root.head.weight is not root.embed.weight and torch.equal(root.head.weight, root.embed.weight)
+    with torch.no_grad():
+        root.head.weight.zero_()  # a copy initialised by its own module (meta materialisation): made equal below
+    pairs = TiedWeights.local(root, [("embed.weight", "head.weight")])
+    pairs.broadcast_from_first()
+    assert torch.equal(root.head.weight, root.embed.weight)
+
+    tokens = torch.tensor([1, 3, 3, 7])
+    reference.head(reference.embed(tokens)).square().sum().backward()
+    root.head(root.embed(tokens)).square().sum().backward()
+    params = list(root.parameters())
+    grads = [p.grad for p in params]
+    pairs.sum_grads(params, grads)
+    want = reference.embed.weight.grad
+    assert torch.allclose(grads[0], want, rtol=1e-6, atol=1e-7) and torch.equal(grads[0], grads[1])
+    assert pairs.for_norm(params) == [root.embed.weight]
+    # a copy without a gradient (a batch that never reached the head) takes the other's
+    grads = [torch.ones(8, 4), None]
+    pairs.sum_grads(params, grads)
+    assert torch.equal(grads[1], torch.ones(8, 4))
+
+
+def test_untie_keeps_meta_copies_on_meta() -> None:
+    from lightning_3d.core.tied import untie
+
+    with torch.device("meta"):
+        root = tied()
+    untie(root, [("embed.weight", "head.weight")])
+    assert root.head.weight.is_meta and root.head.weight is not root.embed.weight
