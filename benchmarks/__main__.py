@@ -8,7 +8,8 @@ body split by a partitioner (defaults: ``1f1b``, ``uniform``); the record names 
 activation memory each schedule (a name or a CSV action list) keeps in flight per stage against its action list
 (``DIR/B3_<name>.json``).
 
-``P1`` (the planner against measured layouts, ``benchmarks/p1_planner.py``) runs by id only, not in ``all``.
+``P1`` (the planner against measured layouts, ``benchmarks/p1_planner.py``) and ``S1`` (the zero-bubble schedules'
+split backward against one whole backward, ``benchmarks/s1_split_backward.py``) run by id only, not in ``all``.
 
 ``python -m benchmarks B5 --grad-reduce-dtype bf16`` counts the data-parallel gradient bytes with gradient
 compression, under replicate and fsdp (record ``B5_grad_bf16``).
@@ -35,7 +36,8 @@ from .hf_llama import MODEL_NAMES
 
 # Benchmarks run by id only, never by ``all`` (minutes long): P1 checks the planner against measured layouts.
 # N1 measures the loss with gradient compression (grad_reduce_dtype) against fp32 reduction (three 100-step runs).
-EXTRA_BENCHMARKS: dict[str, str] = {"P1": "p1_planner", "N1": "n1_grad_reduce"}
+# S1 times the zero-bubble schedules' split backward (I + W) against one whole backward (one process, a minute).
+EXTRA_BENCHMARKS: dict[str, str] = {"P1": "p1_planner", "N1": "n1_grad_reduce", "S1": "s1_split_backward"}
 BENCHMARKS: dict[str, str] = {**CORE_BENCHMARKS, **EXTRA_BENCHMARKS}
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "schedule_stages",
     "set_group_timeout",
     "shape_inference_done",
+    "split_backward_functions",
     "tensor_version",
     "unscale_grads_",
     "view_base",
@@ -511,6 +512,18 @@ def schedule_micro_batches(schedule: Any) -> int:
 def schedule_has_loss(schedule: Any) -> bool:
     """Whether the schedule was given a loss function (its last stage then computes one per micro-batch)."""
     return _private(schedule, "_loss_fn", "reading a schedule's loss function") is not None
+
+
+def split_backward_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """torch's ``(stage_backward_input, stage_backward_weight)``: the ``I`` and ``W`` halves of a stage's backward
+    that ``PipelineStage`` runs under the zero-bubble schedules (timed against a whole backward by benchmark S1)."""
+    from torch.distributed.pipelining import _backward
+
+    purpose = "timing the zero-bubble schedules' split backward (benchmark S1)"
+    return (
+        _private(_backward, "stage_backward_input", purpose),
+        _private(_backward, "stage_backward_weight", purpose),
+    )
 
 
 def shape_inference_done(schedule: Any) -> bool:

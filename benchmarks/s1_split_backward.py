@@ -1,0 +1,125 @@
+"""S1 the zero-bubble schedules' split backward against one whole backward, per stage, on this device.
+
+The zero-bubble schedules (``interleavedzerobubble``, ``zbvzerobubble``, ``dualpipev``, split CSV lists) run a
+stage's backward as two actions: ``I`` (the input gradient, sent to the previous stage at once) and later ``W``
+(the weight gradients). torch runs them as ``stage_backward_input`` and ``stage_backward_weight``
+(``torch.distributed.pipelining._backward``, the functions its ``PipelineStage`` calls): ``I`` walks the autograd
+graph in Python to find, for every parameter, the nodes where its gradient path leaves the input's (its
+"intermediates"), hooks them, and runs one ``autograd.grad`` for the input with the graph kept; ``W`` runs one
+``autograd.grad`` per parameter group from the hooked nodes. A schedule gains from the split only when ``I + W``
+costs little more than one whole backward (``B``), which decides whether a zero-bubble schedule can beat 1F1B.
+
+One process, one thread: stages of 1, 2, 4 and 8 blocks of the benchmark GPT (hidden 256, 4 heads, sequence 128,
+one micro-batch of one sequence), each round timing, in turn, the forward and a whole backward, then ``I`` and
+``W`` on a fresh forward. Rounds alternate the variants so that load drifts hit all alike; figures are medians over
+the rounds (after warm-up). ``I + W`` does the same arithmetic as ``B`` (``I`` every input gradient, ``W`` every
+weight gradient), so ``B`` is the split's ideal and whatever it costs above ``B`` is overhead: that overhead over
+the micro-batch's forward + backward is what a zero-bubble schedule pays per micro-batch, against the bubble it
+removes (1F1B's ``(p - 1) / (m + p - 1)`` minus its own: 11% - 2% at pp2 m8).
+
+Record: ``measured`` = ``I + W`` at 4 blocks (ms), ``baseline`` = ``ideal`` = ``B`` at 4 blocks, ``ratio`` =
+measured / baseline (1.0: the split costs nothing); ``details.blocks[n].overhead_share``: (I + W - B) / (F + B).
+Not in ``all``; run by id: ``python -m benchmarks S1``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import Record, median
+
+ID, TITLE = "S1", "split backward (zero-bubble I + W) vs one whole backward, per stage of n blocks (1 process)"
+BLOCKS = (1, 2, 4, 8)
+
+
+def measure(config: dict[str, Any], blocks: int, rounds: int, warmup: int) -> dict[str, Any]:
+    """Median ms of each variant for a stage of ``blocks`` blocks, the split's halves and its parameter groups."""
+    import torch
+
+    from lightning_3d.core.torch_compat import split_backward_functions
+
+    from .common import build_gpt
+
+    stage_backward_input, stage_backward_weight = split_backward_functions()
+
+    model = build_gpt({**config, "n_layer": blocks})
+    stage = torch.nn.Sequential(*list(model.body)[1 : 1 + blocks])
+    params = list(stage.parameters())
+    seq, width = config["block_size"], config["n_embd"]
+    x0 = torch.randn(1, seq, width, generator=torch.Generator().manual_seed(0))
+    g0 = torch.randn(1, seq, width, generator=torch.Generator().manual_seed(1))
+    groups = 0
+
+    def forward() -> tuple[Any, Any]:
+        x = x0.clone().requires_grad_(True)
+        return x, stage(x)
+
+    def whole() -> dict[str, float]:
+        start = time.perf_counter()
+        _, y = forward()
+        middle = time.perf_counter()
+        torch.autograd.backward(y, g0)
+        return {"forward": middle - start, "whole": time.perf_counter() - middle}
+
+    def split() -> dict[str, float]:
+        nonlocal groups
+        x, y = forward()
+        start = time.perf_counter()
+        _, param_groups = stage_backward_input([y], [g0], [x], iter(params))
+        middle = time.perf_counter()
+        stage_backward_weight(iter(params), param_groups)
+        end = time.perf_counter()
+        groups = len(param_groups)
+        return {"split": end - start, "I": middle - start, "W": end - middle}
+
+    times: dict[str, list[float]] = {}
+    for round_ in range(warmup + rounds):
+        for fn in (whole, split):
+            for p in params:
+                p.grad = None
+            for key, value in fn().items():
+                if round_ >= warmup:
+                    times.setdefault(key, []).append(value * 1e3)
+    result = {key: median(values) for key, values in times.items()}
+    result["overhead_share"] = (result["split"] - result["whole"]) / (result["forward"] + result["whole"])
+    result["param_groups"] = groups
+    result["rounds"] = times
+    return result
+
+
+def run(out: Path, tiny: bool = False) -> Record:
+    """Every stage size in turn (one process); the record keeps each variant's rounds."""
+    import torch
+
+    from .common import model_config
+
+    torch.set_num_threads(1)
+    config = model_config(tiny)
+    sizes = BLOCKS[:2] if tiny else BLOCKS
+    rounds, warmup = (2, 1) if tiny else (15, 3)
+    table = {n: measure(config, n, rounds, warmup) for n in sizes}
+    lines = [
+        f"one thread; GPT blocks of hidden {config['n_embd']}, sequence {config['block_size']}; medians of {rounds} "
+        "rounds (ms)",
+        "blocks | forward F | whole B | split I + W (I, W) | split / B | (I + W - B) / (F + B) | W's grad calls",
+    ]
+    for n, row in table.items():
+        lines.append(
+            f"{n} | {row['forward']:.2f} | {row['whole']:.2f} | {row['split']:.2f} ({row['I']:.2f}, {row['W']:.2f}) | "
+            f"{row['split'] / row['whole']:.2f} | {row['overhead_share']:.1%} | {row['param_groups']}"
+        )
+    key = 4 if 4 in table else max(table)
+    row = table[key]
+    return Record(
+        ID,
+        TITLE,
+        round(row["split"], 3),
+        round(row["whole"], 3),
+        round(row["whole"], 3),
+        round(row["split"] / row["whole"], 3),
+        f"ms per micro-batch (a stage of {key} blocks)",
+        {"blocks": {str(n): row for n, row in table.items()}, "config": config, "rounds": rounds},
+        lines,
+    )
