@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS, schedules
+from torch.distributed.pipelining import _backward as split_backward
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from lightning_3d.core import torch_compat
@@ -61,6 +62,9 @@ CALLED = [
     (schedules, "_validate_schedule", ["actions", "pp_group_size", "num_stages", "num_microbatches"]),
     (schedules._Action, "from_str", ["action_string"]),
     (schedules._PipelineScheduleRuntime, "_load_csv", ["self", "filename"]),
+    # benchmark S1 (split_backward_functions)
+    (split_backward, "stage_backward_input", ["stage_outputs_or_loss", "output_grads", "input_values", "weights"]),
+    (split_backward, "stage_backward_weight", ["weights", "param_groups"]),
 ]
 
 
