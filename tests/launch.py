@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -180,8 +181,26 @@ def _run(
         raise AssertionError(f"job timed out after {timeout:.0f}s (killed); output tail:\n" + output[-6000:])
     result = JobResult(returncode, output, seconds)
     if check and returncode != 0:
-        raise AssertionError(f"job failed with exit code {returncode}; output tail:\n" + output[-8000:])
+        raise AssertionError(
+            f"job failed with exit code {returncode}; {_failure_lines(output)}output tail:\n" + output[-8000:]
+        )
     return result
+
+
+_ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception|Interrupt)\b.*")
+
+
+def _failure_lines(output: str, limit: int = 24) -> str:
+    """Every rank's failure report (the strategy's ``lightning_3d: rank N (...) failed ...`` lines) and the last
+    line of every traceback, from anywhere in the output: the rank that failed first is named even when its
+    traceback lies before the tail the message shows."""
+    seen: list[str] = []
+    for line in output.splitlines():
+        line = line.strip()
+        if ("lightning_3d: rank" in line and " failed" in line) or _ERROR_LINE.match(line):
+            if line not in seen:
+                seen.append(line)
+    return ("failures reported:\n" + "\n".join(seen[:limit]) + "\n") if seen else ""
 
 
 class _Zygote:

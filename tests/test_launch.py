@@ -70,3 +70,29 @@ def test_a_hanging_job_is_killed_at_its_time_limit():
     with pytest.raises(AssertionError, match="timed out after 8s"):
         run_ranks("launch_probe.py", 2, ["hang"], timeout=8)
     assert time.monotonic() - start < 40
+
+
+def test_a_failed_job_names_every_reported_failure_before_its_tail():
+    """The first failing rank's report and its error's last line head the message, even when later ranks' tracebacks
+    push them out of the tail it shows."""
+    from launch import _failure_lines
+
+    output = "\n".join(
+        [
+            "[rank2]: Traceback (most recent call last):",
+            '[rank2]:   File "train.py", line 3, in <module>',
+            "[rank2]: ValueError: the first failure",
+            "[rank 2] lightning_3d: rank 2 (dp 2, stage 0 of 1, tp 0) failed at global step 10:",
+            *["[rank3]:   a long traceback line"] * 500,
+            "[rank3]: RuntimeError: Connection reset by peer",
+            "[rank3]: RuntimeError: Connection reset by peer",
+        ]
+    )
+    lines = _failure_lines(output).splitlines()
+    assert lines == [
+        "failures reported:",
+        "[rank2]: ValueError: the first failure",
+        "[rank 2] lightning_3d: rank 2 (dp 2, stage 0 of 1, tp 0) failed at global step 10:",
+        "[rank3]: RuntimeError: Connection reset by peer",
+    ]
+    assert _failure_lines("all fine\n") == ""
