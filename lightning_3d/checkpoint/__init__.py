@@ -303,7 +303,7 @@ def load_checkpoint(
     with torch.no_grad():
         for key, loaded in model.items():
             _local(targets[key]).copy_(_local(loaded))
-    for copy, key in _untied_copies(module, model).items():
+    for copy, key in _untied_copies(module, model):
         assign(copy, model[key])
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(torch_optimizer_state(names, optimizer, state[f"optimizer_{i}"]))
@@ -315,16 +315,16 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _untied_copies(module: nn.Module, loaded: Mapping[str, Tensor]) -> dict[Tensor, str]:
+def _untied_copies(module: nn.Module, loaded: Mapping[str, Tensor]) -> list[tuple[Tensor, str]]:
     """The second copies of tied weights held on this rank beside their canonical parameter (both ends of a V
     schedule with tp or dp > 1: ``core/tied.py``), each with the loaded key it takes its value from; the state dict
     names only the canonical one."""
     params = dict(module.named_parameters(remove_duplicate=False))
-    return {
-        params[alias]: canonical
+    return [
+        (params[alias], canonical)
         for alias, canonical in canonical_names(module).items()
         if canonical in loaded and alias in params and canonical in params and params[alias] is not params[canonical]
-    }
+    ]
 
 
 def _restore_rank_state(

@@ -323,6 +323,7 @@ def load_full_state_dict(
             f"{' ...' if len(report.unexpected) > 10 else ''}. Nothing was loaded."
         )
     staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    loaded: set[str] = set()
     for name, target in targets:
         if name not in state_dict:
             continue
@@ -339,7 +340,8 @@ def load_full_state_dict(
             staged.append((target.to_local(), local))
         else:
             staged.append((target, full.detach()))
-        if name not in report.loaded:  # (both copies of a tied weight: one key)
+        if name not in loaded:  # (both copies of a tied weight: one key)
+            loaded.add(name)
             report.loaded.append(name)
     with torch.no_grad():
         for dst, src in staged:
