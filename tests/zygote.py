@@ -86,8 +86,8 @@ class ForkedPopen:
     """The part of ``subprocess.Popen`` that Lightning's launcher and its child-process observer use.
 
     ``log``: a file the process's stdout and stderr go to (else it inherits the job's). Inside a job, scripts that
-    start processes of their own reach this class as ``import l3d_test_zygote`` (an ``ImportError`` outside the
-    zygote's forks)."""
+    start processes of their own reach this class through the module ``l3d_test_zygote`` in ``sys.modules``
+    (registered in the zygote, so present only in its forks)."""
 
     def __init__(
         self, args: list[str], env: dict[str, str] | None = None, cwd: str | None = None, log: str | None = None
