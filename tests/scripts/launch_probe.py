@@ -17,6 +17,13 @@ import time
 import torch
 
 
+def say(line: str) -> None:
+    """Print ``line`` in one write: under ``PYTHONUNBUFFERED`` ``print`` writes the text and its newline apart, so
+    lines from ranks sharing the job's stdout could interleave into one."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
 def view(tag: str) -> None:
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
@@ -35,7 +42,7 @@ def view(tag: str) -> None:
         "pid": os.getpid(),
         "ppid": os.getppid(),
     }
-    print("PROBE " + json.dumps(record), flush=True)
+    say("PROBE " + json.dumps(record))
 
 
 def lightning_job() -> None:
@@ -66,7 +73,7 @@ def lightning_job() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Tiny(), data)
-    print(f"PROBE-DONE rank {trainer.global_rank}", flush=True)
+    say(f"PROBE-DONE rank {trainer.global_rank}")
     # the job ends with rank 0 (the launching process), as a fresh launch does: every rank has printed before it
     trainer.strategy.barrier()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import lightning.pytorch as pl
 
@@ -24,11 +25,12 @@ KILL_RANK = int(os.environ.get("L3D_TEST_KILL_RANK", "3"))
 class LossPrinter(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         env = trainer.strategy.cluster_environment
-        print(
+        line = (
             f"L3D_RANK rank={trainer.global_rank} node={trainer.node_rank} local={trainer.local_rank} "
-            f"world={trainer.world_size} env={type(env).__name__} attempt={ATTEMPT}",
-            flush=True,
+            f"world={trainer.world_size} env={type(env).__name__} attempt={ATTEMPT}\n"
         )
+        sys.stdout.flush()
+        os.write(sys.stdout.fileno(), line.encode())  # one write: every rank prints one, into one stream
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx) -> None:
         if ATTEMPT == 0 and trainer.global_step == KILL_AT and trainer.global_rank == KILL_RANK:
