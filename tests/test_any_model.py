@@ -152,20 +152,22 @@ def test_zero_bubble_and_v_schedules_on_split_models(any_reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_v_schedule_with_tied_weights_under_tensor_parallelism_and_fsdp(any_reference, tmp_path):
-    """``dualpipev`` at tp2 x pp2 x dp2 under FSDP: rank 0 holds the first and the last stage, so the embedding and
-    the head tied to it are wrapped by two stages there; each stage gets its own copy (sharded by its own FSDP unit)
-    and the two gradients are summed on the rank (``core/tied.py``). nanoGPT tied (the automatic plan leaves the
-    tied pair whole), GPT-2 built on the meta device (its own plan shards both on the vocabulary; the copies are
-    materialised as shards and take the pretrained values) and GPT-2 in float32: float64 gradients within 1e-10 and
-    the float32 20-step curve within 1e-4 against one process. (The resume test below runs GPT-2 under
-    ``zbvzerobubble`` with replicated data parallelism at this layout.)"""
+@pytest.mark.parametrize("dp", [2, 1], ids=["tp2-pp2-dp2-fsdp", "tp2-pp2-dp1"])
+def test_v_schedule_with_tied_weights_under_tensor_parallelism_and_fsdp(any_reference, tmp_path, dp):
+    """``dualpipev`` at tp2 x pp2 x dp2 under FSDP, and at tp2 x pp2 alone: rank 0 holds the first and the last
+    stage, so the embedding and the head tied to it are wrapped by two stages there; each stage gets its own copy
+    (a tensor-parallel DTensor, sharded again by its own FSDP unit at dp2) and the two gradients are summed on the
+    rank (``core/tied.py``). nanoGPT tied (the automatic plan leaves the tied pair whole), GPT-2 built on the meta
+    device (its own plan shards both on the vocabulary; the copies are materialised as shards and take the
+    pretrained values) and GPT-2 in float32: float64 gradients within 1e-10 and the float32 20-step curve within
+    1e-4 against one process. (The resume test below runs GPT-2 under ``zbvzerobubble`` with replicated data
+    parallelism at tp2 x pp2 x dp2.)"""
     cases = ["nanotied64", "gpt2meta64", "gpt232"]
     copy_inits(any_reference, tmp_path)
     run_lightning(
         "parity_run.py",
-        ["--tp", 2, "--pp", 2, "--dp", 2, "--data-parallel", "fsdp", "--schedules", "dualpipev:2", "--micro", 4,
-         "--cases", ",".join(cases), "--out", tmp_path],
+        ["--tp", 2, "--pp", 2, "--dp", dp, "--data-parallel", "fsdp" if dp > 1 else "replicate",
+         "--schedules", "dualpipev:2", "--micro", 4, "--cases", ",".join(cases), "--out", tmp_path],
         timeout=480,
     )  # fmt: skip
     problems = []
