@@ -97,7 +97,9 @@ class ModelSplit:
             names += [self.container.block_fqn(b) for b in self.stage_blocks[stage]]
         return names + [n for n in self.last if self.stage_of(n) == stage]
 
-    def describe(self) -> str:
+    def describe(self, estimates: Sequence[str] = ()) -> str:
+        """One line per stage (its pp rank, blocks and the modules before / after them), each stage's
+        ``estimates`` entry (the compute / memory partitioner's cost) in brackets when given, then the ties."""
         if self.container is None:
             return "  stage 0: the whole model (no block container; pp = 1)"
         lines = []
@@ -112,7 +114,8 @@ class ModelSplit:
             if after:
                 parts.append(", ".join(after))
             rank = f" on pp rank {self.stage_to_rank[stage]}" if self.stage_to_rank else ""
-            lines.append(f"  stage {stage}{rank}: " + " + ".join(parts))
+            estimate = f" ({estimates[stage]})" if estimates else ""
+            lines.append(f"  stage {stage}{rank}: " + " + ".join(parts) + estimate)
         for group in self.tied:
             lines.append(f"  tied across stages: {' = '.join(group)} (gradients summed over first and last stage)")
         return "\n".join(lines)

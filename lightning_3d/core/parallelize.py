@@ -180,7 +180,8 @@ def _plan_split_model(
     has an ``example_input_array``, else before the first training step on a meta copy (``boundary_check.py``)."""
     full_spec = partition.full_model_spec(module)
     num_stages = pp * stages_per_rank
-    estimates: list[str] = []  # each stage's cost under the compute / memory partitioner
+    costs: list[float] = []  # each stage's cost under the compute / memory partitioner, and as text
+    estimates: list[str] = []
     try:
         container = blocks.find_blocks(module, blocks_name)
     except ValueError:
@@ -206,13 +207,14 @@ def _plan_split_model(
                 partitioner = partitioner.for_blocks(module, [m for _, m in layers], module.example_input_array)
             ranges = partition.checked_ranges(partitioner, layers, num_stages, what="blocks")
             if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
-                estimates = [partitioner.describe(c) for c in partitioner.stage_costs(layers, ranges)]
+                costs = partitioner.stage_costs(layers, ranges)
+                estimates = [partitioner.describe(c) for c in costs]
         split = blocks.split_model(module, container, pp, ranges, stages_per_rank, placement)
         parent_name, _, attr = container.fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         body = partition.BodyRef(parent=parent, attr=attr, fqn=container.fqn, module=container.module)  # type: ignore[arg-type]
     stage_plan = partition.StagePlan(
-        [list(b) for b in split.stage_blocks], body.fqn, list(split.stage_to_rank), estimates
+        [list(b) for b in split.stage_blocks], body.fqn, list(split.stage_to_rank), estimates, costs
     )
     for sub in module.modules():  # Hugging Face models: no KV cache while training (it would only hold memory)
         hf_config = getattr(sub, "config", None)
@@ -574,7 +576,7 @@ def describe_layout(topology: Topology, mesh: DeviceMesh, model: ModelPlan, sche
         f"lightning_3d layout: {topology.describe()}, schedule {schedule}, {micro_batches} micro-batches per batch",
         mesh_ranks_table(mesh),
         "pipeline stages:",
-        model.stage_plan.describe() if model.split is None else model.split.describe(),
+        model.stage_plan.describe() if model.split is None else model.split.describe(model.stage_plan.estimates),
     ]
     tp = mesh["tp"].size()
     if tp > 1 and model.hf_plan is not None:

@@ -106,6 +106,10 @@ def test_split_assigns_blocks_and_outside_modules_to_stages() -> None:
     assert split.tied == [] and split.aliases == []
     interleaved = split_model(model, container, pp=2, ranges=[range(i, i + 1) for i in range(4)], stages_per_rank=2)
     assert interleaved.stage_to_rank == [0, 1, 0, 1]
+    lines = split.describe(["3.00 ms", "1.00 ms"]).splitlines()  # the compute / memory partitioner's estimates
+    assert lines[0] == "  stage 0 on pp rank 0: transformer.wte + transformer.h[0..2] (largest container) (3.00 ms)"
+    assert lines[1].endswith("transformer.h[3] (largest container) + transformer.ln_f, small, lm_head (1.00 ms)")
+    assert "ms" not in split.describe()
 
 
 def test_weights_tied_across_first_and_last_stage_are_reported() -> None:
