@@ -192,6 +192,9 @@ class GPT(LightningModule):
         max_steps: when given, the learning rate follows warm-up then a cosine decay to ``min_lr_ratio * lr``
             at ``max_steps``; when None it stays constant.
         min_lr_ratio: floor of the cosine decay, as a fraction of ``lr``.
+        example_batch: sequences in one micro-batch; when given, ``example_input_array`` is that many zero
+            sequences of ``block_size`` tokens (what ``partitioner="compute"`` times and ``"memory"`` profiles, and
+            what the strategy checks the stage boundaries on at setup). The training app passes its micro-batch.
         **overrides: replace fields of the preset's ``GPTConfig``, e.g. ``n_layer=6, dropout=0.1``.
 
     Example:
@@ -209,6 +212,7 @@ class GPT(LightningModule):
         warmup_steps: int = 0,
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        example_batch: int | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
@@ -219,6 +223,8 @@ class GPT(LightningModule):
         if unknown := sorted(set(overrides) - fields):
             raise TypeError(f"GPT: unknown config override(s) {unknown}; GPTConfig has {sorted(fields)}.")
         self.config = dataclasses.replace(PRESETS[preset], **overrides)
+        if example_batch:
+            self.example_input_array = torch.zeros(example_batch, self.config.block_size, dtype=torch.long)
         # No layers here: configure_model() builds them, on meta when the strategy shards the model.
 
     def configure_model(self) -> None:

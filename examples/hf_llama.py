@@ -51,6 +51,9 @@ class HFCausalLM(LightningModule):
         max_steps: when given, warm-up then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``; else constant.
         min_lr_ratio: floor of the cosine decay, as a fraction of ``lr``.
         block_size: context length the data uses; the model's ``max_position_embeddings``.
+        example_batch: sequences in one micro-batch; when given, ``example_input_array`` is that many zero
+            sequences of ``block_size`` tokens (what ``partitioner="compute"`` / ``"memory"`` run on, and what the
+            strategy checks the stage boundaries on at setup). The training app passes its micro-batch.
         **config: Hugging Face config fields that replace the preset's (``num_hidden_layers=6``,
             ``tie_word_embeddings=True``, ...); ``vocab_size`` defaults to 256 (bytes).
 
@@ -71,6 +74,7 @@ class HFCausalLM(LightningModule):
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         block_size: int = 64,
+        example_batch: int | None = None,
         **config: Any,
     ) -> None:
         super().__init__()
@@ -89,6 +93,8 @@ class HFCausalLM(LightningModule):
             **config,
             "use_cache": False,
         }
+        if example_batch:
+            self.example_input_array = torch.zeros(example_batch, block_size, dtype=torch.long)
         # No layers here: configure_model() builds them (on the meta device when a strategy shards the model).
 
     def hf_config(self) -> Any:

@@ -27,15 +27,26 @@ class MLPClassifier(LightningModule):
         num_classes: number of classes (output width).
         depth: number of hidden layers; the body is ``Linear, ReLU`` x depth then ``Linear``.
         lr: Adam learning rate.
+        example_batch: samples in one micro-batch; when given, ``example_input_array`` is that many zero
+            feature vectors (what ``partitioner="compute"`` / ``"memory"`` run on). The training app passes its
+            micro-batch.
     """
 
     def __init__(
-        self, in_features: int = 16, hidden: int = 64, num_classes: int = 4, depth: int = 2, lr: float = 1e-2
+        self,
+        in_features: int = 16,
+        hidden: int = 64,
+        num_classes: int = 4,
+        depth: int = 2,
+        lr: float = 1e-2,
+        example_batch: int | None = None,
     ) -> None:
         super().__init__()
         if depth < 1:
             raise ValueError(f"MLPClassifier: depth={depth} must be >= 1 (number of hidden layers).")
         self.save_hyperparameters()
+        if example_batch:
+            self.example_input_array = torch.zeros(example_batch, in_features)
         # The metric is created here, not in configure_model: its states are not parameters and must not
         # be built on the meta device.
         self.val_acc = MulticlassAccuracy(num_classes=num_classes)

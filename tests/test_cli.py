@@ -14,6 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
@@ -162,6 +163,26 @@ def test_batch_that_micro_batches_do_not_divide_is_refused_at_build(tmp_path, ov
     assert trainer.strategy.micro_batches == micro_batches
 
 
+@pytest.mark.parametrize(
+    ("overrides", "shape", "dtype"),
+    [
+        (["model=gpt_tiny", "data.batch_size=8", "strategy.micro_batches=4"], (2, 32), torch.long),
+        (["model=hf_llama", "model.preset=tiny", "data.batch_size=6", "strategy.micro_batches=2"], (3, 64), torch.long),
+        (["model=mlp", "data.batch_size=8", "strategy.micro_batches=8"], (1, 16), torch.float32),
+        (["model=gpt_tiny", "model.example_batch=5"], (5, 32), torch.long),  # the user's choice stays
+        # the CSV list's micro-batch count (micro_batches=null takes it from the file)
+        (["model=gpt_tiny", "strategy.tp=4", "strategy.micro_batches=null", "strategy.stages_per_rank=2",
+          f"strategy.schedule={CONF_DIR / 'schedules' / 'zbv_pp2_m4.csv'}", "data.batch_size=8"], (2, 32), torch.long),
+    ],
+)  # fmt: skip
+def test_examples_get_one_micro_batch_as_their_example_input(tmp_path, overrides, shape, dtype):
+    """The app gives the example models an ``example_input_array`` of the job's micro-batch (data.batch_size //
+    micro_batches), so ``strategy.partitioner=compute`` / ``memory`` run from the command line."""
+    _, model, _ = build(_resolved(tmp_path, overrides))
+    example = model.example_input_array
+    assert (tuple(example.shape), example.dtype) == (shape, dtype)
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 
@@ -187,13 +208,15 @@ def test_bad_override_fails_fast_with_one_line(tmp_path, override, reason):
 
 @pytest.mark.slow
 def test_cli_trains_with_overrides(tmp_path):
-    """tp, pp, dp, micro_batches, the model preset and max_steps all come from the command line."""
+    """tp, pp, dp, micro_batches, the partitioner, the model preset and max_steps all come from the command line
+    (the memory partitioner profiles the example's micro-batch the app gives it, and prints each stage's peak)."""
     args = [
         "model=gpt_tiny",
         "strategy.tp=2",
         "strategy.pp=2",
         "strategy.dp=1",
         "strategy.micro_batches=2",
+        "strategy.partitioner=memory",
         "data.batch_size=4",
         "trainer.devices=4",
         "trainer.max_steps=4",
@@ -207,6 +230,7 @@ def test_cli_trains_with_overrides(tmp_path):
     out = job.output
     assert "world=4 = dp 1 x pp 2 x tp 2" in out, job.tail()
     assert "2 micro-batches per batch" in out
+    assert len(re.findall(r"^  stage \d on pp rank \d: body\[.*\] \([\d.]+ [KM]iB peak", out, re.M)) == 2, job.tail(60)
     assert re.search(r"^  micro_batches: 2$", out, re.M), "resolved config not printed"
     assert out.count("lightning_3d layout:") == 1  # rank 0 only
     assert "model GPT: 42,880 parameters" in out  # the tiny preset, counted whole (not rank 0's shard)
@@ -339,7 +363,8 @@ def test_gpt_loss_drops_under_3d_parallelism(tmp_path):
 @pytest.mark.slow
 def test_hf_llama_from_the_command_line(tmp_path):
     """``model=hf_llama``: an unmodified Hugging Face LlamaForCausalLM split at ``model.model.layers`` (its own
-    pipeline plan) and sharded with its own tensor-parallel plan, trained from the command line at tp2 x pp2."""
+    pipeline plan) and sharded with its own tensor-parallel plan, trained from the command line at tp2 x pp2; the
+    compute partitioner times its blocks on the micro-batch the app gives the example (each stage's time printed)."""
     args = [
         "model=hf_llama",
         "model.preset=tiny",
@@ -349,6 +374,7 @@ def test_hf_llama_from_the_command_line(tmp_path):
         "strategy.tp=2",
         "strategy.pp=2",
         "strategy.micro_batches=2",
+        "strategy.partitioner=compute",
         "data.batch_size=4",
         "trainer.devices=4",
         "trainer.max_steps=4",
@@ -360,5 +386,6 @@ def test_hf_llama_from_the_command_line(tmp_path):
     out = job.output
     assert "done: 4 steps" in out, job.tail()
     assert "model.model.layers[0] (hugging face pp plan)" in out and "model.model.layers[1]" in out, job.tail(60)
+    assert out.count("ms fwd+bwd per micro-batch, measured)") == 2, job.tail(60)
     assert re.search(r"model\.model\.layers\.0\.self_attn\.q_proj\s+colwise", out), job.tail(60)
     assert "sample (" in out, job.tail()

@@ -128,7 +128,7 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
 
     try:
         strategy = instantiate(cfg.strategy, _convert_="all")
-        model = instantiate(cfg.model, _convert_="all")
+        model = instantiate(cfg.model, _convert_="all", **_example_batch(cfg, strategy))
         data = instantiate(cfg.data, _convert_="all")
         # _partial_: the strategy, loggers and callbacks are objects, not config values.
         make_trainer = instantiate(cfg.trainer, _partial_=True, _convert_="all")
@@ -144,6 +144,21 @@ def build(cfg: DictConfig) -> tuple[Any, Any, Any]:
             raise
         raise ConfigurationError(_one_line(err)) from err
     return trainer, model, data
+
+
+def _example_batch(cfg: DictConfig, strategy: Any) -> dict[str, int]:
+    """``{"example_batch": data.batch_size // micro_batches}`` when the model takes ``example_batch`` and its
+    config leaves it null, else ``{}``. The example models then carry an ``example_input_array`` of the job's
+    real micro-batch, so ``strategy.partitioner=compute`` / ``memory`` run from the command line and the stage
+    boundaries are checked at setup. Nothing when the batch or the micro-batch count is not known here."""
+    settings = getattr(strategy, "settings", None)
+    if "example_batch" not in cfg.model or cfg.model.example_batch is not None:
+        return {}
+    batch = cfg.data.get("batch_size") if "data" in cfg else None
+    micro = settings.micro_batches if isinstance(settings, ThreeDSettings) else None
+    if not isinstance(batch, int) or not micro or batch % micro:
+        return {}  # _check_batch refuses a batch the count does not divide
+    return {"example_batch": batch // micro}
 
 
 def _check_batch(cfg: DictConfig, strategy: Any) -> None:

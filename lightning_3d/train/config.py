@@ -113,6 +113,7 @@ class GPTModelConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True
+    example_batch: int | None = None  # null: the job's micro-batch (data.batch_size // micro_batches), from the app
 
 
 @dataclass
@@ -125,6 +126,7 @@ class MLPModelConfig:
     num_classes: int = 4
     depth: int = 2
     lr: float = 1e-2
+    example_batch: int | None = None  # null: the job's micro-batch (data.batch_size // micro_batches), from the app
 
 
 @dataclass
@@ -151,6 +153,7 @@ class HFLlamaModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     tie_word_embeddings: bool = False
+    example_batch: int | None = None  # null: the job's micro-batch (data.batch_size // micro_batches), from the app
 
 
 @dataclass
