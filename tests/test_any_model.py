@@ -41,7 +41,7 @@ LAYOUTS = {
         "gpt2meta64",
     ],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
-    (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264"],
+    (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264", "gpt2meta64"],  # meta: head re-tied to a sharded embedding
     (1, 1, 4): ["nanotied32", "llama64", "gpt264"],
 }
 ALL_CASES = sorted({c for cases in LAYOUTS.values() for c in cases})

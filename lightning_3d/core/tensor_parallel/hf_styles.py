@@ -73,6 +73,16 @@ PLACEMENTS: dict[str, dict[str, dict[str, Placement]]] = {
 }
 
 
+def _checked(made: nn.Parameter, mesh: DeviceMesh, placements: list[Placement]) -> nn.Parameter:
+    """``made`` (a distributed tied parameter reached again), refused when asked for with another layout."""
+    if made.device_mesh != mesh or tuple(made.placements) != tuple(placements):  # type: ignore[attr-defined]
+        raise ValueError(
+            f"tied parameter sharded twice with different layouts ({made.placements} and "  # type: ignore[attr-defined]
+            f"{tuple(placements)}): both uses must shard it the same way"
+        )
+    return made
+
+
 class TiedParams:
     """Distributes each parameter once: a tied parameter reached again gets the same DTensor ``Parameter``.
 
@@ -97,13 +107,11 @@ class TiedParams:
         key = id(param)
         hit = self._made.get(key)
         if hit is not None and hit[0]() is param:
-            made = hit[1]
-            if made.device_mesh != mesh or tuple(made.placements) != tuple(placements):  # type: ignore[attr-defined]
-                raise ValueError(
-                    f"tied parameter sharded twice with different layouts ({made.placements} and "  # type: ignore[attr-defined]
-                    f"{tuple(placements)}): both uses must shard it the same way"
-                )
-            return made
+            return _checked(hit[1], mesh, placements)
+        if isinstance(param, DTensor):
+            # already given to a module tied to this one (a head re-tied to its embedding after the embedding
+            # was sharded, as a meta-built model is materialised module by module): the same Parameter
+            return _checked(param, mesh, placements)
         made = nn.Parameter(
             distribute_tensor(param, mesh, placements, src_data_rank=src_data_rank), requires_grad=param.requires_grad
         )
