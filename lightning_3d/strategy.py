@@ -76,7 +76,7 @@ from .core.parallelize import (
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
 from .core.step import HeldGrads, ZeroGradHooks, previous_grads_discarded
-from .core.tied import TiedWeights, canonical_names
+from .core.tied import TiedWeights, canonical_names, with_alias_keys
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
 from .settings import ThreeDSettings, grad_reduce_dp1_message
@@ -588,11 +588,13 @@ class ThreeDStrategy(ParallelStrategy):
         return load_full_state_dict(self.lightning_module, state_dict, full_keys=self.full_spec.keys(), strict=strict)
 
     def full_state_dict(self) -> dict[str, Tensor] | None:
-        """The single-device state dict of the whole model, on global rank 0 (``None`` elsewhere). Collective."""
+        """The single-device state dict of the whole model, on global rank 0 (``None`` elsewhere), tied weights
+        under each of their names as in one process. Collective."""
         assert self.lightning_module is not None
         mesh = self.device_mesh
         writer = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
-        return gather_full_state_dict(self.lightning_module, writer=writer)
+        state = gather_full_state_dict(self.lightning_module, writer=writer)
+        return None if state is None else with_alias_keys(state, self.lightning_module)
 
     # ---- checkpoints: sharded DCP folders, written atomically, loadable at any layout (see checkpoint/)
     def _checkpoint_context(self) -> ckpt.CheckpointContext:

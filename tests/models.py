@@ -173,8 +173,9 @@ class NanoGPT(_Base):
     validation_step = TinyGPT.validation_step
 
 
-def hf_config(arch: str, vocab: int = 32, layers: int = 4):
-    """A tiny Hugging Face config of a causal LM family, dropout off and no KV cache (built offline)."""
+def hf_config(arch: str, vocab: int = 32, layers: int = 4, tied: bool = False):
+    """A tiny Hugging Face config of a causal LM family, dropout off and no KV cache (built offline); ``tied``: the
+    LM head tied to the input embedding (GPT-2 always ties them)."""
     from transformers import AutoConfig
 
     common = {"vocab_size": vocab, "use_cache": False}
@@ -199,7 +200,7 @@ def hf_config(arch: str, vocab: int = 32, layers: int = 4):
         num_key_value_heads=2,
         head_dim=4,
         max_position_embeddings=16,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         **common,
     )
 
@@ -207,12 +208,12 @@ def hf_config(arch: str, vocab: int = 32, layers: int = 4):
 class HFCausalLM(_Base):
     """A LightningModule holding an unmodified Hugging Face causal LM; the loss comes from ``labels=``."""
 
-    def __init__(self, arch: str = "llama", lr: float = 0.01, **kwargs):
+    def __init__(self, arch: str = "llama", lr: float = 0.01, tied: bool = False, **kwargs):
         # (a smaller step than the other test models: at 0.05, Adam turns float32 round-off in a tiny LLM into
         # 1e-4 parameter differences within 20 steps, whatever computes the gradients)
         from torchmetrics.classification import MulticlassAccuracy
 
-        self.arch = arch
+        self.arch, self.tied = arch, tied
         super().__init__(lr=lr, **kwargs)
         self.val_acc = MulticlassAccuracy(num_classes=hf_config(arch).vocab_size, average="micro")  # in __init__:
         # metric states are not layers, Lightning's configure_model would create them on the meta device
@@ -222,7 +223,7 @@ class HFCausalLM(_Base):
             return
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_config(hf_config(self.arch), attn_implementation="eager")
+        self.model = AutoModelForCausalLM.from_config(hf_config(self.arch, tied=self.tied), attn_implementation="eager")
 
     def training_step(self, batch, batch_idx):
         x, _ = batch
@@ -245,10 +246,11 @@ MODELS = {
     "nano": NanoGPT,
     "nanotied": lambda **kw: NanoGPT(tie=True, **kw),
     "llama": lambda **kw: HFCausalLM("llama", **kw),
+    "llamatied": lambda **kw: HFCausalLM("llama", tied=True, **kw),
     "qwen3": lambda **kw: HFCausalLM("qwen3", **kw),
     "gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
 }
-TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "qwen3", "gpt2"}
+TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

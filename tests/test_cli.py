@@ -364,13 +364,16 @@ def test_gpt_loss_drops_under_3d_parallelism(tmp_path):
 def test_hf_llama_from_the_command_line(tmp_path):
     """``model=hf_llama``: an unmodified Hugging Face LlamaForCausalLM split at ``model.model.layers`` (its own
     pipeline plan) and sharded with its own tensor-parallel plan, trained from the command line at tp2 x pp2; the
-    compute partitioner times its blocks on the micro-batch the app gives the example (each stage's time printed)."""
+    compute partitioner times its blocks on the micro-batch the app gives the example (each stage's time printed).
+    Its embedding and LM head are tied: the sample at the end loads ``full_state_dict()`` into a plain copy of the
+    model, which needs the head's key as well as the embedding's."""
     args = [
         "model=hf_llama",
         "model.preset=tiny",
         "model.hidden_size=32",
         "model.intermediate_size=64",
         "model.num_hidden_layers=2",
+        "model.tie_word_embeddings=true",
         "strategy.tp=2",
         "strategy.pp=2",
         "strategy.micro_batches=2",
@@ -387,5 +390,6 @@ def test_hf_llama_from_the_command_line(tmp_path):
     assert "done: 4 steps" in out, job.tail()
     assert "model.model.layers[0] (hugging face pp plan)" in out and "model.model.layers[1]" in out, job.tail(60)
     assert out.count("ms fwd+bwd per micro-batch, measured)") == 2, job.tail(60)
+    assert "tied across stages: model.model.embed_tokens.weight = model.lm_head.weight" in out, job.tail(60)
     assert re.search(r"model\.model\.layers\.0\.self_attn\.q_proj\s+colwise", out), job.tail(60)
     assert "sample (" in out, job.tail()

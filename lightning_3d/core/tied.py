@@ -144,6 +144,16 @@ def canonical_names(module: nn.Module) -> Mapping[str, str]:
     return getattr(module, ALIASES_ATTR, {})
 
 
+def with_alias_keys(state: dict[str, Tensor], module: nn.Module) -> dict[str, Tensor]:
+    """``state`` (a whole-model state dict named as ``module.state_dict()`` names it: each tied weight once, under
+    its canonical name) with each alias added as the same tensor: the keys one process's ``state_dict()`` of the
+    unsplit model has, so ``load_state_dict`` of a plain copy of the model takes it."""
+    for alias, canonical in canonical_names(module).items():
+        if canonical in state:
+            state.setdefault(alias, state[canonical])
+    return state
+
+
 def embedding_groups(grid: Sequence[Sequence[Sequence[int]]], end_ranks: tuple[int, int] | None) -> list[list[int]]:
     """The embedding groups of a (dp, pp, tp) grid of global ranks: for each (dp, tp) position, the global ranks of
     the pp ranks holding the first and the last stage (``end_ranks``; ``None``: pp ranks 0 and pp - 1), first
@@ -243,9 +253,11 @@ class TiedWeights:
         for param in self.params:
             i = index[id(param)]
             grad = grads[i]
-            if grad is None:
-                grad = torch.zeros_like(param)
-                grads[i] = grad
+            # in the parameter's layout: DTensor may return a gradient laid out otherwise (a vocabulary-sharded
+            # embedding's comes back replicated while the tied head's is sharded), and both ends must reduce
+            # the same shard
+            grad = torch.zeros_like(param) if grad is None else _in_layout(grad, param)
+            grads[i] = grad
             dist.all_reduce(_local(grad), group=self.group)
 
     def for_norm(self, params: Sequence[Tensor]) -> list[Tensor]:

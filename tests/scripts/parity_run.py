@@ -57,6 +57,7 @@ CASES = {
     "nanotied32": ("nanotied", "32-true", 20, 0.5, 1, "init"),
     "llama64": ("llama", "64-true", 2, None, 1, "init"),
     "llama32": ("llama", "32-true", 20, 0.5, 1, "init"),
+    "llamatied64": ("llamatied", "64-true", 2, None, 1, "init"),  # its embedding's gradient comes back replicated
     "qwen364": ("qwen3", "64-true", 2, None, 1, "init"),
     "gpt264": ("gpt2", "64-true", 2, None, 1, "init"),
     "gpt232": ("gpt2", "32-true", 20, 0.5, 1, "init"),

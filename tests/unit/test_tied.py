@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_3d.core.materialize import library_initializers, materialize
-from lightning_3d.core.tied import canonical_names, embedding_groups, install_alias_hooks, retie
+from lightning_3d.core.tied import canonical_names, embedding_groups, install_alias_hooks, retie, with_alias_keys
 
 
 def tied() -> nn.Module:
@@ -27,6 +27,19 @@ def test_state_dict_names_a_tied_weight_once_and_loads_back() -> None:
     install_alias_hooks(other, [("embed.weight", "head.weight")])
     assert not other.load_state_dict(state).missing_keys
     assert torch.equal(other.head.weight, state["embed.weight"]) and other.head.weight is other.embed.weight
+
+
+def test_a_whole_state_dict_gets_the_alias_keys_a_plain_copy_of_the_model_loads() -> None:
+    """``strategy.full_state_dict()``: named once while gathered, both names for a plain single-device copy."""
+    root = tied()
+    install_alias_hooks(root, [("embed.weight", "head.weight")])
+    state = with_alias_keys(root.state_dict(), root)
+    assert list(state) == ["embed.weight", "head.weight"] and state["head.weight"] is state["embed.weight"]
+    plain = tied()  # no hooks: its state_dict() has both names, load_state_dict wants both
+    assert set(state) == set(plain.state_dict())
+    plain.load_state_dict(state)
+    assert torch.equal(plain.head.weight, root.embed.weight)
+    assert list(with_alias_keys({"x": torch.ones(1)}, nn.Linear(1, 1))) == ["x"]  # nothing tied: unchanged
 
 
 def test_last_stage_holding_only_the_alias_loads_the_canonical_key() -> None:
