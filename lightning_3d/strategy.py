@@ -76,7 +76,7 @@ from .core.parallelize import (
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
 from .core.step import HeldGrads, ZeroGradHooks, previous_grads_discarded
-from .core.tied import TiedWeights, canonical_names, with_alias_keys
+from .core.tied import TiedWeights, with_alias_keys
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
 from .settings import ThreeDSettings, grad_reduce_dp1_message
@@ -582,9 +582,7 @@ class ThreeDStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ weights
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True) -> LoadReport:
         """Load a single-device state dict (e.g. pretrained weights) into this rank's shard of the model."""
-        assert self.lightning_module is not None
-        aliases = canonical_names(self.lightning_module)  # a tied weight's second name (saved by some libraries)
-        state_dict = {k: v for k, v in state_dict.items() if not (k in aliases and aliases[k] in state_dict)}
+        assert self.lightning_module is not None  # (a tied weight may come under either or both of its names)
         return load_full_state_dict(self.lightning_module, state_dict, full_keys=self.full_spec.keys(), strict=strict)
 
     def full_state_dict(self) -> dict[str, Tensor] | None:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import torch_compat
-from .tied import canonical_names
+from .tied import canonical_keys, canonical_names
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -310,6 +310,7 @@ def load_full_state_dict(
         ValueError: a tensor's shape differs from the model's.
     """
     targets = _local_targets(module)
+    state_dict = canonical_keys(state_dict, module)  # a plain model's state dict names a tied weight twice
     keys = {k for k, _ in targets}
     known = set(full_keys) if full_keys is not None else keys
     report = LoadReport(

@@ -154,6 +154,20 @@ def with_alias_keys(state: dict[str, Tensor], module: nn.Module) -> dict[str, Te
     return state
 
 
+def canonical_keys(state: Mapping[str, Tensor], module: nn.Module) -> Mapping[str, Tensor]:
+    """``state`` with each tied weight under its canonical name only, as ``module`` names it: an alias key
+    (what one process's ``state_dict()`` of the unsplit model also has) is dropped when the canonical key is
+    there and renamed to it when not. ``state`` itself is not changed."""
+    aliases = canonical_names(module)
+    if not any(alias in state for alias in aliases):
+        return state
+    out = dict(state)
+    for alias, canonical in aliases.items():
+        if alias in out:
+            out.setdefault(canonical, out.pop(alias))
+    return out
+
+
 def embedding_groups(grid: Sequence[Sequence[Sequence[int]]], end_ranks: tuple[int, int] | None) -> list[list[int]]:
     """The embedding groups of a (dp, pp, tp) grid of global ranks: for each (dp, tp) position, the global ranks of
     the pp ranks holding the first and the last stage (``end_ranks``; ``None``: pp ranks 0 and pp - 1), first

@@ -15,6 +15,7 @@ from lightning_3d.core.materialize import (
     materialize,
     module_seed,
 )
+from lightning_3d.core.tied import install_alias_hooks
 
 CPU = torch.device("cpu")
 
@@ -297,6 +298,32 @@ def test_load_casts_to_the_model_dtype() -> None:
     load_full_state_dict(net, state)
     assert net.body[0].weight.dtype == torch.float64
     torch.testing.assert_close(net.body[0].weight, state["body.0.weight"].double())
+
+
+def _tied(with_hooks: bool) -> nn.Module:
+    root = nn.Module()
+    root.embed, root.head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    root.head.weight = root.embed.weight
+    if with_hooks:  # as the strategy leaves a model whose embedding and head are tied
+        install_alias_hooks(root, [("embed.weight", "head.weight")])
+    return root
+
+
+def test_a_plain_models_state_dict_with_both_names_of_a_tied_weight_loads() -> None:
+    """One process's ``state_dict()`` (and ``strategy.full_state_dict()``) names a tied weight twice; the strategy's
+    model names it once. Loading takes it under either name, and the round trip loads strictly."""
+    plain = _tied(with_hooks=False)
+    state = plain.state_dict()
+    assert sorted(state) == ["embed.weight", "head.weight"]
+    model = _tied(with_hooks=True)
+    report = load_full_state_dict(model, state, full_keys=["embed.weight"])
+    assert report.unexpected == [] and report.missing == [] and report.loaded == ["embed.weight"]
+    assert torch.equal(model.head.weight, plain.embed.weight) and model.head.weight is model.embed.weight
+    assert sorted(state) == ["embed.weight", "head.weight"]  # the caller's dict is left as it was
+    only_alias = {"head.weight": torch.ones(8, 4)}  # a checkpoint that kept the head's name
+    again = _tied(with_hooks=True)
+    load_full_state_dict(again, only_alias, full_keys=["embed.weight"])
+    assert torch.equal(again.embed.weight, torch.ones(8, 4))
 
 
 def test_load_report_defaults() -> None:
