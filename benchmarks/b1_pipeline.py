@@ -8,6 +8,9 @@ micro-batches (forward + backward each, gradients accumulated) while rank 1 wait
 alternate baseline, GPipe and 1F1B for every m so that drifting load hits all of them alike; figures are
 medians over the rounds after warm-up rounds (the first step of a schedule exchanges shapes). A pipelined
 step's time is the slower rank's. No optimizer step on either side: this is the schedule's efficiency.
+At the timeline's m both ranks also run the whole model at once (no pipeline): a pipelined step keeps both
+cores busy, and on a shared or hyper-threaded host that alone slows each process; the record reports that
+factor and the ratio against a baseline slowed as much (:func:`host_contention`), beside the plain ratio.
 
 Speed-up = baseline time / pipelined time; the ideal speed-up of a balanced 2-stage pipeline with free
 communication is ``2m / (m + 1)`` (bubble ``(p - 1) / (m + p - 1)``); the record's ratio is measured / ideal
@@ -162,6 +165,15 @@ def worker(
                 if round_ >= warmup:
                     times.setdefault(f"base/{m}", []).append(elapsed)
             dist.barrier()
+            if m == timeline_m:  # the host's share: both ranks run the whole model at once, no pipeline
+                zero()
+                dist.barrier()
+                start = time.perf_counter()
+                baseline(m)
+                elapsed = time.perf_counter() - start
+                if round_ >= warmup:
+                    times.setdefault(f"pair/{m}", []).append(elapsed)
+                dist.barrier()
             for name in names:
                 if (name, m) not in schedules:
                     continue
@@ -178,6 +190,8 @@ def worker(
     for key in gathered[0]:
         if key.startswith("base/"):
             result["rounds"][key] = gathered[0][key]
+        elif key.startswith("pair/"):  # each rank's own time: how much the other busy core slowed it
+            result["rounds"][key] = [list(pair) for pair in zip(gathered[0][key], gathered[1][key])]
         else:  # the slower rank's time, step by step
             result["rounds"][key] = [max(a, b) for a, b in zip(gathered[0][key], gathered[1][key])]
     if timeline_dir is not None:
@@ -222,6 +236,28 @@ def imbalance_bound(stats: dict[str, Any]) -> dict[str, Any]:
         "speedup_bound": bound,
         "bound_over_ideal": bound / (2 * m / (m + 1)),
         "imbalance": max(c) / (sum(c) / len(c)),
+    }
+
+
+def host_contention(
+    pair_rounds: Sequence[Sequence[float]], baseline_ms: float, speedup: float, m: int
+) -> dict[str, Any]:
+    """How much the host slows one process when the other core is busy too, and the pipeline's ratio without it.
+
+    ``pair_rounds`` holds, per round, each rank's time (seconds) for the whole model over ``m`` micro-batches with
+    both ranks running it at once (no pipeline, no communication); ``baseline_ms`` is rank 0's time alone. The
+    factor is the ranks' median times, averaged, over ``baseline_ms``. A pipelined step keeps both cores busy, so
+    its compute pays this factor whatever the schedule: ``speedup * factor / ideal`` is the ratio the pipeline
+    would reach against a one-process baseline slowed as much (what is left is the bubble, imbalance and p2p).
+    """
+    per_rank = [median([r[k] for r in pair_rounds]) * 1e3 for k in range(len(pair_rounds[0]))]
+    factor = sum(per_rank) / len(per_rank) / baseline_ms
+    ideal = 2 * m / (m + 1)
+    return {
+        "both_ranks_ms": per_rank,
+        "alone_ms": baseline_ms,
+        "factor": factor,
+        "ratio_against_contended_baseline": speedup * factor / ideal,
     }
 
 
@@ -345,6 +381,13 @@ def run(
             f"{compute / row['baseline_ms']:.3f})"
         )
     measured = row[schedule]["speedup"]
+    contention = host_contention(rounds[f"pair/{m_key}"], row["baseline_ms"], measured, timeline_m)
+    lines.append(
+        f"host contention at m={m_key}: the whole model on both ranks at once (no pipeline) takes "
+        + ", ".join(f"{t:.1f}" for t in contention["both_ranks_ms"])
+        + f" ms vs {row['baseline_ms']:.1f} ms alone (x{contention['factor']:.3f}); against that slowed one-process "
+        f"baseline {schedule}'s speed-up is {contention['ratio_against_contended_baseline']:.3f} of ideal"
+    )
     details = {
         "schedule": schedule,
         "partitioner": partitioner,
@@ -354,6 +397,7 @@ def run(
         "table": table,
         "timeline": res["timeline"],
         "bounds": bounds,
+        "host_contention": contention,  # the whole model on both cores at once vs alone (see host_contention)
         "layout": "pp=2 on 2 processes, 1 thread each; baseline: rank 0 alone, whole model",
         "micro_batch": "1 sequence x 128 tokens" if not tiny else "tiny model",
         "model": model_desc(tiny),

@@ -336,6 +336,9 @@ def test_b1_schedule_and_partitioner_options_reach_the_record(tmp_path):
     assert record["ratio"] == pytest.approx(details["table"]["4"]["zbvzerobubble"]["ratio"])
     assert set(details["timeline"]) == {"1f1b", "zbvzerobubble"}  # timed beside 1F1B in the same run
     assert details["imbalance"] >= 1.0
+    contention = details["host_contention"]  # both ranks ran the whole model at once: one time per rank
+    assert len(contention["both_ranks_ms"]) == 2 and all(t > 0 for t in contention["both_ranks_ms"])
+    assert contention["alone_ms"] == pytest.approx(details["table"]["4"]["baseline_ms"])
     # the worker checked that both ranks took the same split from the gathered table of measured times
     split = details["split"]["zbvzerobubble"]
     assert len(split["layers"]) == 4 and all(e.endswith("measured") for e in split["estimates"])
@@ -404,6 +407,15 @@ def test_b3_in_flight_theory_counts_micro_batches_until_their_backward_is_comple
     split = torch_compat.parse_schedule_actions([row])
     assert b3.in_flight_theory(split[0], 0) == {"in_flight": 2, "deferred": 2}
     assert b3.in_flight_theory(split[0], 1) == {"in_flight": 1, "deferred": 0}
+
+
+def test_b1_host_contention_factor_and_corrected_ratio():
+    b1 = _import("benchmarks.b1_pipeline")
+    # two rounds, two ranks: medians 1.2 s and 1.0 s (rank 0 and 1) -> mean 1.1 s over 1.0 s alone
+    got = b1.host_contention([[1.1, 0.9], [1.3, 1.1]], 1000.0, speedup=1.5, m=8)
+    assert got["both_ranks_ms"] == pytest.approx([1200.0, 1000.0])
+    assert got["factor"] == pytest.approx(1.1)
+    assert got["ratio_against_contended_baseline"] == pytest.approx(1.5 * 1.1 / (16 / 9))
 
 
 def test_b1_sweep_table_and_goals():
