@@ -450,29 +450,13 @@ def run_llama(out: Path, tiny: bool, model: str) -> Record:
 
 # ---------------------------------------------------------------------- one schedule (--schedule NAME)
 def in_flight_theory(actions: list[Any], stage: int) -> dict[str, int]:
-    """From one rank's action list, the most micro-batches of ``stage`` whose activations are held at once:
-    ``in_flight`` counts a micro-batch from its forward until its backward is complete (a full ``B``, or the
-    ``W`` after its ``I``: torch's input-gradient backward keeps the graph for the weight-gradient one), and
-    ``deferred`` the most whose ``I`` has run but not yet their ``W`` (held only for the weight-gradient)."""
-    live = deferred = peak = peak_deferred = 0
-    flat = []  # an overlapped forward-backward (DualPipeV's OVERLAP_F_B) counts as its parts, in order
-    for action in actions:
-        flat.extend(getattr(action, "sub_actions", None) or [action])
-    for action in flat:
-        if action is None or getattr(action, "stage_index", None) != stage:
-            continue
-        kind = str(action.computation_type.value)
-        if kind == "F":
-            live += 1
-        elif kind == "B":
-            live -= 1
-        elif kind == "I":
-            deferred += 1
-        elif kind == "W":
-            live -= 1
-            deferred -= 1
-        peak, peak_deferred = max(peak, live), max(peak_deferred, deferred)
-    return {"in_flight": peak, "deferred": peak_deferred}
+    """From one rank's action list, the most micro-batches of ``stage`` whose activations are held at once
+    (``in_flight``) and the most held only for their weight gradient (``deferred``): the count the memory
+    partitioner uses (:func:`lightning_3d.core.pipeline.held_micro_batches`)."""
+    from lightning_3d.core.pipeline import held_micro_batches
+
+    in_flight, deferred = held_micro_batches(actions, stage)
+    return {"in_flight": in_flight, "deferred": deferred}
 
 
 def schedule_worker(schedules: list[str], m: int, tiny: bool) -> dict[str, Any]:

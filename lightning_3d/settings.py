@@ -72,8 +72,9 @@ class ThreeDSettings:
         partitioner: ``"uniform"`` (layers per stage), ``"parameters"``, ``"compute"`` (minimise the slowest
             stage's forward + backward time, each layer timed at setup on the module's ``example_input_array``
             shape; FLOPs counted on the meta device when timing is impossible),
-            ``"memory"`` (minimise the largest stage peak: parameters, gradients, Adam states and 1F1B activations
-            in flight) or a callable; ``"compute"`` and ``"memory"`` need the module's ``example_input_array``.
+            ``"memory"`` (minimise the largest stage peak: parameters, gradients, Adam states and the activations
+            the schedule keeps in flight on the stage) or a callable; ``"compute"`` and ``"memory"`` need the
+            module's ``example_input_array``.
         body: dotted name of an ``nn.Sequential`` body (the earlier contract) when the module has several.
         blocks: dotted name of the block container (``nn.ModuleList`` / ``nn.ModuleDict`` / ``nn.Sequential``) that
             pipeline parallelism splits; ``None`` finds it (a Hugging Face model's ``base_model_pp_plan``, else the

@@ -384,6 +384,7 @@ class ThreeDStrategy(ParallelStrategy):
                 tp_autoplan=s.tp_autoplan,
                 stages=s.stages,
                 schedule=s.schedule,
+                micro_batches=self.micro_batches,
             )
         except ValueError as err:
             # Every rank raises it alike (the consistency check below proves it): not a one-rank failure.

@@ -231,6 +231,11 @@ def test_cli_trains_with_overrides(tmp_path):
     assert "world=4 = dp 1 x pp 2 x tp 2" in out, job.tail()
     assert "2 micro-batches per batch" in out
     assert len(re.findall(r"^  stage \d on pp rank \d: body\[.*\] \([\d.]+ [KM]iB peak", out, re.M)) == 2, job.tail(60)
+    # the activations each stage holds under the job's schedule: 1F1B at m = 2 keeps 2 on stage 0, 1 on stage 1
+    held = re.findall(
+        r"^  stage (\d) on pp rank \d: .* activations of (\d) micro-batch(?:es)? in flight under 1f1b\)", out, re.M
+    )
+    assert held == [("0", "2"), ("1", "1")], job.tail(60)
     assert re.search(r"^  micro_batches: 2$", out, re.M), "resolved config not printed"
     assert out.count("lightning_3d layout:") == 1  # rank 0 only
     assert "model GPT: 42,880 parameters" in out  # the tiny preset, counted whole (not rank 0's shard)

@@ -29,7 +29,9 @@ alone); their FLOP fallback is :func:`block_profiles`.
 
 ``partitioner="memory"`` estimates each stage's peak bytes: parameters, their gradients and two optimizer-state
 tensors each (Adam), plus the bytes autograd saves for backward per micro-batch (counted on the meta device)
-times the micro-batches in flight under 1F1B, ``p - s`` on stage ``s`` of ``p``.
+times the micro-batches the schedule keeps in flight on the stage (``MemoryPartitioner.for_schedule``, with the
+counts of ``pipeline.activations_in_flight``, which the strategy passes), 1F1B's ``p - s`` on stage ``s`` of ``p``
+when no schedule is given.
 
 Models split at their block container (not an ``nn.Sequential`` body) are profiled whole, in one forward and
 backward on the meta device (:func:`block_profiles`): each block's forward FLOPs (times 3 for forward + backward)
@@ -630,7 +632,8 @@ class _Balanced:
         prof = self._profiles(layers)
         return balanced_split(len(layers), num_stages, lambda s, i, j: self._cost(prof, num_stages, s, i, j))
 
-    def describe(self, cost: float) -> str:
+    def describe(self, cost: float, stage: int | None = None) -> str:
+        """A stage's estimate as the layout print-out shows it (``stage``: its index, when the text depends on it)."""
         raise NotImplementedError
 
 
@@ -708,20 +711,67 @@ class ComputePartitioner(_Balanced):
     def _cost(self, prof: list[tuple[float, float, float]], num_stages: int, s: int, i: int, j: int) -> float:
         return sum(p[0] for p in prof[i:j])
 
-    def describe(self, cost: float) -> str:
+    def describe(self, cost: float, stage: int | None = None) -> str:
         if self.measured:
             return f"{cost * 1e3:.2f} ms fwd+bwd per micro-batch, measured"
         return f"{cost / 1e6:.2f} MFLOP fwd+bwd per example, counted"
 
 
 class MemoryPartitioner(_Balanced):
-    """Contiguous stages minimising the largest stage peak: static bytes + (p - s) micro-batches of activations."""
+    """Contiguous stages minimising the largest stage peak: static bytes + the micro-batches of activations the
+    schedule holds at once on that stage.
+
+    Args:
+        example_input: one micro-batch's input of the body.
+        profiles: per-layer profiles already made (models split at their blocks).
+        in_flight: micro-batches held at once per stage (``pipeline.activations_in_flight``, counted on the
+            schedule's action list); ``None``: 1F1B's ``p - s`` on stage ``s`` of ``p``.
+        schedule: the schedule ``in_flight`` was counted for (for the layout print-out).
+    """
 
     kind = "memory"
 
-    def _cost(self, prof: list[tuple[float, float, float]], num_stages: int, s: int, i: int, j: int) -> float:
-        in_flight = num_stages - s
-        return sum(p[1] for p in prof[i:j]) + in_flight * sum(p[2] for p in prof[i:j])
+    def __init__(
+        self,
+        example_input: Any = None,
+        profiles: list[tuple[float, float, float]] | None = None,
+        in_flight: Sequence[int] | None = None,
+        schedule: str = "1f1b",
+    ) -> None:
+        super().__init__(example_input, profiles)
+        self.in_flight = list(in_flight) if in_flight is not None else None
+        self.schedule = schedule
 
-    def describe(self, cost: float) -> str:
-        return f"{cost / 2**20:.2f} MiB peak (params, grads, Adam states, 1F1B activations in flight)"
+    def for_schedule(self, in_flight: Sequence[int], schedule: str) -> MemoryPartitioner:
+        """The same partitioner counting ``in_flight[s]`` micro-batches of activations on stage ``s``."""
+        return type(self)(self.example_input, self.profiles, in_flight, schedule)
+
+    def for_input(self, example_input: Any) -> MemoryPartitioner:
+        return type(self)(example_input, None, self.in_flight, self.schedule)
+
+    def for_blocks(self, module: nn.Module, blocks: Sequence[nn.Module], example_input: Any) -> MemoryPartitioner:
+        part = super().for_blocks(module, blocks, example_input)
+        return type(self)(part.example_input, part.profiles, self.in_flight, self.schedule)
+
+    def held(self, num_stages: int, s: int) -> int:
+        """Micro-batches of activations stage ``s`` holds at once."""
+        if self.in_flight is None:
+            return num_stages - s
+        if len(self.in_flight) != num_stages:
+            raise ValueError(
+                f"MemoryPartitioner: in-flight counts for {len(self.in_flight)} stages ({self.schedule}) but the "
+                f"body is split into {num_stages}."
+            )
+        return self.in_flight[s]
+
+    def _cost(self, prof: list[tuple[float, float, float]], num_stages: int, s: int, i: int, j: int) -> float:
+        return sum(p[1] for p in prof[i:j]) + self.held(num_stages, s) * sum(p[2] for p in prof[i:j])
+
+    def describe(self, cost: float, stage: int | None = None) -> str:
+        if self.in_flight is None or stage is None:
+            return f"{cost / 2**20:.2f} MiB peak (params, grads, Adam states, 1F1B activations in flight)"
+        held = self.in_flight[stage]
+        return (
+            f"{cost / 2**20:.2f} MiB peak (params, grads, Adam states, activations of {held} micro-batch"
+            f"{'es' if held != 1 else ''} in flight under {self.schedule})"
+        )

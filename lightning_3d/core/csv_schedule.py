@@ -36,6 +36,7 @@ class CsvSchedule:
         micro_batches: micro-batches per batch (forwards of each stage).
         placement: ``placement[s]`` is the pp rank that runs stage ``s``.
         split_backward: whether the list splits backwards into input- (``I``) and weight-gradient (``W``) actions.
+        rows: the file's cells, one tuple per pp rank (``torch_compat.parse_schedule_actions`` reads them).
     """
 
     path: str
@@ -44,6 +45,7 @@ class CsvSchedule:
     micro_batches: int
     placement: tuple[int, ...]
     split_backward: bool
+    rows: tuple[tuple[str, ...], ...] = ()
 
     @property
     def stages_per_rank(self) -> int:
@@ -119,7 +121,7 @@ def _read(path: str, _mtime_ns: int) -> CsvSchedule:
             f"ranks {list(placement)}."
         )
     split = any(str(a.computation_type.value) in ("I", "W") for _, a in actions)
-    return CsvSchedule(path, pp, num_stages, n_micro, placement, split)
+    return CsvSchedule(path, pp, num_stages, n_micro, placement, split, tuple(tuple(row) for row in rows))
 
 
 def check_fits(schedule: CsvSchedule, pp: int, stages_per_rank: int) -> None:

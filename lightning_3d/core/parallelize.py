@@ -35,7 +35,7 @@ from .compile import CompiledBlocks, check_compilable, compile_blocks
 from .data_parallel import apply_data_parallel
 from .fsdp import SHARDED_MODES, apply_fsdp
 from .materialize import ShardedInit, check_materializable, has_meta_tensors, library_initializers, materialize
-from .pipeline import StageSpec, stage_ranks
+from .pipeline import StageSpec, activations_in_flight, stage_ranks
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
 from .tensor_parallel.hf_plan import HFPlan, hf_tp_plan
@@ -80,6 +80,7 @@ def plan_model(
     tp_autoplan: bool = True,
     stages: Sequence[Sequence[str]] | None = None,
     schedule: str = "1f1b",
+    micro_batches: int | None = None,
 ) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
 
@@ -88,6 +89,8 @@ def plan_model(
         tp, pp, stages_per_rank, partitioner, body, blocks, tp_plan, tp_autoplan, stages, schedule: the settings of
             the same names (see ``lightning_3d.settings.ThreeDSettings``); the schedule decides which rank runs which
             stage.
+        micro_batches: micro-batches per batch; given, ``partitioner="memory"`` counts the activations each stage
+            holds under ``schedule`` (its action list), else 1F1B's ``p - s``.
 
     Returns:
         The body, the stage split, the tensor-parallel plan, the whole model's tensor specs and the example input.
@@ -98,6 +101,9 @@ def plan_model(
     """
     partitioner = partition.get_partitioner(partitioner)
     placement = stage_ranks(schedule, pp, stages_per_rank)
+    if isinstance(partitioner, MemoryPartitioner) and micro_batches is not None:  # the schedule's own in-flight
+        held = activations_in_flight(schedule, pp, stages_per_rank, micro_batches)
+        partitioner = partitioner.for_schedule(held, schedule)
     _check_no_meta_metrics(module)
     if stages is not None or not uses_sequential_body(module, body, blocks):
         plan = _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan, stages)
@@ -208,7 +214,7 @@ def _plan_split_model(
             ranges = partition.checked_ranges(partitioner, layers, num_stages, what="blocks")
             if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
                 costs = partitioner.stage_costs(layers, ranges)
-                estimates = [partitioner.describe(c) for c in costs]
+                estimates = [partitioner.describe(c, stage) for stage, c in enumerate(costs)]
         split = blocks.split_model(module, container, pp, ranges, stages_per_rank, placement)
         parent_name, _, attr = container.fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module

@@ -253,7 +253,7 @@ def plan_stages(
     costs: list[float] = []
     if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
         costs = partitioner.stage_costs(layers, ranges)
-    return StagePlan(names, body.fqn, ranks, [partitioner.describe(c) for c in costs], costs)
+    return StagePlan(names, body.fqn, ranks, [partitioner.describe(c, stage) for stage, c in enumerate(costs)], costs)
 
 
 def prune_body(body: BodyRef, keep: Sequence[str]) -> None:

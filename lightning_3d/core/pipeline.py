@@ -167,16 +167,17 @@ def micro_batch_problem(name: str, pp: int, micro_batches: int) -> str | None:
     return None
 
 
-def write_csv_schedule(name: str, pp: int, stages_per_rank: int, micro_batches: int, path: str | os.PathLike) -> Path:
-    """Write the compute action list of torch's multi-stage schedule ``name`` (``"interleaved1f1b"``,
-    ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ...) at this shape to ``path``: a known-good CSV schedule.
+def schedule_actions(name: str, pp: int, stages_per_rank: int, micro_batches: int) -> dict[int, list[Any]] | None:
+    """The compute action list of a multi-stage schedule (torch's) or of a CSV file, per pp rank: ``{rank:
+    [action or None per time slot]}``; ``None`` for the single-stage schedules (1F1B, GPipe), which have none.
 
-    The schedule computes its action list for every rank when built; it is built here over stand-in stages
-    (no process group, no model), and the gradient-reduction actions torch adds are left out (its lowering
-    adds them back when the file is loaded).
+    torch computes a multi-stage schedule's list for every rank when the schedule is built; it is built here over
+    stand-in stages (no process group, no model). The gradient-reduction actions torch adds are left out.
     """
+    if is_csv_schedule(name):
+        return torch_compat.parse_schedule_actions(read_csv_schedule(name).rows)
     if not is_multi_stage(name):
-        raise ValueError(f"write_csv_schedule: {name!r} is not a multi-stage schedule.")
+        return None
     placement = stage_ranks(name, pp, stages_per_rank)
     num_stages = pp * stages_per_rank
     stand_ins = [
@@ -193,12 +194,66 @@ def write_csv_schedule(name: str, pp: int, stages_per_rank: int, micro_batches: 
         for s in range(num_stages)
         if placement[s] == 0
     ]
-    schedule = schedule_class(name)(stand_ins, micro_batches)
-    order = schedule.pipeline_order
-    rows = [
-        ["" if a is None else str(a) for a in order[rank] if a is None or torch_compat.is_compute_action(a)]
-        for rank in range(pp)
-    ]
+    order = schedule_class(name)(stand_ins, micro_batches).pipeline_order
+    return {rank: [a for a in order[rank] if a is None or torch_compat.is_compute_action(a)] for rank in range(pp)}
+
+
+def held_micro_batches(actions: Sequence[Any], stage: int) -> tuple[int, int]:
+    """From one rank's action list, the most micro-batches of ``stage`` whose activations are held at once, and
+    the most held only for their weight gradient.
+
+    A micro-batch is held from its forward ``F`` until its backward is complete: a full ``B``, or the ``W`` after
+    its ``I`` (torch's input-gradient backward keeps the graph for the weight-gradient one). The second count is
+    the most whose ``I`` has run but not yet their ``W``. An overlapped forward-backward (DualPipeV's
+    ``OVERLAP_F_B``) counts as its parts, in order.
+    """
+    live = deferred = peak = peak_deferred = 0
+    flat: list[Any] = []
+    for action in actions:
+        flat.extend(getattr(action, "sub_actions", None) or [action])
+    for action in flat:
+        if action is None or getattr(action, "stage_index", None) != stage:
+            continue
+        kind = str(action.computation_type.value)
+        if kind == "F":
+            live += 1
+        elif kind == "B":
+            live -= 1
+        elif kind == "I":
+            deferred += 1
+        elif kind == "W":
+            live -= 1
+            deferred -= 1
+        peak, peak_deferred = max(peak, live), max(peak_deferred, deferred)
+    return peak, peak_deferred
+
+
+def activations_in_flight(name: str, pp: int, stages_per_rank: int, micro_batches: int) -> list[int]:
+    """Per stage, the most micro-batches whose activations the schedule holds at once during a training step.
+
+    1F1B: ``min(p - s, m)`` on stage ``s`` of ``p`` (its warm-up forwards plus one); GPipe: all ``m``; a
+    multi-stage schedule or a CSV file: counted on its action list (:func:`held_micro_batches`).
+    """
+    num_stages = pp * stages_per_rank
+    order = schedule_actions(name, pp, stages_per_rank, micro_batches)
+    if order is None:
+        if name.lower() == "gpipe":
+            return [micro_batches] * num_stages
+        return [min(num_stages - s, micro_batches) for s in range(num_stages)]
+    placement = stage_ranks(name, pp, stages_per_rank)
+    return [held_micro_batches(order[placement[s]], s)[0] for s in range(num_stages)]
+
+
+def write_csv_schedule(name: str, pp: int, stages_per_rank: int, micro_batches: int, path: str | os.PathLike) -> Path:
+    """Write the compute action list of torch's multi-stage schedule ``name`` (``"interleaved1f1b"``,
+    ``"interleavedzerobubble"``, ``"zbvzerobubble"``, ...) at this shape to ``path``: a known-good CSV schedule
+    (torch's lowering adds the gradient-reduction actions back when the file is loaded).
+    """
+    if is_csv_schedule(name) or not is_multi_stage(name):
+        raise ValueError(f"write_csv_schedule: {name!r} is not a multi-stage schedule.")
+    order = schedule_actions(name, pp, stages_per_rank, micro_batches)
+    assert order is not None
+    rows = [["" if a is None else str(a) for a in order[rank]] for rank in range(pp)]
     out = Path(path)
     with open(out, "w", newline="") as handle:
         csv.writer(handle).writerows(rows)

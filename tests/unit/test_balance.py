@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.core import balance, partition
+from lightning_3d.core import balance, partition, pipeline, torch_compat
 
 
 def _split(costs: list[float], stages: int) -> list[range]:
@@ -174,6 +174,106 @@ def test_memory_estimate_per_stage_matches_measured_bytes_with_1f1b_micro_batche
         assert abs(estimates[s] - measured) <= 0.1 * measured, (s, estimates[s], measured)
 
 
+def _static_bytes(stage: nn.Module) -> int:
+    """Parameters, their gradients and Adam's states after one real step."""
+    opt = torch.optim.Adam(stage.parameters())
+    opt.step()
+    return sum(p.numel() * p.element_size() for p in stage.parameters()) * 2 + sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if v.dim() > 0
+    )
+
+
+@pytest.mark.parametrize("schedule", ["interleavedzerobubble", "zbvzerobubble", "dualpipev", "interleaved1f1b"])
+def test_memory_estimate_per_stage_matches_bytes_held_while_the_schedule_runs(schedule):
+    """Each stage's estimate (static bytes + the micro-batches the schedule holds there, counted on its action list)
+    against the activation bytes autograd really holds while each rank replays its action list: forwards, full
+    backwards, and torch's own input- and weight-gradient halves (``I`` keeps the graph until ``W``)."""
+    import weakref
+
+    torch.manual_seed(0)
+    pp, m, n = 2, 4, 256
+    body = [(str(i), nn.Sequential(nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 32))) for i in range(2 * pp)]
+    held = pipeline.activations_in_flight(schedule, pp, 2, m)
+    part = partition.get_partitioner("memory").for_input(torch.randn(n, 32)).for_schedule(held, schedule)
+    estimates = part.stage_costs(body, [range(i, i + 1) for i in range(2 * pp)])
+    assert "under " + schedule in part.describe(estimates[0], 0)
+    order = pipeline.schedule_actions(schedule, pp, 2, m)
+    backward_input, backward_weight = torch_compat.split_backward_functions()
+    peak = [0] * (2 * pp)
+    for rank in range(pp):
+        saved: list[tuple[weakref.ref, int, int, int]] = []  # (tensor, storage, bytes, stage), while alive
+        live: dict[tuple[int, int], list] = {}
+
+        def live_bytes(stage: int, saved: list = saved) -> int:
+            alive = {ptr: size for ref, ptr, size, s in saved if s == stage and ref() is not None}
+            return sum(alive.values())
+
+        actions = [a for action in order[rank] for a in (getattr(action, "sub_actions", None) or [action])]
+        for action in actions:
+            if action is None:
+                continue
+            s, k, kind = action.stage_index, action.microbatch_index, str(action.computation_type.value)
+            layer = body[s][1]
+            weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            if kind == "F":
+                x = torch.randn(n, 32, requires_grad=True)
+
+                def pack(t, s=s, weights=weights, saved=saved):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in weights:
+                        saved.append((weakref.ref(t), ptr, t.untyped_storage().nbytes(), s))
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    live[s, k] = [x, layer(x).sum(), None]
+            elif kind == "B":
+                live.pop((s, k))[1].backward()
+            elif kind == "I":
+                x, loss, _ = live[s, k]
+                live[s, k] = [x, None, backward_input([loss], None, [x], layer.parameters())[1]]
+            elif kind == "W":
+                backward_weight(layer.parameters(), live.pop((s, k))[2])
+            peak[s] = max(peak[s], live_bytes(s))
+        assert not live, f"rank {rank}: micro-batches never finished their backward: {sorted(live)}"
+    for s in range(2 * pp):
+        measured = _static_bytes(body[s][1]) + peak[s]
+        assert abs(estimates[s] - measured) <= 0.1 * measured, (schedule, s, held, estimates[s], measured)
+
+
+def test_in_flight_counts_follow_each_schedule():
+    # single-stage schedules: 1F1B holds p - s (at most m), GPipe every micro-batch
+    assert pipeline.activations_in_flight("1f1b", 4, 1, 8) == [4, 3, 2, 1]
+    assert pipeline.activations_in_flight("1f1b", 4, 1, 2) == [2, 2, 2, 1]
+    assert pipeline.activations_in_flight("gpipe", 2, 1, 8) == [8, 8]
+    assert pipeline.activations_in_flight("loopedbfs", 2, 2, 8) == [8] * 4  # every forward before any backward
+    # a CSV action list is counted on its own rows: the greedy zero-bubble list keeps 2 pp - rank micro-batches
+    # until their weight gradient (see csv_schedule.zero_bubble_greedy_rows), twice 1F1B's count on rank 0
+    import csv as csv_module
+    import tempfile
+    from pathlib import Path
+
+    from lightning_3d.core import csv_schedule
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "zb.csv"
+        with open(path, "w", newline="") as handle:
+            csv_module.writer(handle).writerows(csv_schedule.zero_bubble_greedy_rows(2, 8))
+        assert pipeline.activations_in_flight(str(path), 2, 1, 8) == [4, 3]
+        # a named schedule written out as a CSV file counts the same as the schedule itself
+        written = pipeline.write_csv_schedule("interleavedzerobubble", 2, 2, 8, Path(folder) / "izb.csv")
+        assert pipeline.activations_in_flight(str(written), 2, 2, 8) == pipeline.activations_in_flight(
+            "interleavedzerobubble", 2, 2, 8
+        )
+
+
+def test_memory_partitioner_without_a_schedule_assumes_1f1b_and_refuses_a_wrong_count():
+    part = partition.get_partitioner("memory").for_input(torch.zeros(2, 8))
+    layers = [(str(i), nn.Linear(8, 8)) for i in range(3)]
+    assert part.held(3, 0) == 3 and "1F1B" in part.describe(1.0, 0)
+    with pytest.raises(ValueError, match="in-flight counts for 2 stages"):
+        part.for_schedule([2, 1], "1f1b")(layers, 3)
+
+
 def test_compute_partitioner_without_example_says_what_to_do():
     with pytest.raises(ValueError, match="example_input_array"):
         balance.ComputePartitioner()([("0", nn.Linear(2, 2)), ("1", nn.Linear(2, 2))], 2)
@@ -262,5 +362,32 @@ def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
     assert plan.stage_plan.describe().count("ms fwd+bwd per micro-batch, measured") == 3
     memory = plan_model(Module(True), tp=1, pp=3, partitioner="memory")
     assert "MiB peak" in memory.stage_plan.describe()
+    gpipe = plan_model(Module(True), tp=1, pp=3, partitioner="memory", schedule="gpipe", micro_batches=5)
+    assert gpipe.stage_plan.describe().count("activations of 5 micro-batches in flight under gpipe") == 3
     with pytest.raises(ValueError, match="example_input_array"):
         plan_model(Module(False), tp=1, pp=3, partitioner="compute")
+
+
+def test_memory_split_follows_the_schedules_in_flight_counts():
+    """Four alike layers whose activations outweigh their parameters: under 1F1B stage 0 holds twice stage 1's
+    micro-batches and gets one layer; under GPipe both hold all of them and split evenly."""
+    import lightning.pytorch as pl
+
+    from lightning_3d.core.parallelize import plan_model
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(
+                *(nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32)) for _ in range(4))
+            )
+            self.example_input_array = torch.zeros(512, 32)
+
+        def forward(self, x):
+            return self.body(x)
+
+    one_f_one_b = plan_model(Module(), tp=1, pp=2, partitioner="memory", schedule="1f1b", micro_batches=4)
+    assert one_f_one_b.stage_plan.layer_names == [["0"], ["1", "2", "3"]]
+    gpipe = plan_model(Module(), tp=1, pp=2, partitioner="memory", schedule="gpipe", micro_batches=4)
+    assert gpipe.stage_plan.layer_names == [["0", "1"], ["2", "3"]]
+    assert gpipe.stage_plan.describe().count("activations of 4 micro-batches in flight under gpipe") == 2
