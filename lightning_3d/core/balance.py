@@ -533,51 +533,56 @@ def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any)
     Returns:
         One tuple per block, the embeddings counted on the first block and the head on the last.
     """
-    params = {n: _meta(p).requires_grad_(p.requires_grad) for n, p in module.named_parameters()}
-    buffers = {n: _meta(b) for n, b in module.named_buffers()}
-    by_id = {id(p): n for n, p in module.named_parameters()}
-    in_block = {by_id[id(p)]: i for i, b in enumerate(blocks) for p in b.parameters() if id(p) in by_id}
-    n = len(blocks)
-    flops, saved = [0.0] * n, [0.0] * n
-    static = [0.0] * n
-    for name, param in params.items():
-        owner = in_block[name] if name in in_block else (n - 1 if _after_blocks(module, blocks, name) else 0)
-        static[owner] += param.numel() * param.element_size() * (2 + OPTIMIZER_STATES)
-    state = {"current": 0, "mark": 0.0}
-    weights = frozenset(id(p) for p in params.values())
+    # Fake tensors (on the meta device) rather than plain meta ones: a model may read a value while it runs
+    # (Hugging Face's masks ask whether the positions are packed, `.all()`), which fails on meta tensors; on fake
+    # tensors it knows it is being traced and skips the question. Every tensor below is made inside the mode, so
+    # the saved-tensor hook recognises the weights by identity.
+    with torch_compat.fake_tensor_mode():
+        params = {n: _meta(p).requires_grad_(p.requires_grad) for n, p in module.named_parameters()}
+        buffers = {n: _meta(b) for n, b in module.named_buffers()}
+        by_id = {id(p): n for n, p in module.named_parameters()}
+        in_block = {by_id[id(p)]: i for i, b in enumerate(blocks) for p in b.parameters() if id(p) in by_id}
+        n = len(blocks)
+        flops, saved = [0.0] * n, [0.0] * n
+        static = [0.0] * n
+        for name, param in params.items():
+            owner = in_block[name] if name in in_block else (n - 1 if _after_blocks(module, blocks, name) else 0)
+            static[owner] += param.numel() * param.element_size() * (2 + OPTIMIZER_STATES)
+        state = {"current": 0, "mark": 0.0}
+        weights = frozenset(id(p) for p in params.values())
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = torch_compat.view_base(t)
-        if id(t) not in weights and (base is None or id(base) not in weights):
-            saved[state["current"]] += t.numel() * t.element_size()
-        return t
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = torch_compat.view_base(t)
+            if id(t) not in weights and (base is None or id(base) not in weights):
+                saved[state["current"]] += t.numel() * t.element_size()
+            return t
 
-    with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter:
 
-        def enter(index: int) -> Callable[..., None]:
-            def hook(*_: Any) -> None:
-                flops[state["current"]] += counter.get_total_flops() - state["mark"]
-                state["current"], state["mark"] = index, float(counter.get_total_flops())
+            def enter(index: int) -> Callable[..., None]:
+                def hook(*_: Any) -> None:
+                    flops[state["current"]] += counter.get_total_flops() - state["mark"]
+                    state["current"], state["mark"] = index, float(counter.get_total_flops())
 
-            return hook
+                return hook
 
-        def leave(index: int) -> Callable[..., None]:
-            def hook(*_: Any) -> None:
-                flops[index] += counter.get_total_flops() - state["mark"]
-                state["current"], state["mark"] = index, float(counter.get_total_flops())
+            def leave(index: int) -> Callable[..., None]:
+                def hook(*_: Any) -> None:
+                    flops[index] += counter.get_total_flops() - state["mark"]
+                    state["current"], state["mark"] = index, float(counter.get_total_flops())
 
-            return hook
+                return hook
 
-        handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
-        handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
-        try:
-            inp = _meta(example) if isinstance(example, torch.Tensor) else example
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                functional_call(module, {**params, **buffers}, (inp,))
-            flops[state["current"]] += counter.get_total_flops() - state["mark"]  # the head, after the last block
-        finally:
-            for handle in handles:
-                handle.remove()
+            handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+            handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
+            try:
+                inp = _meta(example) if isinstance(example, torch.Tensor) else example
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    functional_call(module, {**params, **buffers}, (inp,))
+                flops[state["current"]] += counter.get_total_flops() - state["mark"]  # the head, after the last block
+            finally:
+                for handle in handles:
+                    handle.remove()
     return [(f * BACKWARD_FACTOR, st, sv) for f, st, sv in zip(flops, static, saved)]
 
 

@@ -391,3 +391,44 @@ def test_memory_split_follows_the_schedules_in_flight_counts():
     gpipe = plan_model(Module(), tp=1, pp=2, partitioner="memory", schedule="gpipe", micro_batches=4)
     assert gpipe.stage_plan.layer_names == [["0", "1"], ["2", "3"]]
     assert gpipe.stage_plan.describe().count("activations of 4 micro-batches in flight under gpipe") == 2
+
+
+@pytest.mark.parametrize("partitioner", ["memory", "compute-flops"])
+def test_hugging_face_model_is_profiled_on_fake_tensors(partitioner):
+    """A Hugging Face model asks a tensor's value while it builds its mask (``.all()`` on the positions), which
+    meta tensors cannot answer: the memory partitioner and the compute partitioner's FLOP count profile it on fake
+    tensors. The parameters count once each, as static bytes, on the block that owns them (the embedding on the
+    first block, the final norm and head on the last)."""
+    import lightning.pytorch as pl
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_3d.core.parallelize import plan_model
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = AutoConfig.for_model(
+                "llama", vocab_size=64, num_hidden_layers=4, hidden_size=16, intermediate_size=32,
+                num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+            )  # fmt: skip
+            self.model = AutoModelForCausalLM.from_config(config)
+            self.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+
+        def forward(self, x):
+            return self.model(input_ids=x).logits
+
+    chosen = balance.ComputePartitioner(measure=False) if partitioner == "compute-flops" else partitioner
+    module = Module()
+    plan = plan_model(module, tp=1, pp=2, partitioner=chosen, schedule="1f1b", micro_batches=2)
+    assert plan.stage_plan.layer_names and len(plan.stage_plan.costs) == 2 and min(plan.stage_plan.costs) > 0
+    if partitioner == "memory":
+        profiles = balance.block_profiles(module, list(module.model.model.layers), torch.zeros(2, 8, dtype=torch.long))
+        total = sum(p.numel() * p.element_size() for p in module.parameters()) * (2 + balance.OPTIMIZER_STATES)
+        assert sum(static for _, static, _ in profiles) == total
+        embed = module.model.model.embed_tokens.weight
+        head = module.model.lm_head.weight
+        block = sum(p.numel() * 4 for p in module.model.model.layers[1].parameters()) * (2 + balance.OPTIMIZER_STATES)
+        assert profiles[0][1] == block + embed.numel() * 4 * (2 + balance.OPTIMIZER_STATES)
+        norm = module.model.model.norm.weight
+        assert profiles[-1][1] == block + (head.numel() + norm.numel()) * 4 * (2 + balance.OPTIMIZER_STATES)
+        assert all(saved > 0 for _, _, saved in profiles)
