@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
     from ..core.rng import BodyRandomness
@@ -176,7 +176,7 @@ class ResumePosition(pl.Callback):
             k = 0  # a resumable loader restored its own position (Lightning's ``combined_loader`` state)
         if type(fetcher) is not _PrefetchDataFetcher:
             if k:
-                warnings.warn(
+                rank_zero_warn(
                     f"lightning_3d: cannot restore the data position with a {type(fetcher).__name__}; Lightning "
                     "replays the interrupted epoch from its first batch.",
                     stacklevel=1,
@@ -184,7 +184,7 @@ class ResumePosition(pl.Callback):
             self._restore_rng()
             return
         if k and fetcher.length is None:
-            warnings.warn(
+            rank_zero_warn(
                 "lightning_3d: cannot restore the data position in a training loader without a length; Lightning "
                 "replays the interrupted epoch from its first batch.",
                 stacklevel=1,
@@ -192,7 +192,7 @@ class ResumePosition(pl.Callback):
             k = 0
         skip, problem = _skip_for_layout(k, self.data, self.dp, train_batch_size(trainer)) if k else (0, None)
         if problem:
-            warnings.warn(f"lightning_3d: the data position is approximate: {problem}.", stacklevel=1)
+            rank_zero_warn(f"lightning_3d: the data position is approximate: {problem}.")  # every rank alike
         epoch = fit_loop.epoch_progress.current.processed
         for dl in combined.flattened:
             _set_sampler_epoch(dl, epoch)
