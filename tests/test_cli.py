@@ -9,6 +9,7 @@ Whole file: about 3 minutes on 2 CPU cores.
 from __future__ import annotations
 
 import csv
+import json
 import re
 from datetime import timedelta
 from pathlib import Path
@@ -217,6 +218,7 @@ def test_cli_trains_with_overrides(tmp_path):
         "strategy.dp=1",
         "strategy.micro_batches=2",
         "strategy.partitioner=memory",
+        "timeline.enabled=true",
         "data.batch_size=4",
         "trainer.devices=4",
         "trainer.max_steps=4",
@@ -238,6 +240,11 @@ def test_cli_trains_with_overrides(tmp_path):
     assert held == [("0", "2"), ("1", "1")], job.tail(60)
     assert re.search(r"^  micro_batches: 2$", out, re.M), "resolved config not printed"
     assert out.count("lightning_3d layout:") == 1  # rank 0 only
+    # the pipeline timeline of step 1 (timeline.enabled=true): its trace holds every stage's forwards and backwards
+    assert re.search(r"timeline of step 1: bubble [\d.]+% measured vs [\d.]+% in theory", out), job.tail(60)
+    trace = json.loads((tmp_path / "timeline" / "timeline_step1.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert {"F0", "F1", "B0", "B1"} <= names, sorted(names)
     assert "model GPT: 42,880 parameters" in out  # the tiny preset, counted whole (not rank 0's shard)
     assert re.search(r"sample \(temperature .*\n-+\ndef ", out), "no text sample"
     assert re.search(r"throughput: \d+ tokens/s", out)

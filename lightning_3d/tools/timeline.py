@@ -65,6 +65,7 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..core import torch_compat
 
@@ -754,6 +755,17 @@ class PipelineTimeline(Callback):
             self.files.append(write_chrome_trace(timelines, stem.with_suffix(".json"), summary))
         if self.gantt:
             self.files.append(plot_gantt(timelines, stem.with_suffix(".png"), summary=summary))
+        written = ", ".join(str(f) for f in self.files if f.stem == stem.name)
+        rank_zero_info(
+            f"timeline of step {step}: bubble {summary['measured']:.1%} measured vs {summary['theory']:.1%} in "
+            f"theory ({summary.get('theory_source', 'formula')}); {written or 'no file asked for'}"
+        )
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Say so when there is no pipeline to record (pp = 1): the callback then records nothing."""
+        settings = getattr(trainer.strategy, "settings", None)
+        if getattr(settings, "pp", None) == 1:
+            rank_zero_warn("PipelineTimeline: pp=1, there is no pipeline schedule to record; it records nothing.")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Never leave the runtime observed (e.g. after an exception inside a profiled step)."""

@@ -111,6 +111,19 @@ def _callbacks(cfg: DictConfig, model: Any) -> list[Any]:
                 every_n_train_steps=ck.every_n_train_steps,
             )
         )
+    if cfg.timeline.enabled:
+        from lightning_3d.tools.timeline import PipelineTimeline, matplotlib_available
+
+        t = cfg.timeline
+        callbacks.append(
+            PipelineTimeline(
+                out_dir=Path(cfg.run_dir) / "timeline",
+                first_step=t.first_step,
+                every_n_steps=t.every_n_steps,
+                max_profiles=t.max_profiles,
+                gantt=matplotlib_available() if t.gantt is None else t.gantt,
+            )
+        )
     if cfg.sample.enabled and isinstance(model, (GPT, HFCausalLM)):
         s = cfg.sample
         callbacks.append(SampleText(s.prompt, s.max_new_tokens, s.temperature, s.top_k, seed=cfg.seed))

@@ -239,6 +239,19 @@ class SampleConfig:
 
 
 @dataclass
+class TimelineConfig:
+    """The pipeline's timeline of chosen training steps (``lightning_3d.tools.timeline.PipelineTimeline``): a Chrome
+    trace and a Gantt chart per profiled step under ``<run_dir>/timeline``, with the measured bubble beside the
+    schedule's theoretical one. Off by default; ``timeline.enabled=true`` profiles step ``first_step``."""
+
+    enabled: bool = False
+    first_step: int = 1  # step 0 exchanges shapes: the first representative step is 1
+    every_n_steps: int | None = None  # None: once
+    max_profiles: int | None = None
+    gantt: bool | None = None  # the PNG; None: when matplotlib is installed (the trace needs nothing)
+
+
+@dataclass
 class LoggingConfig:
     """Loggers writing under the run directory (TensorBoard only when the package is installed)."""
 
@@ -264,6 +277,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
 
 
 SCHEMAS: dict[tuple[str | None, str], type] = {

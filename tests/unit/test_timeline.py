@@ -223,3 +223,20 @@ def test_zero_bubble_theory_comes_from_the_action_list() -> None:
     )
     stats = tl.bubble_stats([rank_timeline(0, [0], [("F0", "forward", 0, 1)]), rank_timeline(1, [1], [])])
     assert stats["theory_source"] == "formula" and stats["ranks"]["1"]["theory"] == pytest.approx(1 / 3)
+
+
+def test_timeline_callback_says_when_there_is_no_pipeline_to_record():
+    import types
+
+    from lightning_3d.tools.timeline import PipelineTimeline
+
+    callback = PipelineTimeline(gantt=False)
+    trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(settings=types.SimpleNamespace(pp=1)))
+    with pytest.warns(UserWarning, match="pp=1, there is no pipeline schedule to record"):
+        callback.setup(trainer, None, "fit")
+    trainer.strategy.settings.pp = 2
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        callback.setup(trainer, None, "fit")
