@@ -133,6 +133,9 @@ def exported(saved: Path) -> Path:
     info = [sys.executable, "-m", "lightning_3d.checkpoint", "info", str(saved / "all" / "step=5.ckpt")]
     shown = run_commands([info], [base_env()], timeout=120, fork=True)
     assert "global step 5" in shown.output and "body.0.weight" in shown.output, shown.output
+    keys = [line.split(":")[0].strip() for line in shown.output.splitlines() if line.startswith("  body.")]
+    natural = [[int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k)] for k in keys]
+    assert len(keys) > 2 and natural == sorted(natural), keys  # in model order
     return target
 
 

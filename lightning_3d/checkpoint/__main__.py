@@ -4,14 +4,21 @@ process."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 
 from . import META_FILE, SECTION, check_complete, export, saved_model_shapes
+
+
+def _natural(key: str) -> list[Any]:
+    """Sort key of a parameter name with its numbers compared as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             shapes = saved_model_shapes(FileSystemReader(path).read_metadata())
             layout = meta.get(SECTION, {}).get("layout", {})
             print(f"{path}: epoch {meta.get('epoch')}, global step {meta.get('global_step')}, layout {layout}")
-            for key, shape in shapes.items():
-                print(f"  {key}: {shape}")
+            for key in sorted(shapes, key=_natural):  # layers in model order: layers.2 before layers.10
+                print(f"  {key}: {shapes[key]}")
     except (FileNotFoundError, ValueError, ImportError) as exc:
         print(exc, file=sys.stderr)
         return 2
