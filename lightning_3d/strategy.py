@@ -385,6 +385,7 @@ class ThreeDStrategy(ParallelStrategy):
                 stages=s.stages,
                 schedule=s.schedule,
                 micro_batches=self.micro_batches,
+                activation_checkpointing=s.activation_checkpointing,
             )
         except ValueError as err:
             # Every rank raises it alike (the consistency check below proves it): not a one-rank failure.

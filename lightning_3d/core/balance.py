@@ -31,7 +31,10 @@ alone); their FLOP fallback is :func:`block_profiles`.
 tensors each (Adam), plus the bytes autograd saves for backward per micro-batch (counted on the meta device)
 times the micro-batches the schedule keeps in flight on the stage (``MemoryPartitioner.for_schedule``, with the
 counts of ``pipeline.activations_in_flight``, which the strategy passes), 1F1B's ``p - s`` on stage ``s`` of ``p``
-when no schedule is given.
+when no schedule is given. Under activation checkpointing (``for_schedule(..., checkpointing)``) a checkpointed block
+keeps only its input per micro-batch in flight (selective: also the outputs of the operations it saves, counted on
+the meta device) and its stage adds the largest checkpointed block's recomputation, which lives during that block's
+backward.
 
 Models split at their block container (not an ``nn.Sequential`` body) are profiled whole, in one forward and
 backward on the meta device (:func:`block_profiles`): each block's forward FLOPs (times 3 for forward + backward)
@@ -58,6 +61,11 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import torch_compat
+from .blocks import sequential_blocks
+from .checkpointing import chosen_blocks, saved_ops
+
+Profile = tuple[float, ...]
+"""A layer's ``(flops or seconds, static_bytes, activation_bytes[, input_bytes, selective_bytes])``."""
 
 StageCost = Callable[[int, int, int], float]
 """``cost(stage, start, stop)``: the cost of stage ``stage`` holding layers ``start .. stop - 1``."""
@@ -105,11 +113,34 @@ def _meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(tensor, device="meta")
 
 
-def layer_profiles(layers: Sequence[tuple[str, nn.Module]], example: Any) -> list[tuple[float, float, float]]:
-    """``(flops, static_bytes, activation_bytes)`` of each layer, run one after the other on ``example`` (meta).
+class _KeptBytes(torch_compat.TorchDispatchMode):
+    """Adds up the bytes of the outputs of the operations selective checkpointing keeps (``saved_ops``), while
+    ``active``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes, self.active = 0.0, True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.active and func in saved_ops():
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.bytes += sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+        return out
+
+
+def _tensor_bytes(value: Any) -> float:
+    return float(value.numel() * value.element_size()) if isinstance(value, torch.Tensor) else 0.0
+
+
+def layer_profiles(layers: Sequence[tuple[str, nn.Module]], example: Any) -> list[Profile]:
+    """``(flops, static_bytes, activation_bytes, input_bytes, selective_bytes)`` of each layer, run one after the
+    other on ``example`` (meta).
 
     ``flops`` counts forward and backward; ``static_bytes`` is parameters, gradients and optimizer states;
-    ``activation_bytes`` what autograd saves for the backward of one call on ``example``.
+    ``activation_bytes`` what autograd saves for the backward of one call on ``example``; ``input_bytes`` the
+    layer's input (what a checkpointed layer keeps) and ``selective_bytes`` that plus the outputs of the
+    operations selective checkpointing keeps.
     """
     x: Any = example.to("meta") if isinstance(example, torch.Tensor) else example
     out = []
@@ -126,13 +157,17 @@ def layer_profiles(layers: Sequence[tuple[str, nn.Module]], example: Any) -> lis
                 saved[id(t)] = t.numel() * t.element_size()
             return t
 
+        kept = _KeptBytes()
         with FlopCounterMode(display=False) as counter:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kept:
                 y = functional_call(layer, {**params, **buffers}, (inp,))
             if isinstance(y, torch.Tensor) and y.requires_grad:
                 y.backward(torch.empty_like(y))
         static = sum(p.numel() * p.element_size() for p in params.values()) * (2 + OPTIMIZER_STATES)
-        out.append((float(counter.get_total_flops()), float(static), float(sum(saved.values()))))
+        held = _tensor_bytes(inp)
+        out.append(
+            (float(counter.get_total_flops()), float(static), float(sum(saved.values())), held, held + kept.bytes)
+        )
         x = y.detach() if isinstance(y, torch.Tensor) else y
     return out
 
@@ -521,9 +556,10 @@ def measure_block_times(
 BACKWARD_FACTOR = 3.0  # forward + backward FLOPs over forward FLOPs (the backward of a matrix product: two)
 
 
-def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any) -> list[tuple[float, float, float]]:
-    """``(flops, static_bytes, activation_bytes)`` of each block of ``module``, from one forward of the whole
-    module on ``example`` on the meta device (see the module docstring).
+def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any) -> list[Profile]:
+    """``(flops, static_bytes, activation_bytes, input_bytes, selective_bytes)`` of each block of ``module``
+    (as :func:`layer_profiles`), from one forward of the whole module on ``example`` on the meta device (see the
+    module docstring); a block's input is its first tensor argument (the hidden states).
 
     Args:
         module: the model (its ``forward`` takes ``example``); its parameters are replaced by meta copies.
@@ -544,11 +580,13 @@ def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any)
         in_block = {by_id[id(p)]: i for i, b in enumerate(blocks) for p in b.parameters() if id(p) in by_id}
         n = len(blocks)
         flops, saved = [0.0] * n, [0.0] * n
-        static = [0.0] * n
+        static, inputs, kept_by_block = [0.0] * n, [0.0] * n, [0.0] * n
+        kept = _KeptBytes()
+        kept.active = False  # inside the blocks only
         for name, param in params.items():
             owner = in_block[name] if name in in_block else (n - 1 if _after_blocks(module, blocks, name) else 0)
             static[owner] += param.numel() * param.element_size() * (2 + OPTIMIZER_STATES)
-        state = {"current": 0, "mark": 0.0}
+        state = {"current": 0, "mark": 0.0, "kept": 0.0}
         weights = frozenset(id(p) for p in params.values())
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -560,9 +598,12 @@ def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any)
         with FlopCounterMode(display=False) as counter:
 
             def enter(index: int) -> Callable[..., None]:
-                def hook(*_: Any) -> None:
+                def hook(_: nn.Module, args: Any, kwargs: Any) -> None:
                     flops[state["current"]] += counter.get_total_flops() - state["mark"]
                     state["current"], state["mark"] = index, float(counter.get_total_flops())
+                    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+                    inputs[index] += _tensor_bytes(first)
+                    kept.active, state["kept"] = True, kept.bytes
 
                 return hook
 
@@ -570,20 +611,25 @@ def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any)
                 def hook(*_: Any) -> None:
                     flops[index] += counter.get_total_flops() - state["mark"]
                     state["current"], state["mark"] = index, float(counter.get_total_flops())
+                    kept_by_block[index] += kept.bytes - state["kept"]
+                    kept.active = False
 
                 return hook
 
-            handles = [b.register_forward_pre_hook(enter(i)) for i, b in enumerate(blocks)]
+            handles = [b.register_forward_pre_hook(enter(i), with_kwargs=True) for i, b in enumerate(blocks)]
             handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
             try:
                 inp = _meta(example) if isinstance(example, torch.Tensor) else example
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kept:
                     functional_call(module, {**params, **buffers}, (inp,))
                 flops[state["current"]] += counter.get_total_flops() - state["mark"]  # the head, after the last block
             finally:
                 for handle in handles:
                     handle.remove()
-    return [(f * BACKWARD_FACTOR, st, sv) for f, st, sv in zip(flops, static, saved)]
+    return [
+        (f * BACKWARD_FACTOR, st, sv, held, held + k)
+        for f, st, sv, held, k in zip(flops, static, saved, inputs, kept_by_block)
+    ]
 
 
 def _after_blocks(module: nn.Module, blocks: Sequence[nn.Module], name: str) -> bool:
@@ -599,7 +645,7 @@ class _Balanced:
 
     kind = ""
 
-    def __init__(self, example_input: Any = None, profiles: list[tuple[float, float, float]] | None = None) -> None:
+    def __init__(self, example_input: Any = None, profiles: list[Profile] | None = None) -> None:
         self.example_input = example_input
         self.profiles = profiles
 
@@ -614,7 +660,7 @@ class _Balanced:
             return type(self)(None)  # fails with the message of _profiles when used
         return type(self)(example_input, block_profiles(module, blocks, example_input))
 
-    def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[float, float, float]]:
+    def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[Profile]:
         if self.profiles is not None:
             return self.profiles
         if self.example_input is None:
@@ -630,7 +676,7 @@ class _Balanced:
         prof = self._profiles(layers)
         return [self._cost(prof, len(ranges), s, r.start, r.stop) for s, r in enumerate(ranges)]
 
-    def _cost(self, prof: list[tuple[float, float, float]], num_stages: int, s: int, i: int, j: int) -> float:
+    def _cost(self, prof: list[Profile], num_stages: int, s: int, i: int, j: int) -> float:
         raise NotImplementedError
 
     def __call__(self, layers: Sequence[tuple[str, nn.Module]], num_stages: int) -> list[range]:
@@ -658,7 +704,7 @@ class ComputePartitioner(_Balanced):
     def __init__(
         self,
         example_input: Any = None,
-        profiles: list[tuple[float, float, float]] | None = None,
+        profiles: list[Profile] | None = None,
         measure: bool = True,
         device: torch.device | None = None,
     ) -> None:
@@ -666,7 +712,7 @@ class ComputePartitioner(_Balanced):
         self.measure, self.device = measure, device
         self.measured = False  # whether the costs are measured seconds (else FLOPs)
         self.fallback: str | None = None  # why FLOPs were used although timing was asked for
-        self._cache: tuple[tuple[int, ...], list[tuple[float, float, float]]] | None = None
+        self._cache: tuple[tuple[int, ...], list[Profile]] | None = None
 
     def for_input(self, example_input: Any) -> ComputePartitioner:
         return type(self)(example_input, measure=self.measure, device=self.device)
@@ -691,7 +737,7 @@ class ComputePartitioner(_Balanced):
         part.measured = True
         return part
 
-    def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[float, float, float]]:
+    def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[Profile]:
         key = tuple(id(m) for _, m in layers)
         if self._cache is not None and self._cache[0] == key:  # split and print-out: timed (and gathered) once
             return self._cache[1]
@@ -713,7 +759,7 @@ class ComputePartitioner(_Balanced):
         self._cache = (key, prof)
         return prof
 
-    def _cost(self, prof: list[tuple[float, float, float]], num_stages: int, s: int, i: int, j: int) -> float:
+    def _cost(self, prof: list[Profile], num_stages: int, s: int, i: int, j: int) -> float:
         return sum(p[0] for p in prof[i:j])
 
     def describe(self, cost: float, stage: int | None = None) -> str:
@@ -724,7 +770,7 @@ class ComputePartitioner(_Balanced):
 
 class MemoryPartitioner(_Balanced):
     """Contiguous stages minimising the largest stage peak: static bytes + the micro-batches of activations the
-    schedule holds at once on that stage.
+    schedule holds at once on that stage (+ one block's recomputation under activation checkpointing).
 
     Args:
         example_input: one micro-batch's input of the body.
@@ -732,6 +778,12 @@ class MemoryPartitioner(_Balanced):
         in_flight: micro-batches held at once per stage (``pipeline.activations_in_flight``, counted on the
             schedule's action list); ``None``: 1F1B's ``p - s`` on stage ``s`` of ``p``.
         schedule: the schedule ``in_flight`` was counted for (for the layout print-out).
+        checkpointing: the run's activation checkpointing (``checkpointing.checkpoint_every``'s ``"full"``,
+            ``"selective"`` or N): a checkpointed block keeps its input per micro-batch in flight (``"selective"``:
+            also the outputs of the operations it saves) and its stage also holds, while one such block's backward
+            runs, what the recomputation rebuilds (the largest block's).
+        all_blocks: every layer is a block (a model split at its block container); else the blocks are an
+            ``nn.Sequential`` body's repeated layers (``blocks.sequential_blocks``), as checkpointing picks them.
     """
 
     kind = "memory"
@@ -739,24 +791,42 @@ class MemoryPartitioner(_Balanced):
     def __init__(
         self,
         example_input: Any = None,
-        profiles: list[tuple[float, float, float]] | None = None,
+        profiles: list[Profile] | None = None,
         in_flight: Sequence[int] | None = None,
         schedule: str = "1f1b",
+        checkpointing: int | str | None = None,
+        all_blocks: bool = False,
     ) -> None:
         super().__init__(example_input, profiles)
         self.in_flight = list(in_flight) if in_flight is not None else None
         self.schedule = schedule
+        self.checkpointing = checkpointing
+        self.all_blocks = all_blocks
 
-    def for_schedule(self, in_flight: Sequence[int], schedule: str) -> MemoryPartitioner:
-        """The same partitioner counting ``in_flight[s]`` micro-batches of activations on stage ``s``."""
-        return type(self)(self.example_input, self.profiles, in_flight, schedule)
+    def _like(self, example_input: Any, profiles: list[Profile] | None, **changes: Any) -> MemoryPartitioner:
+        settings = {
+            "in_flight": self.in_flight,
+            "schedule": self.schedule,
+            "checkpointing": self.checkpointing,
+            "all_blocks": self.all_blocks,
+        }
+        return type(self)(example_input, profiles, **{**settings, **changes})
+
+    def for_schedule(
+        self, in_flight: Sequence[int], schedule: str, checkpointing: int | str | None = None
+    ) -> MemoryPartitioner:
+        """The same partitioner counting ``in_flight[s]`` micro-batches of activations on stage ``s``, with the
+        run's activation checkpointing."""
+        return self._like(
+            self.example_input, self.profiles, in_flight=in_flight, schedule=schedule, checkpointing=checkpointing
+        )
 
     def for_input(self, example_input: Any) -> MemoryPartitioner:
-        return type(self)(example_input, None, self.in_flight, self.schedule)
+        return self._like(example_input, None)
 
     def for_blocks(self, module: nn.Module, blocks: Sequence[nn.Module], example_input: Any) -> MemoryPartitioner:
         part = super().for_blocks(module, blocks, example_input)
-        return type(self)(part.example_input, part.profiles, self.in_flight, self.schedule)
+        return self._like(part.example_input, part.profiles, all_blocks=True)
 
     def held(self, num_stages: int, s: int) -> int:
         """Micro-batches of activations stage ``s`` holds at once."""
@@ -769,14 +839,34 @@ class MemoryPartitioner(_Balanced):
             )
         return self.in_flight[s]
 
-    def _cost(self, prof: list[tuple[float, float, float]], num_stages: int, s: int, i: int, j: int) -> float:
-        return sum(p[1] for p in prof[i:j]) + self.held(num_stages, s) * sum(p[2] for p in prof[i:j])
+    def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[Profile]:
+        """Per layer ``(flops, static, bytes held per micro-batch in flight, bytes its recomputation adds)``: a
+        checkpointed block holds its input (and, selective, its saved operations' outputs) and rebuilds the rest
+        during its backward."""
+        prof = super()._profiles(layers)
+        chosen: set[str] = set()
+        if self.checkpointing is not None:
+            blocks = [n for n, _ in layers] if self.all_blocks else [n for n, _ in sequential_blocks(layers)]
+            chosen = set(chosen_blocks(blocks, self.checkpointing))
+        out: list[Profile] = []
+        for (name, _), p in zip(layers, prof):
+            if name in chosen:
+                kept = p[4] if self.checkpointing == "selective" else p[3]
+                out.append((p[0], p[1], kept, max(0.0, p[2] - kept)))
+            else:
+                out.append((p[0], p[1], p[2], 0.0))
+        return out
+
+    def _cost(self, prof: list[Profile], num_stages: int, s: int, i: int, j: int) -> float:
+        held = self.held(num_stages, s) * sum(p[2] for p in prof[i:j])
+        return sum(p[1] for p in prof[i:j]) + held + max(p[3] for p in prof[i:j])
 
     def describe(self, cost: float, stage: int | None = None) -> str:
+        ckpt = "" if self.checkpointing is None else f", {self.checkpointing} activation checkpointing"
         if self.in_flight is None or stage is None:
-            return f"{cost / 2**20:.2f} MiB peak (params, grads, Adam states, 1F1B activations in flight)"
+            return f"{cost / 2**20:.2f} MiB peak (params, grads, Adam states, 1F1B activations in flight{ckpt})"
         held = self.in_flight[stage]
         return (
             f"{cost / 2**20:.2f} MiB peak (params, grads, Adam states, activations of {held} micro-batch"
-            f"{'es' if held != 1 else ''} in flight under {self.schedule})"
+            f"{'es' if held != 1 else ''} in flight under {self.schedule}{ckpt})"
         )

@@ -75,7 +75,7 @@ def chosen_blocks(all_blocks: Sequence[str], mode: int | str) -> list[str]:
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Save the outputs of matrix multiplications, attention and tensor-parallel collectives; recompute the rest."""
-    if func in _saved_ops():
+    if func in saved_ops():
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -83,7 +83,8 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpoi
 _SAVED: frozenset[Any] | None = None
 
 
-def _saved_ops() -> frozenset[Any]:
+def saved_ops() -> frozenset[Any]:
+    """The aten operations whose outputs selective checkpointing keeps (matmuls, attention, collectives)."""
     global _SAVED
     if _SAVED is None:
         aten = torch.ops.aten

@@ -81,6 +81,7 @@ def plan_model(
     stages: Sequence[Sequence[str]] | None = None,
     schedule: str = "1f1b",
     micro_batches: int | None = None,
+    activation_checkpointing: int | str | None = None,
 ) -> ModelPlan:
     """Find the body, split it into stages and find the tensor-parallel plan; no communication.
 
@@ -91,6 +92,8 @@ def plan_model(
             stage.
         micro_batches: micro-batches per batch; given, ``partitioner="memory"`` counts the activations each stage
             holds under ``schedule`` (its action list), else 1F1B's ``p - s``.
+        activation_checkpointing: the normalised setting (``checkpointing.checkpoint_every``); the memory
+            partitioner counts what checkpointed blocks keep and recompute.
 
     Returns:
         The body, the stage split, the tensor-parallel plan, the whole model's tensor specs and the example input.
@@ -103,7 +106,7 @@ def plan_model(
     placement = stage_ranks(schedule, pp, stages_per_rank)
     if isinstance(partitioner, MemoryPartitioner) and micro_batches is not None:  # the schedule's own in-flight
         held = activations_in_flight(schedule, pp, stages_per_rank, micro_batches)
-        partitioner = partitioner.for_schedule(held, schedule)
+        partitioner = partitioner.for_schedule(held, schedule, activation_checkpointing)
     _check_no_meta_metrics(module)
     if stages is not None or not uses_sequential_body(module, body, blocks):
         plan = _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan, stages)

@@ -107,17 +107,19 @@ def test_compute_partitioner_falls_back_to_flops_when_a_layer_cannot_be_timed():
 
 
 def test_profiles_count_flops_and_bytes_on_meta():
-    flops, static, act = balance.layer_profiles([("0", nn.Linear(8, 16))], torch.zeros(4, 8))[0]
+    flops, static, act, held, selective = balance.layer_profiles([("0", nn.Linear(8, 16))], torch.zeros(4, 8))[0]
     assert flops == 3 * 2 * 4 * 8 * 16  # forward, input gradient, weight gradient
     assert static == (8 * 16 + 16) * 4 * (2 + balance.OPTIMIZER_STATES)
     assert act == 4 * 8 * 4  # the input, saved for the weight gradient (the weight itself is static)
+    assert held == 4 * 8 * 4  # checkpointed: the input alone
+    assert selective == held + 4 * 16 * 4  # selective: and the matmul's output
 
 
 def test_memory_estimate_matches_measured_bytes():
     """Static bytes against a real Adam step, activation bytes against the tensors autograd really saves."""
     layer = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     x = torch.randn(16, 32, requires_grad=True)  # a later stage's input (needs its gradient)
-    _, static, act = balance.layer_profiles([("0", layer)], x)[0]
+    _, static, act = balance.layer_profiles([("0", layer)], x)[0][:3]
     saved: dict[int, int] = {}
     weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
 
@@ -325,6 +327,10 @@ def test_block_profiles_count_embeddings_and_head_on_the_end_blocks():
     static[4] += sum(p.numel() for p in model.head.parameters()) * per_param
     assert [p[1] for p in prof] == pytest.approx(static)
     assert all(p[2] > 0 for p in prof) and prof[2][2] > prof[1][2]  # the wide block saves its wide activation
+    assert [p[3] for p in prof] == [tokens * 16 * 4] * 5  # each block's input: the hidden states
+    outputs = [tokens * (16 + 16) * 4] * 5  # selective also keeps each matmul's output
+    outputs[2] = tokens * (128 + 16) * 4
+    assert [p[4] - p[3] for p in prof] == outputs
     assert next(model.parameters()).device.type == "cpu"  # the model itself is untouched
 
     part = balance.ComputePartitioner(measure=False).for_blocks(model, list(model.blocks), example)
@@ -424,11 +430,83 @@ def test_hugging_face_model_is_profiled_on_fake_tensors(partitioner):
     if partitioner == "memory":
         profiles = balance.block_profiles(module, list(module.model.model.layers), torch.zeros(2, 8, dtype=torch.long))
         total = sum(p.numel() * p.element_size() for p in module.parameters()) * (2 + balance.OPTIMIZER_STATES)
-        assert sum(static for _, static, _ in profiles) == total
+        assert sum(p[1] for p in profiles) == total
         embed = module.model.model.embed_tokens.weight
         head = module.model.lm_head.weight
         block = sum(p.numel() * 4 for p in module.model.model.layers[1].parameters()) * (2 + balance.OPTIMIZER_STATES)
         assert profiles[0][1] == block + embed.numel() * 4 * (2 + balance.OPTIMIZER_STATES)
         norm = module.model.model.norm.weight
         assert profiles[-1][1] == block + (head.numel() + norm.numel()) * 4 * (2 + balance.OPTIMIZER_STATES)
-        assert all(saved > 0 for _, _, saved in profiles)
+        assert all(p[2] > 0 for p in profiles)
+
+
+class _ResidualMLP(nn.Module):
+    """A transformer-like block of the user's (so activation checkpointing picks it): ``x + proj(gelu(fc(x)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act, self.proj = nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)
+
+    def forward(self, x):
+        return x + self.proj(self.act(self.fc(x)))
+
+
+class _LiveBytes(torch_compat.TorchDispatchMode):
+    """Bytes of the tensors made under it that are still alive (by storage), and their peak, op by op."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        super().__init__()
+        self.made: list[tuple] = []
+        self.exclude, self.peak = exclude, 0
+
+    def live(self) -> int:
+        import weakref  # noqa: F401  (the refs below)
+
+        alive = {ptr: size for ref, ptr, size in self.made if ref() is not None and ptr not in self.exclude}
+        return sum(alive.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.made.append((weakref.ref(t), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+@pytest.mark.parametrize("mode", [None, "full", "selective", 2])
+def test_memory_estimate_follows_activation_checkpointing(mode):
+    """Under activation checkpointing a block keeps only its input per micro-batch in flight (selective: also its
+    matmul outputs) and rebuilds the rest in its backward. Against the bytes alive (op by op, whatever holds them)
+    while a 1F1B stage's micro-batches run through torch's checkpointing, applied as the strategy applies it: the
+    estimate's in-flight part matches what the forwards leave alive, and the whole estimate (with the
+    recomputation) lies between that and the backward's peak."""
+    from lightning_3d.core import checkpointing
+
+    torch.manual_seed(0)
+    n = 256
+    layers = [(str(i), _ResidualMLP()) for i in range(4)]
+    ranges = [range(0, 2), range(2, 4)]
+    part = partition.get_partitioner("memory").for_input(torch.randn(n, 32))
+    estimate = part.for_schedule([2, 1], "1f1b", mode).stage_costs(layers, ranges)
+    without_flight = part.for_schedule([0, 0], "1f1b", mode).stage_costs(layers, ranges)  # static + recompute
+    if mode is not None:
+        checkpointing.checkpoint_blocks([layers[i] for i in (range(4) if mode != 2 else (1, 3))], mode)
+    for s, r in enumerate(ranges):
+        stage = nn.Sequential(*(layers[i][1] for i in r))
+        live = _LiveBytes({p.untyped_storage().data_ptr() for p in stage.parameters()})
+        with live:  # 1F1B: 2 - s micro-batches in flight (each stage's input counts: its first block keeps it)
+            loss = sum(stage(torch.randn(n, 32, requires_grad=s > 0)).sum() for _ in range(2 - s))
+            held = live.live()
+            loss.backward()
+        static = _static_bytes(stage)  # after the backward: Adam makes states for parameters with gradients
+        in_flight = estimate[s] - without_flight[s]
+        assert abs(in_flight - held) <= 0.1 * held, (mode, s, in_flight, held)
+        # the recomputation: none without checkpointing; with it, more than nothing and no more than the backward
+        # adds over what the forwards left alive (that also holds the activation gradients)
+        recompute = without_flight[s] - static
+        assert (recompute == 0) if mode is None else (0 < recompute <= live.peak - held), (mode, s, recompute)
+        # (1% slack below: the step's scalar loss is alive too)
+        assert 0.99 * (static + held) <= estimate[s] <= static + live.peak, (mode, s, estimate[s], held, live.peak)
