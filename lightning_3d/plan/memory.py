@@ -13,7 +13,11 @@ last holds the output projection and the logits). Per rank:
   (``h``) and one block's activations exist at a time during its recomputation. The last stage adds the logits
   (``vocab / tp`` per token, in the activation dtype plus fp32 for the loss).
 - **in flight**: GPipe keeps all ``m`` micro-batches, 1F1B ``min(m, pp - rank)``, interleaved 1F1B
-  ``min(m, pp) * (1 + (pp - 1) / (pp v))`` stage-equivalents (Narayanan et al. 2021), zero-bubble as 1F1B.
+  ``min(m, pp) * (1 + (pp - 1) / (pp v))`` stage-equivalents (Narayanan et al. 2021); the zero-bubble schedules
+  hold a micro-batch until its weight gradient, so more than 1F1B (counted on torch's action lists, two stages per
+  rank): ZB-V ``min(m, 2pp - r) + min(m, r + 1)`` half-stages on rank ``r`` (``pp + 1/2`` stage-equivalents, every
+  rank), interleaved zero-bubble ``min(m, 2pp) + min(m, pp)`` (``1.5 pp`` from ``m = 2pp`` on, against 1F1B's
+  ``pp``; exact when ``pp`` divides ``m``, one micro-batch short on the first-round stage otherwise).
 - **buffers**: pipeline send/receive buffers (forward and backward, each chunk), the data-parallel gradient
   bucket, FSDP's gathered layers (under a pipeline: the stage's gathered parameters and unsharded gradients, kept
   across the micro-batches); and ``cluster.reserved_gib`` the framework keeps.
@@ -95,6 +99,10 @@ def in_flight(layout: Layout, rank: int) -> float:
         return float(m)
     if layout.schedule == "interleaved1f1b":
         return min(m, pp) * (1 + (pp - 1) / (pp * layout.stages_per_rank))
+    if layout.schedule == "zbvzerobubble":  # stages r and 2 pp - 1 - r, half a rank's layers each
+        return (min(m, 2 * pp - rank) + min(m, rank + 1)) / 2
+    if layout.schedule == "interleavedzerobubble":  # stages r and r + pp
+        return (min(m, 2 * pp) + min(m, pp)) / 2
     return float(min(m, pp - rank)) if layout.schedule == "1f1b" else float(min(m, pp))
 
 
