@@ -109,6 +109,54 @@ def balanced_split(num_layers: int, num_stages: int, cost: StageCost) -> list[ra
     return ranges[::-1]
 
 
+def rank_balanced(
+    partitioner: Any, layers: Sequence[tuple[str, nn.Module]], ranges: Sequence[range], placement: Sequence[int]
+) -> list[range]:
+    """``ranges`` (the stage split :func:`balanced_split` chose) moved, boundary by boundary, so that the busiest
+    pipeline rank's stages together cost as little as possible, when ranks hold several stages.
+
+    :func:`balanced_split` minimises the slowest *stage*; under an interleaved or V placement a rank runs all its
+    stages for every micro-batch, so the busiest *rank* sets the pace (and, for memory, holds the most). From the
+    stage split, the best single move of one boundary by one layer is taken while it lowers ``(busiest rank,
+    costliest stage)``; the result is never worse than the stage split. One stage per rank: returned unchanged.
+    Deterministic, so every rank refines the same gathered table to the same split.
+
+    Args:
+        partitioner: the compute or memory partitioner that chose ``ranges`` (its costs, profiled once).
+        layers: the layers split.
+        ranges: the stage split.
+        placement: ``placement[s]`` is the pp rank running stage ``s``.
+    """
+    if len(set(placement)) == len(placement):
+        return list(ranges)
+    prof = partitioner._profiles(layers)
+    num_stages = len(ranges)
+    bounds = [r.start for r in ranges] + [ranges[-1].stop]
+
+    def key(b: list[int]) -> tuple[float, float]:
+        costs = [partitioner._cost(prof, num_stages, s, b[s], b[s + 1]) for s in range(num_stages)]
+        per_rank: dict[int, float] = {}
+        for s, c in enumerate(costs):
+            per_rank[placement[s]] = per_rank.get(placement[s], 0.0) + c
+        return max(per_rank.values()), max(costs)
+
+    best = key(bounds)
+    for _ in range(len(layers) * num_stages):  # each move strictly improves; this only bounds the loop
+        moves = []
+        for k in range(1, num_stages):
+            for step in (-1, 1):
+                moved = [*bounds[:k], bounds[k] + step, *bounds[k + 1 :]]
+                if moved[k - 1] < moved[k] < moved[k + 1]:
+                    moves.append((key(moved), moved))
+        if not moves:
+            break
+        score, moved = min(moves)
+        if score >= best:
+            break
+        best, bounds = score, moved
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
 def _meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(tensor, device="meta")
 

@@ -27,7 +27,7 @@ from torchmetrics import Metric
 
 from . import blocks, partition, torch_compat
 from . import tensor_parallel as tpmod
-from .balance import ComputePartitioner, MemoryPartitioner
+from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
 from .blocks import sequential_blocks
 from .boundary_check import check_stage_boundaries, make_skeleton
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
@@ -109,7 +109,9 @@ def plan_model(
         partitioner = partitioner.for_schedule(held, schedule, activation_checkpointing)
     _check_no_meta_metrics(module)
     if stages is not None or not uses_sequential_body(module, body, blocks):
-        plan = _plan_split_model(module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan, stages)
+        plan = _plan_split_model(
+            module, tp, pp, stages_per_rank, partitioner, blocks, tp_plan, tp_autoplan, stages, placement
+        )
         if plan.split is not None and plan.split.container is not None:  # the schedule's placement (a V, or looping)
             plan.split.stage_to_rank = placement
             plan.stage_plan.stage_to_rank = list(placement)
@@ -183,6 +185,7 @@ def _plan_split_model(
     explicit_plan: Mapping[str, Any] | None,
     tp_autoplan: bool,
     stages: Sequence[Sequence[str]] | None = None,
+    schedule_placement: Sequence[int] | None = None,
 ) -> ModelPlan:
     """Plan a model split at its block container (or, at pp = 1, not split at all): by the partitioner, or by the
     user's per-stage module lists (``stages``); the stage boundaries are checked on fake tensors when the module
@@ -216,6 +219,8 @@ def _plan_split_model(
                 partitioner = partitioner.for_blocks(module, [m for _, m in layers], module.example_input_array)
             ranges = partition.checked_ranges(partitioner, layers, num_stages, what="blocks")
             if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+                ranks = list(schedule_placement or [s % pp for s in range(num_stages)])
+                ranges = rank_balanced(partitioner, layers, ranges, ranks)  # a rank's stages together
                 costs = partitioner.stage_costs(layers, ranges)
                 estimates = [partitioner.describe(c, stage) for stage, c in enumerate(costs)]
         split = blocks.split_model(module, container, pp, ranges, stages_per_rank, placement)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import torch_compat
-from .balance import ComputePartitioner, MemoryPartitioner
+from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
 
 CONTRACT = (
     "lightning_3d needs the model body as ONE nn.Sequential attribute of the LightningModule (embedding layer "
@@ -248,11 +248,12 @@ def plan_stages(
             f"at least one layer. Use pp <= {len(layers) // stages_per_rank}, or split the model into more layers."
         )
     ranges = checked_ranges(partitioner, layers, num_stages)
-    names = [[layers[i][0] for i in r] for r in ranges]
     ranks = list(placement) if placement is not None else [s % pp for s in range(num_stages)]
     costs: list[float] = []
     if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
+        ranges = rank_balanced(partitioner, layers, ranges, ranks)  # a rank's stages together, when it has several
         costs = partitioner.stage_costs(layers, ranges)
+    names = [[layers[i][0] for i in r] for r in ranges]
     return StagePlan(names, body.fqn, ranks, [partitioner.describe(c, stage) for stage, c in enumerate(costs)], costs)
 
 

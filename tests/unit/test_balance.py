@@ -510,3 +510,53 @@ def test_memory_estimate_follows_activation_checkpointing(mode):
         assert (recompute == 0) if mode is None else (0 < recompute <= live.peak - held), (mode, s, recompute)
         # (1% slack below: the step's scalar loss is alive too)
         assert 0.99 * (static + held) <= estimate[s] <= static + live.peak, (mode, s, estimate[s], held, live.peak)
+
+
+def test_split_balances_ranks_when_a_rank_holds_several_stages():
+    """Seven unit layers and a heavy last one over 4 stages. The stage split alone (slowest stage 5, 2+2+3+5) gives
+    the rank of stages 1 and 3 seven units against five; moving one boundary makes both ranks six, the slowest stage
+    unchanged. One stage per rank keeps the stage split."""
+    costs = [1.0] * 7 + [5.0]
+    layers = [(str(i), nn.Identity()) for i in range(8)]
+    body = partition.BodyRef(parent=nn.Module(), attr="body", fqn="body", module=nn.Sequential(*(m for _, m in layers)))
+    part = balance.ComputePartitioner(profiles=[(c, 0.0, 0.0) for c in costs])
+    assert part(layers, 4) == [range(0, 2), range(2, 4), range(4, 7), range(7, 8)]  # the stage split
+    looping = partition.plan_stages(body, 2, part, 2)  # stages 0, 2 on rank 0; 1, 3 on rank 1
+    assert max(looping.costs) == 5.0 and looping.predicted_imbalance() == 1.0  # 6 and 6
+    v_shape = partition.plan_stages(body, 2, part, 2, [0, 1, 1, 0])  # ZB-V: stages 0 and 3 on rank 0
+    assert max(v_shape.costs) == 5.0 and v_shape.predicted_imbalance() == 1.0
+    one_each = partition.plan_stages(body, 4, part)
+    assert one_each.costs == [2.0, 2.0, 3.0, 5.0]
+
+
+def test_model_split_at_its_blocks_balances_ranks_under_an_interleaved_placement():
+    """A Llama whose head is heavy (vocabulary 2048 against hidden 16): under interleaved 1F1B the rank holding the
+    last stage gets fewer blocks than the stage split alone would give it."""
+    import lightning.pytorch as pl
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_3d.core.parallelize import plan_model
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = AutoConfig.for_model(
+                "llama", vocab_size=2048, num_hidden_layers=10, hidden_size=16, intermediate_size=32,
+                num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+            )  # fmt: skip
+            self.model = AutoModelForCausalLM.from_config(config)
+            self.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+
+        def forward(self, x):
+            return self.model(input_ids=x).logits
+
+    module = Module()
+    part = balance.ComputePartitioner(measure=False)
+    blocks = list(module.model.model.layers)
+    layers = [(str(i), b) for i, b in enumerate(blocks)]
+    profiled = part.for_blocks(module, blocks, module.example_input_array)
+    stage_split = profiled(layers, 4)
+    costs = profiled.stage_costs(layers, stage_split)
+    before = max(costs[0] + costs[2], costs[1] + costs[3]) / (sum(costs) / 2)
+    plan = plan_model(module, tp=1, pp=2, stages_per_rank=2, partitioner=part, schedule="interleaved1f1b")
+    assert plan.stage_plan.predicted_imbalance() < before, (plan.stage_plan.layer_names, stage_split)
