@@ -27,11 +27,16 @@ def _fmt_s(seconds: float) -> str:
 
 def table(plan: Plan, rows: int = 10) -> str:
     """The best ``rows`` entries as a text table."""
-    head = f"{'#':>3}  {'layout':<36} {'mem GiB':>8} {'step':>10} {'tokens/s':>12} {'TFLOP/s/dev':>11} {'MFU':>6}  runs"
+    shown = plan.entries[:rows]
+    width = max([36, *(len(e.layout.short()) for e in shown)])  # the longest layout name keeps the columns aligned
+    head = (
+        f"{'#':>3}  {'layout':<{width}} {'mem GiB':>8} {'step':>10} {'tokens/s':>12} {'TFLOP/s/dev':>11} {'MFU':>6}"
+        "  runs"
+    )
     lines = [head, "-" * len(head)]
-    for i, e in enumerate(plan.entries[:rows], 1):
+    for i, e in enumerate(shown, 1):
         lines.append(
-            f"{i:>3}  {e.layout.short():<36} {e.memory.gib:>8.2f} {_fmt_s(e.step_s):>10} {e.tokens_per_s:>12,.0f} "
+            f"{i:>3}  {e.layout.short():<{width}} {e.memory.gib:>8.2f} {_fmt_s(e.step_s):>10} {e.tokens_per_s:>12,.0f} "
             f"{e.tflops_per_gpu:>11.3f} {e.mfu:>6.1%}  {'yes' if e.runnable else 'predicted only'}"
         )
     return "\n".join(lines)
