@@ -154,36 +154,32 @@ def worker(
             gpt_loss(whole(x[i : i + 1]), y[i : i + 1]).backward()
 
     times: dict[str, list[float]] = {}
+
+    def timed(key: str, run: Any, keep: bool) -> None:
+        start = time.perf_counter()
+        run()
+        if keep:
+            times.setdefault(key, []).append(time.perf_counter() - start)
+
     for round_ in range(warmup + reps):
+        kept = round_ >= warmup
         for m in ms:
             zero()
             dist.barrier()
             if rank == 0:
-                start = time.perf_counter()
-                baseline(m)
-                elapsed = time.perf_counter() - start
-                if round_ >= warmup:
-                    times.setdefault(f"base/{m}", []).append(elapsed)
+                timed(f"base/{m}", lambda m=m: baseline(m), kept)
             dist.barrier()
             if m == timeline_m:  # the host's share: both ranks run the whole model at once, no pipeline
                 zero()
                 dist.barrier()
-                start = time.perf_counter()
-                baseline(m)
-                elapsed = time.perf_counter() - start
-                if round_ >= warmup:
-                    times.setdefault(f"pair/{m}", []).append(elapsed)
+                timed(f"pair/{m}", lambda m=m: baseline(m), kept)
                 dist.barrier()
             for name in names:
                 if (name, m) not in schedules:
                     continue
                 zero()
                 dist.barrier()
-                start = time.perf_counter()
-                step(name, m)
-                elapsed = time.perf_counter() - start
-                if round_ >= warmup:
-                    times.setdefault(f"{name}/{m}", []).append(elapsed)
+                timed(f"{name}/{m}", lambda name=name, m=m: step(name, m), kept)
     gathered: list[Any] = [None, None]
     dist.all_gather_object(gathered, times)
     result: dict[str, Any] = {"rounds": {}, "timeline": {}, "split": plans}

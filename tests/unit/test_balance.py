@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -399,22 +401,16 @@ def test_memory_split_follows_the_schedules_in_flight_counts():
     assert gpipe.stage_plan.describe().count("activations of 4 micro-batches in flight under gpipe") == 2
 
 
-@pytest.mark.parametrize("partitioner", ["memory", "compute-flops"])
-def test_hugging_face_model_is_profiled_on_fake_tensors(partitioner):
-    """A Hugging Face model asks a tensor's value while it builds its mask (``.all()`` on the positions), which
-    meta tensors cannot answer: the memory partitioner and the compute partitioner's FLOP count profile it on fake
-    tensors. The parameters count once each, as static bytes, on the block that owns them (the embedding on the
-    first block, the final norm and head on the last)."""
+def _tiny_llama(vocab: int, layers: int) -> Any:
+    """A LightningModule holding a tiny Hugging Face Llama (hidden 16), with a 2 x 8 token example."""
     import lightning.pytorch as pl
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from lightning_3d.core.parallelize import plan_model
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             config = AutoConfig.for_model(
-                "llama", vocab_size=64, num_hidden_layers=4, hidden_size=16, intermediate_size=32,
+                "llama", vocab_size=vocab, num_hidden_layers=layers, hidden_size=16, intermediate_size=32,
                 num_attention_heads=4, num_key_value_heads=2, use_cache=False,
             )  # fmt: skip
             self.model = AutoModelForCausalLM.from_config(config)
@@ -423,8 +419,19 @@ def test_hugging_face_model_is_profiled_on_fake_tensors(partitioner):
         def forward(self, x):
             return self.model(input_ids=x).logits
 
+    return Module()
+
+
+@pytest.mark.parametrize("partitioner", ["memory", "compute-flops"])
+def test_hugging_face_model_is_profiled_on_fake_tensors(partitioner):
+    """A Hugging Face model asks a tensor's value while it builds its mask (``.all()`` on the positions), which
+    meta tensors cannot answer: the memory partitioner and the compute partitioner's FLOP count profile it on fake
+    tensors. The parameters count once each, as static bytes, on the block that owns them (the embedding on the
+    first block, the final norm and head on the last)."""
+    from lightning_3d.core.parallelize import plan_model
+
     chosen = balance.ComputePartitioner(measure=False) if partitioner == "compute-flops" else partitioner
-    module = Module()
+    module = _tiny_llama(vocab=64, layers=4)
     plan = plan_model(module, tp=1, pp=2, partitioner=chosen, schedule="1f1b", micro_batches=2)
     assert plan.stage_plan.layer_names and len(plan.stage_plan.costs) == 2 and min(plan.stage_plan.costs) > 0
     if partitioner == "memory":
@@ -532,25 +539,9 @@ def test_split_balances_ranks_when_a_rank_holds_several_stages():
 def test_model_split_at_its_blocks_balances_ranks_under_an_interleaved_placement():
     """A Llama whose head is heavy (vocabulary 2048 against hidden 16): under interleaved 1F1B the rank holding the
     last stage gets fewer blocks than the stage split alone would give it."""
-    import lightning.pytorch as pl
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from lightning_3d.core.parallelize import plan_model
 
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            config = AutoConfig.for_model(
-                "llama", vocab_size=2048, num_hidden_layers=10, hidden_size=16, intermediate_size=32,
-                num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-            )  # fmt: skip
-            self.model = AutoModelForCausalLM.from_config(config)
-            self.example_input_array = torch.zeros(2, 8, dtype=torch.long)
-
-        def forward(self, x):
-            return self.model(input_ids=x).logits
-
-    module = Module()
+    module = _tiny_llama(vocab=2048, layers=10)
     part = balance.ComputePartitioner(measure=False)
     blocks = list(module.model.model.layers)
     layers = [(str(i), b) for i, b in enumerate(blocks)]
