@@ -696,6 +696,7 @@ class _Balanced:
     def __init__(self, example_input: Any = None, profiles: list[Profile] | None = None) -> None:
         self.example_input = example_input
         self.profiles = profiles
+        self._cache: tuple[tuple[int, ...], list[Profile]] | None = None
 
     def for_input(self, example_input: Any) -> _Balanced:
         """The same partitioner profiling on ``example_input`` (one micro-batch's input of the body)."""
@@ -709,6 +710,14 @@ class _Balanced:
         return type(self)(example_input, block_profiles(module, blocks, example_input))
 
     def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[Profile]:
+        """The layers' profiles, made once per list of layers: the split, the rank refinement and the print-out
+        all read them (the compute partitioner's timing is a collective)."""
+        key = tuple(id(m) for _, m in layers)
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self._make_profiles(layers))
+        return self._cache[1]
+
+    def _make_profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[Profile]:
         if self.profiles is not None:
             return self.profiles
         if self.example_input is None:
@@ -760,7 +769,6 @@ class ComputePartitioner(_Balanced):
         self.measure, self.device = measure, device
         self.measured = False  # whether the costs are measured seconds (else FLOPs)
         self.fallback: str | None = None  # why FLOPs were used although timing was asked for
-        self._cache: tuple[tuple[int, ...], list[Profile]] | None = None
 
     def for_input(self, example_input: Any) -> ComputePartitioner:
         return type(self)(example_input, measure=self.measure, device=self.device)
@@ -785,27 +793,21 @@ class ComputePartitioner(_Balanced):
         part.measured = True
         return part
 
-    def _profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[Profile]:
-        key = tuple(id(m) for _, m in layers)
-        if self._cache is not None and self._cache[0] == key:  # split and print-out: timed (and gathered) once
-            return self._cache[1]
+    def _make_profiles(self, layers: Sequence[tuple[str, nn.Module]]) -> list[Profile]:
         if self.profiles is not None or not self.measure or self.example_input is None:
-            prof = super()._profiles(layers)
-        else:
-            try:
-                times = measure_layer_times(layers, self.example_input, device=self.device)
-                prof = [(t, 0.0, 0.0) for t in times]
-                self.measured = True
-            except TimingUnavailable as err:
-                self.fallback = str(err)
-                warnings.warn(
-                    f"lightning_3d: partitioner='compute' could not time the layers ({err}); the stages are "
-                    "balanced by forward + backward FLOPs counted on the meta device instead.",
-                    stacklevel=2,
-                )
-                prof = super()._profiles(layers)
-        self._cache = (key, prof)
-        return prof
+            return super()._make_profiles(layers)
+        try:
+            times = measure_layer_times(layers, self.example_input, device=self.device)
+        except TimingUnavailable as err:
+            self.fallback = str(err)
+            warnings.warn(
+                f"lightning_3d: partitioner='compute' could not time the layers ({err}); the stages are "
+                "balanced by forward + backward FLOPs counted on the meta device instead.",
+                stacklevel=2,
+            )
+            return super()._make_profiles(layers)
+        self.measured = True
+        return [(t, 0.0, 0.0) for t in times]
 
     def _cost(self, prof: list[Profile], num_stages: int, s: int, i: int, j: int) -> float:
         return sum(p[0] for p in prof[i:j])
