@@ -232,6 +232,14 @@ class ThreeDSettings:
                 "ThreeDStrategy: activation_checkpointing and compile cannot be combined yet (the checkpointed "
                 "forward's random-stream replay is not traced by torch.compile); choose one."
             )
+        if self.activation_checkpointing == "selective" and self._splits_backward():
+            raise ValueError(
+                f"ThreeDStrategy: activation_checkpointing='selective' with schedule={self.schedule!r}, which runs "
+                "each backward in two passes (input gradients, then weight gradients): torch's selective "
+                "checkpointing hands each kept activation to one backward pass only. Use "
+                "activation_checkpointing='full' or N (recomputed in each pass), or a schedule with whole "
+                "backwards ('1f1b', 'gpipe', 'interleaved1f1b', 'loopedbfs')."
+            )
         if self.data_parallel not in DATA_PARALLEL_MODES:
             raise ValueError(
                 f"ThreeDStrategy: data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}."
@@ -288,12 +296,7 @@ class ThreeDSettings:
                 "pipeline, which is the memory fsdp_reshard_after_backward is there to save. Leave "
                 "fsdp_reshard_after_forward None (it becomes True), or drop fsdp_reshard_after_backward."
             )
-        split = (
-            read_csv_schedule(self.schedule).split_backward
-            if is_csv_schedule(self.schedule)
-            else self.schedule.lower() in ZERO_BUBBLE_SCHEDULES
-        )
-        if split:
+        if self._splits_backward():
             raise ValueError(
                 f"ThreeDStrategy: fsdp_reshard_after_backward=True with schedule={self.schedule!r}, which splits each "
                 "backward into an input-gradient and a later weight-gradient action: FSDP2's post-backward (reshard "
@@ -302,6 +305,12 @@ class ThreeDSettings:
                 "fsdp_reshard_after_backward None."
             )
         object.__setattr__(self, "fsdp_reshard_after_forward", True)
+
+    def _splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as an input-gradient and a later weight-gradient action."""
+        if is_csv_schedule(self.schedule):
+            return read_csv_schedule(self.schedule).split_backward
+        return self.schedule.lower() in ZERO_BUBBLE_SCHEDULES
 
     def _check_dp_shard(self) -> None:
         if self.dp_shard is not None:

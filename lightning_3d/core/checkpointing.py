@@ -124,7 +124,26 @@ class CheckpointedBlocks:
             forward, recompute = create_selective_checkpoint_contexts(selective_policy)
         if self.randomness is None:
             return forward, recompute
-        return forward, _both(self.randomness.replaying(self.randomness.state_dict()), recompute)
+        randomness, snapshot = self.randomness, self.randomness.state_dict()
+        return forward, _EachEntry(lambda: _both(randomness.replaying(snapshot), recompute))
+
+
+class _EachEntry(contextlib.AbstractContextManager):
+    """A context made afresh each time it is entered. torch enters a block's recompute context once per backward
+    pass that reads the block's activations, and a zero-bubble schedule's backward is two passes (input, then
+    weight gradients); a generator-based context can be entered only once."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        self._make = make
+        self._open: list[contextlib.AbstractContextManager[Any]] = []
+
+    def __enter__(self) -> None:
+        context = self._make()
+        context.__enter__()
+        self._open.append(context)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._open.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager

@@ -130,3 +130,36 @@ def test_no_grad_forward_runs_plainly() -> None:
     x = torch.randn(3, 8, dtype=torch.float64)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+def test_backward_in_two_passes_recomputes_twice_with_the_same_masks() -> None:
+    """A zero-bubble schedule's backward: input gradients first (graph kept), weight gradients in a second pass.
+    torch recomputes each checkpointed block once per pass; both recomputations replay the forward's masks, so the
+    weight gradients equal the reference's one-pass backward bitwise."""
+    reference, model = _model(), _model()
+    _with_streams(reference)
+    done = checkpoint_blocks([(str(i), model[i]) for i in range(1, 5)], "full")
+    done.randomness = _with_streams(model)
+    expected = _grads(reference, 1)[0]
+    torch.manual_seed(123)
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    kept: list[torch.Tensor] = []  # the first layer's output: the input whose gradient pass 1 asks for
+    model[0].register_forward_hook(lambda module, args, output: kept.append(output))
+    out = model(x).square().sum()
+    hidden = kept[0]
+    (grad_in,) = torch.autograd.grad(out, [hidden], retain_graph=True)  # pass 1: input gradient
+    params = [p for p in model[1:].parameters()]
+    grads = torch.autograd.grad(out, params)  # pass 2: weight gradients
+    names = [f"{i + 1}.{n}" for i, layer in enumerate(model[1:]) for n, _ in layer.named_parameters()]
+    for name, grad in zip(names, grads, strict=True):
+        assert torch.equal(grad, expected[name]), name
+    assert grad_in.shape == hidden.shape
+    assert all(model[i].calls == 3 for i in range(1, 5))  # forward, then one recomputation per pass
+
+
+@pytest.mark.parametrize("schedule", ["zbvzerobubble", "interleavedzerobubble", "dualpipev"])
+def test_selective_checkpointing_is_refused_with_a_split_backward(schedule) -> None:
+    layout = {"pp": 2, "stages_per_rank": 2, "schedule": schedule, "micro_batches": 4}
+    with pytest.raises(ValueError, match=rf"'selective' with schedule='{schedule}', which runs each backward in two"):
+        ThreeDSettings(**layout, activation_checkpointing="selective")
+    assert ThreeDSettings(**layout, activation_checkpointing="full")
