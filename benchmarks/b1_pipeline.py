@@ -65,7 +65,7 @@ def split_stages(
     part = partition.get_partitioner(partitioner)
     if isinstance(part, (ComputePartitioner, MemoryPartitioner)):
         part = part.for_input(example)
-    plan = partition.plan_stages(body, 2, part, spr, stage_ranks(schedule, 2, spr))
+    plan = partition.plan_stages(body, 2, part, spr, stage_ranks(schedule, 2, spr), example=example)
     if plans is not None:
         plans[schedule] = {
             "layers": plan.layer_names,

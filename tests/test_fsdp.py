@@ -254,6 +254,19 @@ COMBINATIONS = {  # pp2 x dp2 with the other features, one launch each: parity a
         "--sub-rab-cases",
         "gpt64",
     ],
+    # every stage boundary inside a layer (pieces.py) under the V placement, with activation checkpointing
+    "fsdp+inside": [
+        "--data-parallel",
+        "fsdp",
+        "--partitioner",
+        "inside",
+        "--schedule",
+        "zbvzerobubble",
+        "--stages-per-rank",
+        2,
+        "--activation-checkpointing",
+        "full",
+    ],
     # (the submodule case under fsdp, the launch's own cases under replicate)
     "buckets+compile": ["--compile-backend", "aot_eager", "--sub-rab-cases", "gpt64"],
 }

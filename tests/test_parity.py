@@ -152,3 +152,27 @@ def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_p
             found = compare(ref, got, case[3:5]) + check_replicas(got) + check_shares(got, ref, case[:3], tp)
             problems += [f"{name} {case}: {p}" for p in found]
     assert not problems, "\n".join(problems[:40])
+
+
+@pytest.mark.slow
+def test_boundaries_inside_layers_match_single_device(parity_reference, tmp_path):
+    """Every stage boundary inside a layer (pieces.py: a block's attention on one stage and its MLP on the next, the
+    head's norm and its projection apart), at tp2 x pp2 x dp2 under 1F1B and the V placement (where one rank holds
+    both parts of a block, in two stages): single-device numbers (float64 step-1 gradients, float32 20 steps), every
+    parameter on exactly one stage under its own name. FSDP and activation checkpointing: tests/test_fsdp.py."""
+    copy_inits(parity_reference, tmp_path)
+    cases, tp, schedules = ["gpt64", "gpt32"], 2, "1f1b:1,zbvzerobubble:2"
+    run_lightning(
+        "parity_run.py",
+        ["--tp", tp, "--pp", 2, "--dp", 2, "--partitioner", "inside", "--schedules", schedules, "--micro", 4,
+         "--cases", ",".join(cases), "--out", tmp_path],
+        timeout=600,
+    )  # fmt: skip
+    problems = []
+    for name in schedules.split(","):
+        tag = name.split(":")[0]
+        for case in cases:
+            ref, got = load(parity_reference, case), load(tmp_path, f"{case}@{tag}")
+            found = compare(ref, got, case[3:5]) + check_replicas(got) + check_shares(got, ref, case[:3], tp)
+            problems += [f"{tag} {case}: {p}" for p in found]
+    assert not problems, "\n".join(problems[:40])

@@ -63,6 +63,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from . import torch_compat
 from .blocks import sequential_blocks
 from .checkpointing import chosen_blocks, saved_ops
+from .pieces import layer_of
 
 Profile = tuple[float, ...]
 """A layer's ``(flops or seconds, static_bytes, activation_bytes[, input_bytes, selective_bytes])``."""
@@ -749,14 +750,20 @@ class ComputePartitioner(_Balanced):
     """Contiguous stages minimising the slowest stage's measured forward + backward time (FLOPs as the fallback;
     see the module docstring).
 
+    Over a Sequential body it is given the layers cut where one tensor crosses (``split_layers``, ``pieces.py``),
+    and puts a stage boundary inside a layer only when that lowers the slowest stage by :attr:`MIN_GAIN` or more
+    than the best split between whole layers (both from the same measured pieces).
+
     Args:
         example_input: one micro-batch's input of the body.
         profiles: per-layer FLOP profiles already made (models split at their blocks); given, nothing is timed.
         measure: time the layers (``False``: count FLOPs only).
         device: where to time (default :func:`timing_device`).
+        split_layers: over a Sequential body, also consider boundaries inside layers (``False``: whole layers).
     """
 
     kind = "compute"
+    MIN_GAIN = 0.01  # a boundary inside a layer must make the slowest stage at least this much faster
 
     def __init__(
         self,
@@ -764,14 +771,15 @@ class ComputePartitioner(_Balanced):
         profiles: list[Profile] | None = None,
         measure: bool = True,
         device: torch.device | None = None,
+        split_layers: bool = True,
     ) -> None:
         super().__init__(example_input, profiles)
-        self.measure, self.device = measure, device
+        self.measure, self.device, self.split_layers = measure, device, split_layers
         self.measured = False  # whether the costs are measured seconds (else FLOPs)
         self.fallback: str | None = None  # why FLOPs were used although timing was asked for
 
     def for_input(self, example_input: Any) -> ComputePartitioner:
-        return type(self)(example_input, measure=self.measure, device=self.device)
+        return type(self)(example_input, measure=self.measure, device=self.device, split_layers=self.split_layers)
 
     def for_blocks(self, module: nn.Module, blocks: Sequence[nn.Module], example_input: Any) -> ComputePartitioner:
         """The blocks of a model split at its block container, timed inside the whole model
@@ -811,6 +819,25 @@ class ComputePartitioner(_Balanced):
 
     def _cost(self, prof: list[Profile], num_stages: int, s: int, i: int, j: int) -> float:
         return sum(p[0] for p in prof[i:j])
+
+    def __call__(self, layers: Sequence[tuple[str, nn.Module]], num_stages: int) -> list[range]:
+        """The best split of ``layers``; where they include pieces of layers, the best split between whole layers
+        unless cutting inside one gains :attr:`MIN_GAIN`."""
+        fine = super().__call__(layers, num_stages)
+        starts = [i for i, (name, _) in enumerate(layers) if i == 0 or layer_of(name) != layer_of(layers[i - 1][0])]
+        if len(starts) == len(layers) or len(starts) < num_stages:
+            return fine
+        prof = self._profiles(layers)
+        ends = [*starts[1:], len(layers)]
+        whole = balanced_split(
+            len(starts), num_stages, lambda s, i, j: self._cost(prof, num_stages, s, starts[i], ends[j - 1])
+        )
+        coarse = [range(starts[r.start], ends[r.stop - 1]) for r in whole]
+
+        def slowest(ranges: Sequence[range]) -> float:
+            return max(self._cost(prof, num_stages, s, r.start, r.stop) for s, r in enumerate(ranges))
+
+        return fine if slowest(fine) < (1 - self.MIN_GAIN) * slowest(coarse) else coarse
 
     def describe(self, cost: float, stage: int | None = None) -> str:
         if self.measured:

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torchmetrics import Metric
 
-from . import blocks, partition, torch_compat
+from . import blocks, partition, pieces, torch_compat
 from . import tensor_parallel as tpmod
 from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
 from .blocks import sequential_blocks
@@ -122,10 +122,6 @@ def plan_model(
     example_input = module.example_input_array
     if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
         partitioner = partitioner.for_input(example_input)  # profiled on the module's example (meta, no compute)
-    stage_plan = partition.plan_stages(found, pp, partitioner, stages_per_rank, placement)
-    if example_input is not None:
-        # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
-        module._example_input_array = None
     explicit = tp_plan if tp_plan is not None else getattr(module, "tp_plan", None)
     if tp == 1:
         resolved = tpmod.resolve_plan(found.module, 1, explicit=explicit, body_prefix=found.fqn)
@@ -139,6 +135,14 @@ def plan_model(
             example_input=example,
             auto=tp_autoplan,
         )
+    # a layer with a tensor-parallel style on itself (not only on its children) is never cut between stages
+    keep_whole = [n for n, _ in found.module.named_children() if "" in resolved.styles_for(n)] if tp > 1 else []
+    stage_plan = partition.plan_stages(
+        found, pp, partitioner, stages_per_rank, placement, example=example_input, keep_whole=keep_whole
+    )
+    if example_input is not None:
+        # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
+        module._example_input_array = None
     is_meta = has_meta_tensors(found.module)
     if is_meta:
         check_materializable(found.module, found.fqn)
@@ -389,11 +393,15 @@ def build_stages(
     body, stage_plan = model.body, model.stage_plan
     pp_rank = mesh["pp"].get_local_rank()
     my_stages = [s for s in range(stage_plan.num_stages) if stage_plan.stage_to_rank[s] == pp_rank]
-    keep = [name for s in my_stages for name in stage_plan.layer_names[s]]
+    held_names = [name for s in my_stages for name in stage_plan.layer_names[s]]  # layers, or parts ("5#0-1")
+    keep = list(dict.fromkeys(pieces.layer_of(n) for n in held_names))
     # which layers are blocks is decided over the whole body, before pruning (a rank may hold one block only)
     layers_now = [(n, m) for n, m in torch_compat.child_modules(body.module).items() if m is not None]
     block_names = [n for n, _ in sequential_blocks(layers_now)]
+    parts = pieces.build_parts(body.module, held_names)  # traced while the layers are whole
     partition.prune_body(body, keep)
+    for layer, held in pieces.held_parts(held_names).items():  # another rank trains the rest of these layers
+        pieces.prune_layer(body.module.get_submodule(layer), [parts[str(p)] for p in held])
     precision.convert_module(module)
     tp = mesh["tp"].size()
     # FSDP / HSDP on a meta model: shard while on meta, then allocate and fill only this rank's shards (materialize.py)
@@ -408,23 +416,29 @@ def build_stages(
             materialize(layer, device, seed, prefix=f"{body.fqn}.{name}")
         elif deferred is None:
             layer.to(device)
-        styles = model.tp_plan.styles_for(name) if tp > 1 else {}
+        styles = _held_styles(layer, model.tp_plan.styles_for(name)) if tp > 1 else {}
         if styles:
             parallelize_module(layer, mesh["tp"], styles)
     if not model.is_meta:
         sync_replicas(body.module, mesh)
     if deferred is None:
         module.to(device)  # anything outside the body (metric states, buffers)
-    layers = torch_compat.child_modules(body.module)
+    containers = {s: partition.stage_container(body, stage_plan.layer_names[s], parts) for s in my_stages}
+    held_modules = {
+        f"{body.fqn}.{name}": torch_compat.child_modules(containers[s])[pieces.layer_of(name)]
+        for s in my_stages
+        for name in stage_plan.layer_names[s]
+        if pieces.layer_of(name) in block_names
+    }
     checkpointed, compiled = _checkpoint_and_compile(
         [f"{body.fqn}.{n}" for n in block_names],
-        {f"{body.fqn}.{n}": layers[n] for n in keep if n in block_names},  # type: ignore[misc]
+        held_modules,  # type: ignore[arg-type]
         checkpointing,
         compile_kwargs,
     )
     stages = []
     for s in my_stages:
-        container = partition.stage_container(body, stage_plan.layer_names[s])
+        container = containers[s]
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
         # a Sequential body has no ties: every layer of the stage its own FSDP unit or gradient bucket
@@ -437,6 +451,13 @@ def build_stages(
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
 
 
+def _held_styles(layer: nn.Module, styles: dict[str, Any]) -> dict[str, Any]:
+    """The styles of ``styles`` whose submodule ``layer`` still holds (all of them, unless part of the layer was
+    pruned because another stage holds it: ``pieces.py``)."""
+    held = {n for n, _ in layer.named_children()}
+    return {path: style for path, style in styles.items() if not path or path.split(".")[0] in held}
+
+
 def _checkpoint_and_compile(
     all_blocks: list[str],
     held: dict[str, nn.Module],
@@ -447,7 +468,8 @@ def _checkpoint_and_compile(
     each held block (torchtitan's order). ``all_blocks``: the whole model's blocks in order; ``held``: this rank's."""
     checkpointed = compiled = None
     if checkpointing is not None:
-        chosen = [(n, held[n]) for n in chosen_blocks(all_blocks, checkpointing) if n in held]
+        chosen_names = set(chosen_blocks(all_blocks, checkpointing))  # a part of a block goes with its block
+        chosen = [(n, m) for n, m in held.items() if pieces.layer_of(n) in chosen_names]
         checkpointed = checkpoint_blocks(chosen, checkpointing)
     if compile_kwargs is not None:
         compiled = compile_blocks(list(held.items()), compile_kwargs)
@@ -562,9 +584,12 @@ def add_body_randomness(
         if tp == 1:
             continue
         for name in model.stage_plan.layer_names[spec.index]:
-            styles = model.tp_plan.styles_for(name)
+            whole = pieces.layer_of(name)  # a part of a layer is in the stage's container, under the layer's name
+            layer = torch_compat.child_modules(model.body.module if whole == name else spec.module)[whole]
+            assert layer is not None
+            styles = _held_styles(layer, model.tp_plan.styles_for(whole))
             if styles:
-                randomness.install_regions(torch_compat.child_modules(model.body.module)[name], styles, spec.index)
+                randomness.install_regions(layer, styles, spec.index)
     return randomness
 
 

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from . import torch_compat
+from . import pieces, torch_compat
 from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
 
 CONTRACT = (
@@ -189,6 +189,7 @@ class StagePlan:
     stage_to_rank: list[int] = field(default_factory=list)
     estimates: list[str] = field(default_factory=list)  # each stage's cost under the partitioner (when it has one)
     costs: list[float] = field(default_factory=list)  # the same costs as numbers (seconds, FLOPs or bytes)
+    shown: dict[str, str] = field(default_factory=dict)  # how the layout names a part of a layer (``pieces.py``)
 
     def predicted_imbalance(self) -> float | None:
         """The busiest pp rank's cost (its stages together) over the mean rank's, from the partitioner's
@@ -212,7 +213,8 @@ class StagePlan:
         for index, names in enumerate(self.layer_names):
             rank = f" on pp rank {self.stage_to_rank[index]}" if self.stage_to_rank else ""
             estimate = f" ({self.estimates[index]})" if self.estimates else ""
-            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{', '.join(names)}]{estimate}")
+            held = ", ".join(self.shown.get(n, n) for n in names)
+            lines.append(f"  stage {index}{rank}: {self.body_fqn}[{held}]{estimate}")
         return "\n".join(lines)
 
 
@@ -236,9 +238,15 @@ def plan_stages(
     partitioner: Partitioner,
     stages_per_rank: int = 1,
     placement: Sequence[int] | None = None,
+    example: object = None,
+    keep_whole: Sequence[str] = (),
 ) -> StagePlan:
     """Split ``body`` into ``pp * stages_per_rank`` stages; stage ``s`` runs on pp rank ``placement[s]`` (default
-    ``s % pp``, looping; a V schedule's placement comes from ``pipeline.stage_ranks``)."""
+    ``s % pp``, looping; a V schedule's placement comes from ``pipeline.stage_ranks``).
+
+    A partitioner with ``split_layers = True`` (the compute partitioner) is given the layers already cut where one
+    tensor crosses (``pieces.py``; checked on ``example``'s meta shapes, and never the layers in ``keep_whole``), and a
+    stage may then hold part of a layer (``"5#0-1"``)."""
     layers = list(body.module.named_children())
     num_stages = pp * stages_per_rank
     if len(layers) < num_stages:
@@ -247,14 +255,19 @@ def plan_stages(
             f"(pp={pp}{f' x {stages_per_rank} stages per rank' if stages_per_rank > 1 else ''}): every stage needs "
             f"at least one layer. Use pp <= {len(layers) // stages_per_rank}, or split the model into more layers."
         )
+    if getattr(partitioner, "split_layers", False):
+        layers = pieces.cut_layers(layers, example, keep_whole)
     ranges = checked_ranges(partitioner, layers, num_stages)
     ranks = list(placement) if placement is not None else [s % pp for s in range(num_stages)]
     costs: list[float] = []
     if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):
         ranges = rank_balanced(partitioner, layers, ranges, ranks)  # a rank's stages together, when it has several
         costs = partitioner.stage_costs(layers, ranges)
-    names = [[layers[i][0] for i in r] for r in ranges]
-    return StagePlan(names, body.fqn, ranks, [partitioner.describe(c, stage) for stage, c in enumerate(costs)], costs)
+    names = pieces.stage_names(layers, ranges)
+    parts = pieces.build_parts(body.module, [n for stage in names for n in stage])
+    shown = {n: pieces.describe(n, m) for n, m in parts.items()}
+    estimates = [partitioner.describe(c, stage) for stage, c in enumerate(costs)]
+    return StagePlan(names, body.fqn, ranks, estimates, costs, shown)
 
 
 def prune_body(body: BodyRef, keep: Sequence[str]) -> None:
@@ -266,12 +279,19 @@ def prune_body(body: BodyRef, keep: Sequence[str]) -> None:
             del children[name]
 
 
-def stage_container(body: BodyRef, names: Sequence[str]) -> nn.Sequential:
-    """A Sequential holding the given layers of the body under their original names (shared modules)."""
+def stage_container(body: BodyRef, names: Sequence[str], parts: dict[str, nn.Module] | None = None) -> nn.Sequential:
+    """A Sequential holding the given layers of the body under their original names (shared modules); a part of a
+    layer (``"5#0-1"``) is its piece module (from ``parts``, else traced from the body), under the layer's name."""
     container = nn.Sequential()
     children = torch_compat.child_modules(body.module)
     for name in names:
-        torch_compat.child_modules(container)[name] = children[name]
+        layer = pieces.layer_of(name)
+        if layer == name:
+            module = children[name]
+        else:
+            given = (parts or {}).get(name)
+            module = given if given is not None else pieces.build_parts(body.module, [name])[name]
+        torch_compat.child_modules(container)[layer] = module
     return container
 
 

@@ -317,6 +317,21 @@ def uneven_stages(model_name: str, layers: int = 4) -> list[list[str]]:
     return [[*before, blocks[0]], [*blocks[1:], *after]]
 
 
+class CutInsideBlocks:
+    """Puts every stage boundary inside a layer (after a block's attention half, or between the head's norm and its
+    projection), where the compute partitioner puts one when that balances the stages better (``pieces.py``)."""
+
+    split_layers = True
+
+    def __call__(self, units, num_stages):
+        cuts = [i + 1 for i, (name, _) in enumerate(units) if name.endswith("#0-1")]
+        assert len(cuts) >= num_stages - 1, f"{[n for n, _ in units]}: too few cuts for {num_stages} stages"
+        chosen = [cuts[round(k * (len(cuts) - 1) / max(num_stages - 2, 1))] for k in range(num_stages - 1)]
+        bounds = [0, *sorted(set(chosen)), len(units)]
+        assert len(bounds) == num_stages + 1, bounds
+        return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
 def _hf_forward(self: L.LightningModule, ids: torch.Tensor) -> torch.Tensor:
     return self.model(input_ids=ids, labels=ids).loss
 
@@ -340,7 +355,8 @@ def run_case(args: argparse.Namespace, case: str) -> None:
             schedule=args.schedule,
             stages_per_rank=args.stages_per_rank,
             stages=uneven_stages(model_name) if args.stages else None,
-            print_layout=args.stages,
+            partitioner=CutInsideBlocks() if args.partitioner == "inside" else args.partitioner,
+            print_layout=args.stages or args.partitioner == "inside",
             data_parallel=args.data_parallel,
             dp_shard=args.dp_shard if args.data_parallel == "hsdp" else None,
             fsdp_reshard_after_backward=True if args.rab else None,
@@ -391,6 +407,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--stages", action="store_true", help="pp=2 with stages=uneven_stages(model)")
+    parser.add_argument("--partitioner", default="uniform", help="a name, or 'inside': every boundary inside a layer")
     parser.add_argument("--data-parallel", default="replicate", help="replicate, fsdp or hsdp")
     parser.add_argument("--dp-shard", type=int, default=None, help="HSDP's shard size (with --data-parallel hsdp)")
     # HSDP in the same launch: after the other cases, these under data_parallel="hsdp" (OUT/<case>@hsdp.pt)
