@@ -335,3 +335,18 @@ class MetricMLP(TinyMLP):
     def predict_step(self, batch, batch_idx):
         x, _ = batch
         return self(x).softmax(-1)
+
+
+class CutInsideBlocks:
+    """Puts every stage boundary inside a layer (after a block's attention half, or between the head's norm and its
+    projection), where the compute partitioner puts one when that balances the stages better (``pieces.py``)."""
+
+    split_layers = True
+
+    def __call__(self, units, num_stages):
+        cuts = [i + 1 for i, (name, _) in enumerate(units) if name.endswith("#0-1")]
+        assert len(cuts) >= num_stages - 1, f"{[n for n, _ in units]}: too few cuts for {num_stages} stages"
+        chosen = [cuts[round(k * (len(cuts) - 1) / max(num_stages - 2, 1))] for k in range(num_stages - 1)]
+        bounds = [0, *sorted(set(chosen)), len(units)]
+        assert len(bounds) == num_stages + 1, bounds
+        return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]

@@ -479,3 +479,25 @@ def test_rng_source_rank_follows_coordinates() -> None:
     wider = Topology(8, tp=4, pp=1)
     assert [source_rank(saved, wider, r) for r in range(8)] == [0, 1, 0, 1, 4, 5, 4, 5]
     assert source_rank(saved, Topology(1), 0) == 0
+
+
+# --------------------------------------------------------------------------------------------- parts of layers
+@pytest.mark.slow
+def test_a_boundary_inside_a_layer_resumes_bitwise_and_loads_with_whole_layers(tmp_path: Path) -> None:
+    """A checkpoint written with block 1 split between the stages (pieces.py): each rank saves the parameters its
+    part holds, under the layer's own names. Resumed at the same split: bitwise. Resumed with whole layers (block 1
+    on one stage): the state restored bitwise, the continuation within float32."""
+    run_lightning("ckpt_parts.py", ["--out", tmp_path], timeout=300)
+    rec = _load(tmp_path / "parts.pt")
+    saving, same, whole = rec["parts_saving"], rec["parts_from3"], rec["whole_from3"]
+    meta = torch.load(tmp_path / "parts" / "step=3.ckpt" / ckpt.META_FILE, weights_only=False)
+    assert meta["lightning_3d"]["layout"]["stages"] == [["0", "1#0-1"], ["1#1-2", "2", "3"]]
+    for resumed in (same, whole):
+        assert not _differences(resumed["snap_start"]["params"], saving["snap_3"]["params"])
+        assert not _differences(resumed["snap_start"]["opt"], saving["snap_3"]["opt"])
+    assert same["losses"] == saving["losses"][3:]
+    assert not _differences(same["snap_end"]["params"], saving["snap_end"]["params"])
+    assert not _differences(same["snap_end"]["opt"], saving["snap_end"]["opt"])
+    for got, want in zip(whole["losses"], saving["losses"][3:], strict=True):
+        assert abs(got - want) <= REL * abs(want), (whole["losses"], saving["losses"][3:])
+    assert _max_rel(whole["snap_end"]["params"], saving["snap_end"]["params"]) <= REL

@@ -29,7 +29,7 @@ def test_checkpointed_gradients_are_bitwise_those_without(tmp_path: Path) -> Non
     result = run_lightning("ac_run.py", ["--out", tmp_path], timeout=600)
     # rank 0 (pp rank 0) holds body.1, body.2: both under full, body.2 (the 2nd of the model) under every 2nd
     assert "activation checkpointing (full): 2 blocks on this rank (body.1, ...)" in result.output
-    assert "activation checkpointing (1 block in 2): 1 blocks on this rank (body.2, ...)" in result.output
+    assert "activation checkpointing (1 block in 2): 1 block on this rank (body.2, ...)" in result.output
     assert "activation checkpointing (full): 2 blocks on this rank (transformer.h.0, ...)" in result.output
     off = torch.load(tmp_path / "off.pt")
     problems = []

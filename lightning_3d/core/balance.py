@@ -428,7 +428,7 @@ def measure_layer_times(
         for i, (_, layer) in enumerate(layers):
             by_signature.setdefault(_signature(layer, inputs[i], i == len(layers) - 1), []).append(i)
         groups = list(by_signature.values())  # the same on every rank: built from the model alone
-        share = list(range(rank, len(groups), world))  # this rank's share: every world-th kind of layer
+        share = _share(groups, layers, rank, world)
         specs = []
         for g in share:
             i = groups[g][0]
@@ -446,6 +446,16 @@ def measure_layer_times(
         for i in members:
             out[i] = measured[members[0]]
     return out
+
+
+def _share(groups: Sequence[list[int]], layers: Sequence[tuple[str, nn.Module]], rank: int, world: int) -> list[int]:
+    """The kinds of layer (indices into ``groups``) this rank times: every ``world``-th family, where the pieces of
+    one layer (``pieces.py``: a block's attention and MLP halves) are one family, timed on one rank so that their
+    proportion does not mix two ranks' speeds."""
+    families: dict[str, int] = {}
+    # a kind's first member names its layer: both halves of the first block for the halves of every block
+    family_of = [families.setdefault(layer_of(layers[members[0]][0]), len(families)) for members in groups]
+    return [g for g, family in enumerate(family_of) if family % world == rank]
 
 
 def _first_float(value: Any) -> torch.Tensor | None:

@@ -114,7 +114,8 @@ class CheckpointedBlocks:
         what = named.get(str(self.mode), f"1 block in {self.mode}")
         if not self.names:
             return f"activation checkpointing ({what}): no block on this rank"
-        return f"activation checkpointing ({what}): {len(self.names)} blocks on this rank ({self.names[0]}, ...)"
+        count = f"{len(self.names)} block{'s' if len(self.names) > 1 else ''}"
+        return f"activation checkpointing ({what}): {count} on this rank ({self.names[0]}, ...)"
 
     def _contexts(self) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
         """torch's ``context_fn``: called at each checkpointed forward; the second context wraps the recompute."""

@@ -102,8 +102,9 @@ class CompiledBlocks:
         """The setup line rank 0 prints after the layout."""
         if not self.names:
             return "compile: no blocks to compile on this rank (no block container, or no repeated block); eager"
+        count = f"{len(self.names)} block{'s' if len(self.names) > 1 else ''}"
         return (
-            f"compile: {len(self.names)} blocks on this rank with {describe_kwargs(self.kwargs)} "
+            f"compile: {count} on this rank with {describe_kwargs(self.kwargs)} "
             f"({self.names[0]}, ...); compiled lazily at their first call, time reported after the first step"
         )
 

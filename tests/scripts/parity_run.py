@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 from lightning_3d.core.tied import canonical_names
 
-from models import MODELS, OrderedData
+from models import MODELS, CutInsideBlocks, OrderedData
 
 # name: (model, precision, steps, clip, accumulate, build)
 CASES = {
@@ -315,21 +315,6 @@ def uneven_stages(model_name: str, layers: int = 4) -> list[list[str]]:
     before, prefix, after = AROUND[model_name.replace("tied", "")]
     blocks = [f"{prefix}.{i}" for i in range(layers)]
     return [[*before, blocks[0]], [*blocks[1:], *after]]
-
-
-class CutInsideBlocks:
-    """Puts every stage boundary inside a layer (after a block's attention half, or between the head's norm and its
-    projection), where the compute partitioner puts one when that balances the stages better (``pieces.py``)."""
-
-    split_layers = True
-
-    def __call__(self, units, num_stages):
-        cuts = [i + 1 for i, (name, _) in enumerate(units) if name.endswith("#0-1")]
-        assert len(cuts) >= num_stages - 1, f"{[n for n, _ in units]}: too few cuts for {num_stages} stages"
-        chosen = [cuts[round(k * (len(cuts) - 1) / max(num_stages - 2, 1))] for k in range(num_stages - 1)]
-        bounds = [0, *sorted(set(chosen)), len(units)]
-        assert len(bounds) == num_stages + 1, bounds
-        return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
 def _hf_forward(self: L.LightningModule, ids: torch.Tensor) -> torch.Tensor:

@@ -216,3 +216,14 @@ def test_plan_stages_shows_the_parts_in_the_layout() -> None:
     whole = partition.plan_stages(body, 2, _Fixed([1.0, 10.0, 10.0, 9.5], split_layers=False))
     assert whole.layer_names == [["0", "1"], ["2", "3"]] and not whole.shown
     assert partition.plan_stages(body, 2, partition.UniformPartitioner()).layer_names == [["0", "1"], ["2", "3"]]
+
+
+def test_the_pieces_of_a_layer_are_timed_on_one_rank() -> None:
+    from lightning_3d.core.balance import _share
+
+    names = ["0", "1#0-1", "1#1-2", "2#0-1", "2#1-2", "3#0-1", "3#1-2"]
+    layers = [(n, nn.Identity()) for n in names]
+    groups = [[0], [1, 3], [2, 4], [5], [6]]  # embedding, attention halves, MLP halves, head norm, head projection
+    shares = [_share(groups, layers, rank, 2) for rank in range(2)]
+    assert shares == [[0, 3, 4], [1, 2]]  # families: embedding, block halves, head halves
+    assert _share([[0], [1], [2]], [("0", None), ("1", None), ("2", None)], 1, 2) == [1]  # whole layers: as before
