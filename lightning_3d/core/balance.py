@@ -63,7 +63,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from . import torch_compat
 from .blocks import sequential_blocks
 from .checkpointing import chosen_blocks, saved_ops
-from .pieces import layer_of
+from .pieces import NotOneTensor, layer_of, meta_inputs
 
 Profile = tuple[float, ...]
 """A layer's ``(flops or seconds, static_bytes, activation_bytes[, input_bytes, selective_bytes])``."""
@@ -253,19 +253,10 @@ def timing_device() -> torch.device:
 
 def _meta_inputs(layers: Sequence[tuple[str, nn.Module]], example: Any) -> list[torch.Tensor]:
     """Each layer's input on the meta device (shape and dtype), the example passed through the body on meta."""
-    if not isinstance(example, torch.Tensor):
-        raise TimingUnavailable(f"the example input is a {type(example).__name__}, not one tensor")
-    x = _meta(example)
-    inputs = []
-    with torch.no_grad():
-        for name, layer in layers:
-            if not isinstance(x, torch.Tensor):
-                raise TimingUnavailable(f"layer {name!r} takes a {type(x).__name__}, not one tensor")
-            inputs.append(x)
-            params = {n: _meta(p) for n, p in layer.named_parameters()}
-            buffers = {n: _meta(b) for n, b in layer.named_buffers()}
-            x = functional_call(layer, {**params, **buffers}, (x,))
-    return inputs
+    try:
+        return meta_inputs(layers, example)
+    except NotOneTensor as err:
+        raise TimingUnavailable(str(err)) from None
 
 
 _PLAIN = (int, float, bool, str, type(None))

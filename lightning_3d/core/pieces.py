@@ -178,7 +178,7 @@ def cut_layers(
     inputs: list[Any] = [None] * len(layers)
     if example is not None:
         try:
-            inputs = _meta_inputs(layers, example)
+            inputs = meta_inputs(layers, example)
         except Exception:  # no shapes: no check, no cut
             return list(layers)
     out: list[tuple[str, nn.Module]] = []
@@ -195,13 +195,26 @@ def cut_layers(
     return out
 
 
-def _meta_inputs(layers: Sequence[tuple[str, nn.Module]], example: torch.Tensor) -> list[torch.Tensor]:
-    """Each layer's input on the meta device: ``example`` passed through the layers on meta (no compute)."""
+class NotOneTensor(TypeError):
+    """A meta pass met a value that is not one tensor where a layer's input was expected."""
+
+
+def meta_inputs(layers: Sequence[tuple[str, nn.Module]], example: Any) -> list[torch.Tensor]:
+    """Each layer's input on the meta device (shape and dtype): ``example`` passed through the layers on meta, no
+    compute.
+
+    Raises:
+        NotOneTensor: the example, or some layer's input, is not one tensor.
+    """
+    if not isinstance(example, torch.Tensor):
+        raise NotOneTensor(f"the example input is a {type(example).__name__}, not one tensor")
     x, inputs = torch.empty_like(example, device="meta"), []
     with torch.no_grad():
-        for _, layer in layers:
+        for name, layer in layers:
+            if not isinstance(x, torch.Tensor):
+                raise NotOneTensor(f"layer {name!r} takes a {type(x).__name__}, not one tensor")
             inputs.append(x)
-            x = _meta_call(layer, x)
+            x = meta_call(layer, x)
     return inputs
 
 
@@ -212,9 +225,9 @@ def _runs_through(layer: nn.Module, parts: Sequence[nn.Module], inp: Any) -> boo
     try:
         with torch.no_grad():
             x = torch.empty_like(inp, device="meta")
-            whole = _meta_call(layer, x)
+            whole = meta_call(layer, x)
             for part in parts:
-                x = _meta_call(part, x)
+                x = meta_call(part, x)
                 if not isinstance(x, torch.Tensor):
                     return False
     except Exception:  # a piece that cannot run on meta is not used
@@ -222,7 +235,7 @@ def _runs_through(layer: nn.Module, parts: Sequence[nn.Module], inp: Any) -> boo
     return isinstance(whole, torch.Tensor) and tuple(x.shape) == tuple(whole.shape) and x.dtype == whole.dtype
 
 
-def _meta_call(module: nn.Module, x: torch.Tensor) -> Any:
+def meta_call(module: nn.Module, x: torch.Tensor) -> Any:
     """``module(x)`` with its parameters and buffers swapped for meta tensors of their shapes (no compute)."""
     state = {n: torch.empty_like(t, device="meta") for n, t in [*module.named_parameters(), *module.named_buffers()]}
     return functional_call(module, state, (x,))
