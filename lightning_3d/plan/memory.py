@@ -12,12 +12,15 @@ last holds the output projection and the logits). Per rank:
   ``(2 h + 2 kv + 2 ffn) / tp`` (``4 ffn`` for a gated MLP). With full checkpointing a block keeps its input
   (``h``) and one block's activations exist at a time during its recomputation. The last stage adds the logits
   (``vocab / tp`` per token, in the activation dtype plus fp32 for the loss).
-- **in flight**: GPipe keeps all ``m`` micro-batches, 1F1B ``min(m, pp - rank)``, interleaved 1F1B
-  ``min(m, pp) * (1 + (pp - 1) / (pp v))`` stage-equivalents (Narayanan et al. 2021); the zero-bubble schedules
-  hold a micro-batch until its weight gradient, so more than 1F1B (counted on torch's action lists, two stages per
-  rank): ZB-V ``min(m, 2pp - r) + min(m, r + 1)`` half-stages on rank ``r`` (``pp + 1/2`` stage-equivalents, every
-  rank), interleaved zero-bubble ``min(m, 2pp) + min(m, pp)`` (``1.5 pp`` from ``m = 2pp`` on, against 1F1B's
-  ``pp``; exact when ``pp`` divides ``m``, one micro-batch short on the first-round stage otherwise).
+- **in flight**: GPipe keeps all ``m`` micro-batches, 1F1B ``min(m, pp - rank)``, interleaved 1F1B (``v``
+  stages per rank) its warm-up forwards plus one, ``min(m v, (v - 1) m_r + 2 (pp - 1 - rank) + 1) / v``
+  stage-equivalents with ``m_r`` micro-batches per round (torch's warm-up; ``pp + (pp - 1) / v`` on rank 0 from
+  ``m = 2 pp`` on, Narayanan et al. 2021; the last rank far less); the zero-bubble schedules hold a micro-batch
+  until its weight gradient, so more than 1F1B (the sum of each of the rank's two stages' peaks on torch's
+  action lists: torch's split backward frees a graph late, benchmark B3): ZB-V ``min(m, 2pp - r) + min(m, r +
+  1)`` half-stages on rank ``r`` (``pp + 1/2`` stage-equivalents, every rank), interleaved zero-bubble ``min(m,
+  2pp) + min(m, pp)`` (``1.5 pp`` from ``m = 2pp`` on, against 1F1B's ``pp``; exact when ``pp`` divides ``m``,
+  one micro-batch short on the first-round stage otherwise).
 - **buffers**: pipeline send/receive buffers (forward and backward, each chunk), the data-parallel gradient
   bucket, FSDP's gathered layers (under a pipeline: the stage's gathered parameters and unsharded gradients, kept
   across the micro-batches); and ``cluster.reserved_gib`` the framework keeps.
@@ -97,8 +100,10 @@ def in_flight(layout: Layout, rank: int) -> float:
         return 1.0
     if layout.schedule == "gpipe":
         return float(m)
-    if layout.schedule == "interleaved1f1b":
-        return min(m, pp) * (1 + (pp - 1) / (pp * layout.stages_per_rank))
+    if layout.schedule == "interleaved1f1b":  # torch's warm-up forwards on this rank, plus one, in stage chunks
+        v = layout.stages_per_rank
+        per_round = m // max(1, m // pp)
+        return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - rank) + 1) / v
     if layout.schedule == "zbvzerobubble":  # stages r and 2 pp - 1 - r, half a rank's layers each
         return (min(m, 2 * pp - rank) + min(m, rank + 1)) / 2
     if layout.schedule == "interleavedzerobubble":  # stages r and r + pp
