@@ -105,7 +105,8 @@ class ThreeDSettings:
             tensor parallelism, per block of the pipeline split, see ``core/checkpointing.py``): ``None`` or
             ``False`` (default: off), ``"full"`` (every block), ``"selective"`` (every block, keeping the outputs
             of matrix multiplications, attention and tensor-parallel collectives) or an integer N (every N-th block
-            of the model; 1 is kept as ``"full"``).
+            of the model; 1 is kept as ``"full"``). With ``compile``, ``"full"`` or N: the checkpoint wraps each
+            compiled block (``"selective"`` is refused there).
         data_parallel: how the dp ranks hold the model: ``"replicate"`` (default: every dp rank holds its stage's
             parameters, gradients and optimizer states whole, gradients all-reduced once per optimizer step) or
             ``"fsdp"`` (FSDP2 ``fully_shard`` over the dp dimension: parameters, gradients and optimizer states
@@ -227,10 +228,12 @@ class ThreeDSettings:
             object.__setattr__(self, "compile", kwargs)
         self._check_stages()
         object.__setattr__(self, "activation_checkpointing", checkpoint_every(self.activation_checkpointing))
-        if self.activation_checkpointing is not None and self.compile is not False:
+        if self.activation_checkpointing == "selective" and self.compile is not False:
             raise ValueError(
-                "ThreeDStrategy: activation_checkpointing and compile cannot be combined yet (the checkpointed "
-                "forward's random-stream replay is not traced by torch.compile); choose one."
+                "ThreeDStrategy: activation_checkpointing='selective' with compile: the checkpoint runs around each "
+                "compiled block, where torch's selective policy cannot see the operations inside the compiled code. "
+                "Use activation_checkpointing='full' or N with compile (each checkpointed block is recomputed by "
+                "its compiled forward), or compile=False."
             )
         if self.activation_checkpointing == "selective" and self._splits_backward():
             raise ValueError(

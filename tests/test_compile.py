@@ -22,6 +22,7 @@ MULTI = [
     ("gpt32", "1f1b"),
     ("nano32", "gpipe"),
     ("nano32", "interleaved1f1b"),
+    ("gpt32", "1f1b+ac"),  # with activation checkpointing (every other block) around the compiled blocks
 ]
 # Blocks compiled on each rank of tp 2 x pp 2 (ranks 0, 1: pp rank 0; ranks 2, 3: pp rank 1)
 BLOCKS = {
@@ -34,6 +35,7 @@ EXPECTED_BLOCKS = {
     ("nano32", "gpipe"): ([0, 1], [2, 3]),
     ("nano32", "interleaved1f1b"): ([0, 2], [1, 3]),  # stages 0, 2 on pp rank 0; 1, 3 on pp rank 1
     ("gpt32", "1f1b"): ([1], [2]),  # body: embedding, block, block, head; only the blocks
+    ("gpt32", "1f1b+ac"): ([1], [2]),
 }
 
 
@@ -43,7 +45,8 @@ def _names(case: str, indices: list[int]) -> list[str]:
 
 @pytest.mark.slow
 def test_compiled_blocks_match_one_eager_process(tmp_path: Path) -> None:
-    """tp1 pp1 (one process) and tp2 x pp2 under 1F1B, GPipe and interleaved 1F1B, with each block compiled:
+    """tp1 pp1 (one process) and tp2 x pp2 under 1F1B, GPipe and interleaved 1F1B, with each block compiled (and
+    under 1F1B once more with activation checkpointing around the compiled blocks):
     float32 losses, gradients, norms and parameters as one eager process (the final parameters at tp 2 within 2e-4,
     see ``parity_check.TOL``); dropout's masks as eager's."""
     single = run_lightning("compile_run.py", ["--phase", "single", "--out", tmp_path], timeout=600)
@@ -67,10 +70,13 @@ def test_compiled_blocks_match_one_eager_process(tmp_path: Path) -> None:
         assert torch.load(got / "compiled.pt") == expected, f"{case} {schedule}: wrong blocks compiled"
     assert not problems, "\n".join(problems)
     eager, compiled = torch.load(tmp_path / "drop.eager.pt"), torch.load(tmp_path / "drop.compiled.pt")
-    assert len(eager) == len(compiled) == 4
-    # The same masks (the streams swapped in around compiled code and at graph breaks): float32 round-off only;
-    # a different mask would move the loss by far more.
+    checkpointed = torch.load(tmp_path / "drop.compiled_ac.pt")
+    assert len(eager) == len(compiled) == len(checkpointed) == 4
+    # The same masks (the streams swapped in around compiled code and at graph breaks, and replayed when a
+    # checkpointed block's compiled forward runs again in the backward): float32 round-off only; a different
+    # mask would move the loss by far more.
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(checkpointed), torch.tensor(eager), rtol=1e-5, atol=0)
 
 
 def test_gpu_check_skips_cleanly_without_cuda(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -14,8 +14,12 @@ torchtitan's op-level SAC). The choices, and why:
   not torch's ``checkpoint_wrapper``, which inserts ``_checkpoint_wrapped_module.`` into every parameter name:
   parameter names and checkpoint keys stay those of the unwrapped model, and the block's own hooks (the stage
   executor's hand-in and stop hooks on a stage's first and last block) stay outside the recomputation.
-* **After tensor parallelism, before compile and data parallelism** (torchtitan's order): the recomputation
-  runs the sharded block, and data parallelism's hooks see each parameter's gradient once.
+* **After tensor parallelism and compile, before data parallelism**: the recomputation runs the sharded block,
+  and data parallelism's hooks see each parameter's gradient once. Under ``compile`` the checkpoint wraps the
+  compiled ``forward`` (torchtitan compiles the checkpointed block instead; inside compiled code dynamo takes no
+  recompute context but two ``TorchDispatchMode`` objects, and the stream replay below is not one), so the
+  backward runs the compiled forward again. ``"selective"`` is refused there (``ThreeDSettings``): its policy
+  picks among the aten operations it sees, and compiled code runs them out of its sight.
 * **The same dropout masks on recomputation.** torch restores the default generator's state (the CPU one, and
   that of each CUDA device among the inputs) before recomputing: the stage stream (``rng.py``) is swapped into
   that generator around the whole stage, so that is the right state. The tensor-parallel region streams are

@@ -464,15 +464,22 @@ def _checkpoint_and_compile(
     checkpointing: int | str | None,
     compile_kwargs: Mapping[str, Any] | None,
 ) -> tuple[CheckpointedBlocks | None, CompiledBlocks | None]:
-    """After tensor parallelism, before data parallelism: checkpoint the chosen blocks' activations, then compile
-    each held block (torchtitan's order). ``all_blocks``: the whole model's blocks in order; ``held``: this rank's."""
+    """After tensor parallelism, before data parallelism: compile each held block, then checkpoint the chosen
+    blocks' activations around their (compiled) forward. ``all_blocks``: the whole model's blocks in order;
+    ``held``: this rank's.
+
+    The checkpoint goes outside the compiled code, not inside it as torchtitan puts it: its recompute context
+    replays the tensor-parallel regions' random streams (``checkpointing.py``), and inside compiled code dynamo
+    takes no such context for a checkpoint (only a pair of ``TorchDispatchMode`` contexts; the first call fails).
+    Outside, torch's non-reentrant checkpoint runs the compiled forward again in the backward, under that replay,
+    and drops what the compiled forward saved in between."""
     checkpointed = compiled = None
+    if compile_kwargs is not None:
+        compiled = compile_blocks(list(held.items()), compile_kwargs)
     if checkpointing is not None:
         chosen_names = set(chosen_blocks(all_blocks, checkpointing))  # a part of a block goes with its block
         chosen = [(n, m) for n, m in held.items() if pieces.layer_of(n) in chosen_names]
         checkpointed = checkpoint_blocks(chosen, checkpointing)
-    if compile_kwargs is not None:
-        compiled = compile_blocks(list(held.items()), compile_kwargs)
     return checkpointed, compiled
 
 

@@ -8,7 +8,9 @@ Two phases, each one launch:
   (``OUT/<case>.1f1b/``), nano32 under GPipe and interleaved 1F1B with two stages per rank, all compiled (a Hugging
   Face model's own tp plan is refused under compile at tp > 1); then a model with dropout in its blocks (inside a
   tensor-parallel region and on the replicated residual stream) trained eager and compiled with the same seeds
-  (``OUT/drop.eager.pt``, ``OUT/drop.compiled.pt``). Every 3D run records which blocks each rank compiled
+  (``OUT/drop.eager.pt``, ``OUT/drop.compiled.pt``), and compiled with every block checkpointed
+  (``OUT/drop.compiled_ac.pt``); gpt32 runs once more with every other block checkpointed (``+ac``). Every 3D
+  run records which blocks each rank compiled
   (``compiled.pt``); the test checks what rank 0 printed from the output.
 
 ``--backend`` picks torch.compile's backend (the test uses ``aot_eager``: inductor compiles C++ for minutes on
@@ -128,7 +130,7 @@ def run_case(out: Path, case: str, name: str, strategy, devices: int, ref: bool)
     trainer.fit(model, datamodule=OrderedData(model_name, GLOBAL_BATCH, n=GLOBAL_BATCH * 4))
 
 
-def run_dropout(out: Path, name: str, compile_setting) -> None:
+def run_dropout(out: Path, name: str, compile_setting, checkpointing=None) -> None:
     """The dropout model at tp 2 x pp 2, 4 steps; every step's loss, saved by rank 0."""
     L.seed_everything(99, verbose=False)
     model = DropModel()
@@ -142,7 +144,14 @@ def run_dropout(out: Path, name: str, compile_setting) -> None:
             if trainer.global_rank == 0:
                 torch.save(losses, out / f"{name}.pt")
 
-    strategy = ThreeDStrategy(tp=2, pp=2, micro_batches=4, print_layout=False, compile=compile_setting)
+    strategy = ThreeDStrategy(
+        tp=2,
+        pp=2,
+        micro_batches=4,
+        print_layout=False,
+        compile=compile_setting,
+        activation_checkpointing=checkpointing,
+    )
     trainer = _trainer(strategy, 4, "32-true", 4, None, 1, [Losses()])
     trainer.fit(model, datamodule=OrderedData("gpt", GLOBAL_BATCH, n=GLOBAL_BATCH * 4))
 
@@ -167,6 +176,7 @@ def main() -> None:
         return
     # (a Hugging Face model's own tp plan is refused under compile at tp > 1: llama32 runs at tp1 pp1 only)
     runs = [("nano32", "1f1b", 1), ("gpt32", "1f1b", 1), ("nano32", "gpipe", 1), ("nano32", "interleaved1f1b", 2)]
+    runs += [("gpt32", "1f1b+ac", 1)]  # and every other block checkpointed around its compiled forward
     if args.only:
         runs = [r for r in runs if r[0] in args.only.split(",")]
     for case, schedule, spr in runs:
@@ -174,16 +184,18 @@ def main() -> None:
             tp=2,
             pp=2,
             micro_batches=4,
-            schedule=schedule,
+            schedule=schedule.removesuffix("+ac"),
             stages_per_rank=spr,
             print_layout=case == "nano32",
             compile=setting,
+            activation_checkpointing=2 if schedule.endswith("+ac") else None,
         )
         run_case(out, case, f"{case}.{schedule}", strategy, 4, ref=False)
     if args.only:
         return
     run_dropout(out, "drop.eager", False)
     run_dropout(out, "drop.compiled", setting)
+    run_dropout(out, "drop.compiled_ac", setting, checkpointing="full")
 
 
 if __name__ == "__main__":

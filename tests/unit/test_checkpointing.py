@@ -8,12 +8,14 @@ bitwise equal (float64), with dropout inside and outside a tensor-parallel regio
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from lightning_3d.core import parallelize
 from lightning_3d.core.checkpointing import checkpoint_blocks, checkpoint_every, chosen_blocks
 from lightning_3d.core.rng import BodyRandomness
 from lightning_3d.settings import ThreeDSettings
@@ -35,9 +37,17 @@ class Block(nn.Module):
 STYLES = {"fc": ColwiseParallel(), "proj": RowwiseParallel()}  # only their kinds matter to the region hooks
 
 
-def _model() -> nn.Sequential:
+class UncountedBlock(Block):
+    """``Block`` without the call counter (under ``torch.compile`` a changing attribute is a guard that fails at
+    every call, so dynamo would recompile until it gives up)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(self.proj(self.inner(torch.relu(self.fc(self.norm(x))))))
+
+
+def _model(block: type[Block] = Block) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), Block(), Block(), Block(), Block(), nn.Linear(16, 4)).double()
+    return nn.Sequential(nn.Linear(8, 16), block(), block(), block(), block(), nn.Linear(16, 4)).double()
 
 
 def _with_streams(model: nn.Sequential) -> BodyRandomness:
@@ -80,8 +90,10 @@ def test_setting_forms_and_refusals() -> None:
         with pytest.raises(ValueError, match="activation_checkpointing must be None"):
             checkpoint_every(bad)
     assert ThreeDSettings(activation_checkpointing=2).activation_checkpointing == 2
-    with pytest.raises(ValueError, match="activation_checkpointing and compile cannot be combined"):
-        ThreeDSettings(activation_checkpointing="full", compile=True)
+    with pytest.raises(ValueError, match="activation_checkpointing='selective' with compile"):
+        ThreeDSettings(activation_checkpointing="selective", compile=True)
+    assert ThreeDSettings(activation_checkpointing="full", compile={"backend": "aot_eager"}).compile
+    assert ThreeDSettings(activation_checkpointing=2, compile=True).activation_checkpointing == 2
 
 
 def test_every_nth_counts_over_the_whole_model() -> None:
@@ -163,3 +175,67 @@ def test_selective_checkpointing_is_refused_with_a_split_backward(schedule) -> N
     with pytest.raises(ValueError, match=rf"'selective' with schedule='{schedule}', which runs each backward in two"):
         ThreeDSettings(**layout, activation_checkpointing="selective")
     assert ThreeDSettings(**layout, activation_checkpointing="full")
+
+
+def _compiled(mode: int | str | None, backend: Any) -> tuple[nn.Sequential, Any]:
+    """The model with every block compiled and the chosen ones checkpointed, as the strategy builds them."""
+    model = _model(UncountedBlock)
+    randomness = _with_streams(model)
+    held = {str(i): model[i] for i in range(1, 5)}
+    checkpointed, compiled = parallelize._checkpoint_and_compile(list(held), held, mode, {"backend": backend})
+    assert compiled is not None and compiled.names == list(held)
+    if checkpointed is not None:
+        checkpointed.randomness = randomness
+    return model, checkpointed
+
+
+@pytest.mark.parametrize("mode", ["full", 2])
+def test_compiled_blocks_are_checkpointed_around_their_compiled_forward(mode) -> None:
+    """``compile`` with activation checkpointing: the float64 gradients (dropout in and out of a tensor-parallel
+    region) are those of the compiled blocks without checkpointing, bitwise, and of eager blocks within
+    round-off; the compiled graphs run again in the backward for the checkpointed blocks only, and the blocks
+    keep fewer tensors for backward."""
+    torch._dynamo.reset()
+    runs: list[int] = []
+
+    def counting(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            runs.append(1)
+            return graph(*args)
+
+        return run
+
+    reference = _model(UncountedBlock)
+    _with_streams(reference)
+    expected = _grads(reference)
+    plain, _ = _compiled(None, "aot_eager")
+    model, done = _compiled(mode, "aot_eager")
+    assert done is not None and done.names == (["1", "2", "3", "4"] if mode == "full" else ["2", "4"])
+    assert list(model.state_dict()) == list(reference.state_dict())
+    compiled_plain, got = _grads(plain), _grads(model)
+    _assert_same(got, compiled_plain)
+    for g, e in zip(got, expected, strict=True):
+        for name in e:
+            torch.testing.assert_close(g[name], e[name], rtol=1e-12, atol=1e-12)
+
+    def saved_bytes(module: nn.Sequential) -> int:
+        kept: list[int] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(torch.randn(5, 8, dtype=torch.float64)).square().sum().backward()
+        return sum(kept)
+
+    assert saved_bytes(model) < saved_bytes(plain)
+    # Graph runs: a forward alone (no grad: nothing checkpointed), then forward + backward.
+    counted, done = _compiled(mode, counting)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    with torch.no_grad():
+        counted(x)
+    once, runs[:] = len(runs), []
+    counted(x).square().sum().backward()
+    rerun = 1.0 if mode == "full" else 0.5  # every block, or blocks 2 and 4 of 1-4
+    assert once > 0 and len(runs) == once * (1 + rerun), (once, len(runs))
