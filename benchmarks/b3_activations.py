@@ -13,7 +13,9 @@ Baseline: 1F1B. Ideal GPipe / 1F1B per stage ``s``: ``m / min(m, p - s)`` (GPipe
 ratio sits a hair under the ideal because the micro-batches' token ids and targets are views of one batch
 tensor, whose storage is counted once however many micro-batches are in flight. Interleaved 1F1B (2 stages
 per rank, 4 stages) is reported per rank against 1F1B. The record's ratio is the lowest per-stage (GPipe / 1F1B) /
-ideal.
+ideal. GPipe runs three more times: with every block under full activation checkpointing, with every block
+compiled (``aot_eager``), and compiled and checkpointed (the strategy's order: the checkpoint around the compiled
+forward); each checkpointed run is reported against its run without checkpointing.
 
 ``--model hf_llama`` (record ``B3_hf_llama``): the Hugging Face Llama of ``hf_llama.py`` trained through
 ``Trainer.fit`` with ``ThreeDStrategy(pp=2, schedule=...)`` (split at its block container; every stage runs the
@@ -133,21 +135,29 @@ class SavedTensorTracker:
                 remove()
 
 
-def _checkpoint_stage_blocks(model: Any, stages: list[tuple[int, Any]], x: Any, clock: dict[str, float]) -> int:
-    """Checkpoint the blocks of this rank's stages; returns the bytes of the blocks' inputs per micro-batch (one
+def _checkpoint_stage_blocks(
+    model: Any, stages: list[tuple[int, Any]], x: Any, clock: dict[str, float], checkpointed: bool, compiled: bool
+) -> int:
+    """Compile (``aot_eager``) and/or checkpoint the blocks of this rank's stages, in the strategy's order (compile,
+    then the checkpoint around the compiled forward); returns the bytes of the blocks' inputs per micro-batch (one
     ``(1, T, n_embd)`` activation per block, the theory of full checkpointing). The blocks' own forwards add their
     wall time to ``clock["forward"]``, or to ``clock["recompute"]`` when they run inside the backward."""
     from lightning_3d.core import partition, torch_compat
     from lightning_3d.core.blocks import sequential_blocks
     from lightning_3d.core.checkpointing import checkpoint_blocks
+    from lightning_3d.core.compile import compile_blocks
 
     # which layers are blocks is decided over the whole body (a stage may hold one block only)
     names = {n for n, _ in sequential_blocks(list(partition.find_body(model).module.named_children()))}
     total = 0
     for _, container in stages:
         blocks = [(n, layer) for n, layer in container.named_children() if n in names]
+        if compiled:
+            compile_blocks(blocks, {"backend": "aot_eager"})
         for _, block in blocks:
             block.forward = _timed(block.forward, clock, torch_compat.in_backward)
+        if not checkpointed:
+            continue
         checkpoint_blocks(blocks, "full")
         for _, block in blocks:
             width = next(p for n, p in block.named_parameters() if p.dim() == 1).numel()  # a norm's n_embd
@@ -188,14 +198,15 @@ def worker(m: int, tiny: bool, steps: int = 2) -> dict[str, Any]:
     model = build_gpt(config)
     x, y = token_batch(config, m)
     result: dict[str, Any] = {}
-    runs = (("gpipe", 1, False), ("1f1b", 1, False), ("interleaved1f1b", 2, False), ("gpipe_ac", 1, True))
-    for name, per_rank, checkpointed in runs:
-        schedule_name = name.removesuffix("_ac")
+    runs = [("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2), ("gpipe_ac", 1), ("gpipe_compiled", 1)]
+    runs += [("gpipe_compiled_ac", 1)]
+    for name, per_rank in runs:
+        schedule_name, checkpointed, compiled = name.split("_")[0], name.endswith("_ac"), "_compiled" in name
         piece = copy.deepcopy(model)
         stages = stage_modules(piece, world, rank, per_rank)
         block_input, clock = 0, {"forward": 0.0, "recompute": 0.0}
-        if checkpointed:  # full activation checkpointing of this rank's blocks, as the strategy applies it
-            block_input = _checkpoint_stage_blocks(piece, stages, x, clock)
+        if checkpointed or compiled:  # full activation checkpointing and/or compile, as the strategy applies them
+            block_input = _checkpoint_stage_blocks(piece, stages, x, clock, checkpointed, compiled)
         num_stages = world * per_rank
         first = any(s == 0 for s, _ in stages)
         last = any(s == num_stages - 1 for s, _ in stages)
@@ -272,6 +283,8 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
     per_mb = {str(s): per_stage["gpipe"][s] / m for s in range(p)}
     ac = _checkpointing_summary(res, per_stage, m, p)
     lines += ac.pop("lines")
+    ac_compiled = _checkpointing_summary(res, per_stage, m, p, base="gpipe_compiled")
+    lines += ac_compiled.pop("lines")
     details = {
         "raw": res,
         "per_stage_bytes": {k: {str(s): v for s, v in d.items()} for k, d in per_stage.items()},
@@ -281,6 +294,7 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
         "ratios_per_stage": ratios,
         "layout": f"pp=2 on 2 processes, m={m}, micro-batch 1 sequence; interleaved: 2 stages per rank",
         "activation_checkpointing": ac,
+        "activation_checkpointing_compiled": ac_compiled,
     }
     return Record(
         ID,
@@ -296,15 +310,19 @@ def run(out: Path, tiny: bool = False, model: str = "gpt") -> Record:
     )
 
 
-def _checkpointing_summary(res: dict[str, Any], per_stage: dict[str, Any], m: int, p: int) -> dict[str, Any]:
-    """GPipe with every block checkpointed: saved bytes per micro-batch against the blocks' inputs (what full
-    checkpointing keeps of the blocks), and the step time it adds against the GPipe step without it."""
+def _checkpointing_summary(
+    res: dict[str, Any], per_stage: dict[str, Any], m: int, p: int, base: str = "gpipe"
+) -> dict[str, Any]:
+    """GPipe with every block checkpointed (``base="gpipe_compiled"``: every block compiled, with and without
+    checkpointing): saved bytes per micro-batch against the blocks' inputs (what full checkpointing keeps of the
+    blocks), and the step time it adds against the GPipe step without it."""
+    with_ac, what = f"{base}_ac", "full activation checkpointing" + (" of compiled blocks" if base != "gpipe" else "")
     out: dict[str, Any] = {"per_stage": {}, "lines": []}
     for s in range(p):
-        ranks = [r for r in res["gpipe_ac"] if s in r["stages"]]
+        ranks = [r for r in res[with_ac] if s in r["stages"]]
         theory = ranks[0]["block_input_bytes_per_microbatch"]
-        got = per_stage["gpipe_ac"][s] / m
-        plain = per_stage["gpipe"][s] / m
+        got = per_stage[with_ac][s] / m
+        plain = per_stage[base][s] / m
         out["per_stage"][str(s)] = {
             "bytes_per_microbatch": got,
             "without_checkpointing": plain,
@@ -313,21 +331,21 @@ def _checkpointing_summary(res: dict[str, Any], per_stage: dict[str, Any], m: in
             "saved_fraction": got / plain,
         }
         out["lines"].append(
-            f"full activation checkpointing, stage {s}: {got / 2**20:.3f} MB per micro-batch in flight (without: "
+            f"{what}, stage {s}: {got / 2**20:.3f} MB per micro-batch in flight (without: "
             f"{plain / 2**20:.3f}); blocks' inputs {theory / 2**20:.3f} MB: ratio {got / theory if theory else 0:.2f} "
             "(the rest: embedding, head and loss, not checkpointed)"
         )
-    plain_s = max(r["step_s"] for r in res["gpipe"])
-    ac_s = max(r["step_s"] for r in res["gpipe_ac"])
+    plain_s = max(r["step_s"] for r in res[base])
+    ac_s = max(r["step_s"] for r in res[with_ac])
     # the blocks' forwards timed in the forward and again inside the backward (the recomputation), per step, on
     # the slowest rank: full checkpointing recomputes every block once, so the ideal is 1
-    forward = max(r["blocks_forward_s"] for r in res["gpipe_ac"])
-    recompute = max(r["blocks_recompute_s"] for r in res["gpipe_ac"])
-    out["step_s"] = {"gpipe": plain_s, "gpipe_ac": ac_s, "blocks_forward": forward, "blocks_recompute": recompute}
+    forward = max(r["blocks_forward_s"] for r in res[with_ac])
+    recompute = max(r["blocks_recompute_s"] for r in res[with_ac])
+    out["step_s"] = {base: plain_s, with_ac: ac_s, "blocks_forward": forward, "blocks_recompute": recompute}
     out["recompute_over_forward"] = recompute / forward if forward else None
     out["lines"].append(
         f"recompute per step {recompute:.3f} s = {recompute / forward if forward else 0:.2f} x the blocks' forward "
-        f"({forward:.3f} s; ideal 1); step time GPipe {plain_s:.3f} s, with full checkpointing {ac_s:.3f} s"
+        f"({forward:.3f} s; ideal 1); step time {base} {plain_s:.3f} s, with full checkpointing {ac_s:.3f} s"
     )
     return out
 

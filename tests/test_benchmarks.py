@@ -87,6 +87,9 @@ def test_b3_saved_bytes_follow_the_schedules(tmp_path):
     # full activation checkpointing: stage 0 (embedding + blocks) keeps about the blocks' inputs per micro-batch
     ac = record["details"]["activation_checkpointing"]["per_stage"]["0"]
     assert 1.0 <= ac["over_blocks_input"] <= 1.5 and ac["saved_fraction"] < 0.5, ac
+    # the same with every block compiled: the checkpoint around the compiled forward keeps as little
+    compiled = record["details"]["activation_checkpointing_compiled"]["per_stage"]["0"]
+    assert 1.0 <= compiled["over_blocks_input"] <= 1.5 and compiled["saved_fraction"] < 0.5, compiled
 
 
 def test_every_benchmark_module_has_the_interface():
