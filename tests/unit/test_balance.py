@@ -289,6 +289,11 @@ def test_layout_print_out_shows_each_stages_estimate():
     plan = partition.plan_stages(ref, 2, partition.get_partitioner("memory").for_input(torch.zeros(2, 8)))
     text = plan.describe()
     assert text.count("MiB peak") == 2 and "stage 1 on pp rank 1" in text
+    for line in text.splitlines():  # one level of parentheses: the estimate's own details are not nested
+        depth = 0
+        for char in line:
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            assert depth <= 1, line
     assert len(plan.costs) == 2 and plan.predicted_imbalance() == max(plan.costs) / (sum(plan.costs) / 2)
     assert partition.StagePlan([["0"], ["1"]], costs=[1.0, 3.0], stage_to_rank=[0, 0]).predicted_imbalance() == 1.0
     assert partition.get_partitioner("compute").kind == "compute"
