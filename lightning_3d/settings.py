@@ -235,7 +235,7 @@ class ThreeDSettings:
                 "Use activation_checkpointing='full' or N with compile (each checkpointed block is recomputed by "
                 "its compiled forward), or compile=False."
             )
-        if self.activation_checkpointing == "selective" and self._splits_backward():
+        if self.activation_checkpointing == "selective" and self.splits_backward():
             raise ValueError(
                 f"ThreeDStrategy: activation_checkpointing='selective' with schedule={self.schedule!r}, which runs "
                 "each backward in two passes (input gradients, then weight gradients): torch's selective "
@@ -299,7 +299,7 @@ class ThreeDSettings:
                 "pipeline, which is the memory fsdp_reshard_after_backward is there to save. Leave "
                 "fsdp_reshard_after_forward None (it becomes True), or drop fsdp_reshard_after_backward."
             )
-        if self._splits_backward():
+        if self.splits_backward():
             raise ValueError(
                 f"ThreeDStrategy: fsdp_reshard_after_backward=True with schedule={self.schedule!r}, which splits each "
                 "backward into an input-gradient and a later weight-gradient action: FSDP2's post-backward (reshard "
@@ -309,7 +309,7 @@ class ThreeDSettings:
             )
         object.__setattr__(self, "fsdp_reshard_after_forward", True)
 
-    def _splits_backward(self) -> bool:
+    def splits_backward(self) -> bool:
         """Whether the schedule runs each backward as an input-gradient and a later weight-gradient action."""
         if is_csv_schedule(self.schedule):
             return read_csv_schedule(self.schedule).split_backward

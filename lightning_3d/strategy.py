@@ -60,7 +60,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .core import partition
 from .core.agreed import mark_agreed
-from .core.compile import CompiledBlocks, compile_kwargs
+from .core.compile import CompiledBlocks, compile_kwargs, for_split_backward
 from .core.grad_norm import clip_grads_, global_grad_norm
 from .core.loss_scale import LossScaler, scaler_of
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
@@ -156,6 +156,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._step_flags: list[float] | None = None  # the last training batch's non-finite flags, until backward()
         self._tied: TiedWeights | None = None
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
+        self._undo_split_backward = lambda: None  # compiled code under a two-pass backward (core/compile.py)
         self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
@@ -403,6 +404,7 @@ class ThreeDStrategy(ParallelStrategy):
         # ---- reliability: the plan (tensor-parallel plan, stage split) agreed on before anything is built
         self._reliability.check_consistency(module, self.precision_plugin, model)
         seed = broadcast_seed(s.seed)
+        self._undo_split_backward = for_split_backward(s.splits_backward())
         built = build_stages(
             module,
             model,
@@ -689,6 +691,8 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._reliability.teardown()  # ---- reliability
+        self._undo_split_backward()
+        self._undo_split_backward = lambda: None
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None

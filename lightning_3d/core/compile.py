@@ -30,7 +30,7 @@ stage. The choices, and why:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +144,24 @@ def compile_blocks(blocks: Sequence[tuple[str, nn.Module]], kwargs: Mapping[str,
         # An instance attribute shadows the class's forward; nn.Module.__call__ runs hooks, then this.
         block.forward = torch.compile(block.forward, **kwargs)  # type: ignore[method-assign]
     return CompiledBlocks([name for name, _ in blocks], dict(kwargs), start)
+
+
+def for_split_backward(splits_backward: bool) -> Callable[[], None]:
+    """Make compiled code runnable under a schedule whose backward is two passes; returns the undo.
+
+    A zero-bubble schedule's input-gradient pass keeps the graph (``retain_graph=True``) for its weight-gradient
+    pass, and torch refuses to run a compiled backward whose forward donated its saved buffers while the graph is
+    kept (the first step would fail). Under such a schedule donated buffers are turned off process-wide (the
+    compiled blocks, and any code of the user's compiled on the backward's path) until the undo runs.
+    """
+    if not splits_backward:
+        return lambda: None
+    previous = torch_compat.set_donated_buffers(False)
+
+    def undo() -> None:
+        torch_compat.set_donated_buffers(previous)
+
+    return undo
 
 
 def check_compilable(hf_plan: bool, tp: int, kwargs: Mapping[str, Any] | None) -> None:

@@ -63,6 +63,7 @@ __all__ = [
     "schedule_has_loss",
     "schedule_micro_batches",
     "schedule_stages",
+    "set_donated_buffers",
     "set_group_timeout",
     "shape_inference_done",
     "split_backward_functions",
@@ -681,6 +682,23 @@ def compile_seconds() -> float:
     if metrics is None:
         raise TorchCompatError("torch._dynamo.utils.compilation_time_metrics is gone")
     return float(sum(sum(metrics.get(name, ())) for name in _COMPILE_TIMERS))
+
+
+def set_donated_buffers(enabled: bool) -> bool:
+    """Turn AOT autograd's donated buffers on or off, process-wide; returns the previous setting.
+
+    With them on (torch's default), a compiled backward may reuse the memory of the activations its forward saved,
+    and torch refuses to run such a backward while the graph is kept (``retain_graph=True``), as a zero-bubble
+    schedule's input-gradient pass keeps it for the weight-gradient pass. The setting is read both when a graph
+    is compiled and when its backward runs (``torch._functorch.config.donated_buffer``).
+    """
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "donated_buffer"):
+        raise TorchCompatError("torch._functorch.config.donated_buffer is gone")
+    previous = bool(functorch_config.donated_buffer)
+    functorch_config.donated_buffer = enabled
+    return previous
 
 
 # ------------------------------------------------------------------------------------ activation checkpointing

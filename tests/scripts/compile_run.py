@@ -5,13 +5,13 @@ Two phases, each one launch:
 * ``--phase single`` (one process): the eager single-device references of parity_run.py's cases (plain
   Lightning), then the same cases under ``ThreeDStrategy(tp=1, pp=1, compile=...)`` (``OUT/<case>.tp1/``).
 * ``--phase multi`` (tp 2 x pp 2, Lightning's launcher starts 4 ranks): nano32 and gpt32 under 1F1B
-  (``OUT/<case>.1f1b/``), nano32 under GPipe and interleaved 1F1B with two stages per rank, all compiled (a Hugging
-  Face model's own tp plan is refused under compile at tp > 1); then a model with dropout in its blocks (inside a
-  tensor-parallel region and on the replicated residual stream) trained eager and compiled with the same seeds
-  (``OUT/drop.eager.pt``, ``OUT/drop.compiled.pt``), and compiled with every block checkpointed
+  (``OUT/<case>.1f1b/``), nano32 under GPipe, interleaved 1F1B and ZB-V with two stages per rank, all compiled
+  (a Hugging Face model's own tp plan is refused under compile at tp > 1); then a model with dropout in its blocks
+  (inside a tensor-parallel region and on the replicated residual stream) trained eager and compiled with the
+  same seeds (``OUT/drop.eager.pt``, ``OUT/drop.compiled.pt``), and compiled with every block checkpointed
   (``OUT/drop.compiled_ac.pt``); gpt32 runs once more with every other block checkpointed (``+ac``). Every 3D
-  run records which blocks each rank compiled
-  (``compiled.pt``); the test checks what rank 0 printed from the output.
+  run records which blocks each rank compiled (``compiled.pt``); the test checks what rank 0 printed from the
+  output.
 
 ``--backend`` picks torch.compile's backend (the test uses ``aot_eager``: inductor compiles C++ for minutes on
 a loaded 2-core machine; it was run by hand, see the README).
@@ -177,6 +177,7 @@ def main() -> None:
     # (a Hugging Face model's own tp plan is refused under compile at tp > 1: llama32 runs at tp1 pp1 only)
     runs = [("nano32", "1f1b", 1), ("gpt32", "1f1b", 1), ("nano32", "gpipe", 1), ("nano32", "interleaved1f1b", 2)]
     runs += [("gpt32", "1f1b+ac", 1)]  # and every other block checkpointed around its compiled forward
+    runs += [("nano32", "zbvzerobubble", 2)]  # a backward in two passes (input, then weight gradients)
     if args.only:
         runs = [r for r in runs if r[0] in args.only.split(",")]
     for case, schedule, spr in runs:

@@ -120,3 +120,42 @@ def test_compiled_dropout_draws_the_eager_masks_from_the_swapped_in_stage_stream
         ), "the stage stream did not advance"
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-6)
     assert not torch.equal(outs[0][:64], outs[0][64:]), "both calls drew the same mask"
+
+
+def test_a_split_backward_schedule_turns_donated_buffers_off_until_the_undo() -> None:
+    """Under a zero-bubble schedule torch refuses a compiled backward that donated its saved buffers while the
+    graph is kept, which the input-gradient pass does (tests/test_compile.py runs ZB-V compiled; it fails in its
+    first step without this). Here: the setting and its undo, and torch's two-pass backward of a compiled block
+    with it off gives eager's gradients."""
+    import torch._functorch.config as functorch_config
+
+    from lightning_3d.core import torch_compat
+    from lightning_3d.core.compile import for_split_backward
+
+    before = functorch_config.donated_buffer
+    assert before, "torch's default changed: the fix may no longer be needed"
+    for_split_backward(False)()
+    assert functorch_config.donated_buffer == before
+    stage_backward_input, stage_backward_weight = torch_compat.split_backward_functions()
+    torch.manual_seed(0)
+    eager, block = Block(), Block()
+    block.load_state_dict(eager.state_dict())
+    undo = for_split_backward(True)
+    try:
+        assert functorch_config.donated_buffer is False
+        torch._dynamo.reset()
+        compile_blocks([("0", block)], {"backend": "aot_eager"})
+        for micro_batch in range(2):
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(micro_batch))
+            expected_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+            eager(expected_x).square().sum().backward()
+            out = block(got_x)
+            (grad_x,), groups = stage_backward_input([out], [2 * out.detach()], [got_x], block.parameters())
+            stage_backward_weight(block.parameters(), groups)
+            torch.testing.assert_close(grad_x, expected_x.grad, rtol=1e-6, atol=1e-6)
+        for (name, got), want in zip(block.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6, msg=name)
+    finally:
+        undo()
+        torch._dynamo.reset()
+    assert functorch_config.donated_buffer == before
