@@ -330,6 +330,9 @@ class ThreeDStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
+        # compiled code under a two-pass backward, for this fit (a later fit of the same Trainer sets it again)
+        self._undo_split_backward()
+        self._undo_split_backward = for_split_backward(self.settings.splits_backward())
         if self.runner is None:
             self._parallelize()
         _quiet_known_warnings()
@@ -404,7 +407,6 @@ class ThreeDStrategy(ParallelStrategy):
         # ---- reliability: the plan (tensor-parallel plan, stage split) agreed on before anything is built
         self._reliability.check_consistency(module, self.precision_plugin, model)
         seed = broadcast_seed(s.seed)
-        self._undo_split_backward = for_split_backward(s.splits_backward())
         built = build_stages(
             module,
             model,
