@@ -24,6 +24,7 @@ MULTI = [
     ("nano32", "interleaved1f1b"),
     ("gpt32", "1f1b+ac"),  # with activation checkpointing (every other block) around the compiled blocks
     ("nano32", "zbvzerobubble"),  # backwards in two passes: torch refuses donated buffers there
+    ("llama32", "1f1b"),  # the model's own tp plan: the embedding's all-reduce still pending at the first layer
 ]
 # Blocks compiled on each rank of tp 2 x pp 2 (ranks 0, 1: pp rank 0; ranks 2, 3: pp rank 1)
 BLOCKS = {
@@ -38,6 +39,7 @@ EXPECTED_BLOCKS = {
     ("gpt32", "1f1b"): ([1], [2]),  # body: embedding, block, block, head; only the blocks
     ("gpt32", "1f1b+ac"): ([1], [2]),
     ("nano32", "zbvzerobubble"): ([0, 3], [1, 2]),  # the V: stages 0, 3 on pp rank 0; 1, 2 on pp rank 1
+    ("llama32", "1f1b"): ([0, 1], [2, 3]),
 }
 
 
@@ -48,7 +50,8 @@ def _names(case: str, indices: list[int]) -> list[str]:
 @pytest.mark.slow
 def test_compiled_blocks_match_one_eager_process(tmp_path: Path) -> None:
     """tp1 pp1 (one process) and tp2 x pp2 under 1F1B, GPipe, interleaved 1F1B and ZB-V, with each block compiled (and
-    under 1F1B once more with activation checkpointing around the compiled blocks):
+    under 1F1B once more with activation checkpointing around the compiled blocks; and a Hugging Face Llama under its
+    own tensor-parallel plan):
     float32 losses, gradients, norms and parameters as one eager process (the final parameters at tp 2 within 2e-4,
     see ``parity_check.TOL``); dropout's masks as eager's."""
     single = run_lightning("compile_run.py", ["--phase", "single", "--out", tmp_path], timeout=600)

@@ -24,11 +24,16 @@ stage. The choices, and why:
   right stream. With ``backend="aot_eager"`` compiled dropout draws the very masks eager dropout draws;
   inductor generates random numbers with its own kernels (seeded from the default generator, so from the
   swapped-in stream), so its masks differ from eager's while being just as deterministic for a given seed.
-* **Not yet:** a Hugging Face model's own tensor-parallel plan at tp > 1 (:func:`check_compilable`).
+* **Inputs settled first.** torch's row-parallel styles all-reduce asynchronously: a vocabulary-parallel
+  embedding (a Hugging Face Llama's own plan, or the automatic plan's ``"vocab"``) returns a tensor whose
+  all-reduce is still pending, and a Llama hands it straight to its first decoder layer. Compiled code cannot
+  take one (its backward breaks DTensor's), so each compiled forward waits for its tensor arguments' pending
+  collectives first, eagerly (:func:`_settled_inputs`); an eager first use would wait at the same point.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -142,8 +147,24 @@ def compile_blocks(blocks: Sequence[tuple[str, nn.Module]], kwargs: Mapping[str,
     start = torch_compat.compile_seconds()
     for _, block in blocks:
         # An instance attribute shadows the class's forward; nn.Module.__call__ runs hooks, then this.
-        block.forward = torch.compile(block.forward, **kwargs)  # type: ignore[method-assign]
+        block.forward = _settled_inputs(torch.compile(block.forward, **kwargs))  # type: ignore[method-assign]
     return CompiledBlocks([name for name, _ in blocks], dict(kwargs), start)
+
+
+def _settled_inputs(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, called with its tensor arguments' pending asynchronous collectives waited for, eagerly.
+
+    A row-parallel module just before a block (a vocabulary-parallel embedding, under a Hugging Face model's own
+    plan or the automatic one) hands the block a tensor whose all-reduce is still pending; compiled code cannot
+    take one (``torch_compat.settle_async_collective``)."""
+
+    @functools.wraps(compiled)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(torch_compat.settle_async_collective(a) for a in args)
+        kwargs = {k: torch_compat.settle_async_collective(v) for k, v in kwargs.items()}
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def for_split_backward(splits_backward: bool) -> Callable[[], None]:
@@ -162,25 +183,6 @@ def for_split_backward(splits_backward: bool) -> Callable[[], None]:
         torch_compat.set_donated_buffers(previous)
 
     return undo
-
-
-def check_compilable(hf_plan: bool, tp: int, kwargs: Mapping[str, Any] | None) -> None:
-    """Refuse what does not work yet: a Hugging Face model's own tensor-parallel plan (tp > 1) under compile.
-
-    Its styles (``HFColwiseParallel``, ``ReplicatedGradAllReduce`` on the norms) hand DTensors across the compiled
-    block's boundary, and AOT autograd returns a plain gradient where DTensor's backward expects a DTensor
-    (torch 2.13: ``'Tensor' object has no attribute '_local_tensor'`` in the first backward). Every rank decides
-    alike, from the model and the settings, before any collective of the build.
-
-    Raises:
-        ValueError: compile is on, tp > 1 and the model's own Hugging Face plan is in use.
-    """
-    if kwargs is not None and hf_plan and tp > 1:
-        raise ValueError(
-            f"ThreeDStrategy(compile=...) with tp={tp} and a Hugging Face model's own tensor-parallel plan is not "
-            "supported yet (its DTensor styles fail in the compiled blocks' backward). Use tp=1 with compile, "
-            "compile=False, or your own tp_plan (the automatic plan's styles compile)."
-        )
 
 
 def is_compiled(block: nn.Module) -> bool:

@@ -31,7 +31,7 @@ from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
 from .blocks import sequential_blocks
 from .boundary_check import check_stage_boundaries, make_skeleton
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
-from .compile import CompiledBlocks, check_compilable, compile_blocks
+from .compile import CompiledBlocks, compile_blocks
 from .data_parallel import apply_data_parallel
 from .fsdp import SHARDED_MODES, apply_fsdp
 from .materialize import ShardedInit, check_materializable, has_meta_tensors, library_initializers, materialize
@@ -496,7 +496,6 @@ def _build_split_stages(
 ) -> BuiltStages:
     split = model.split
     assert split is not None
-    check_compilable(model.hf_plan is not None, mesh["tp"].size(), compile_kwargs)
     pp_rank = mesh["pp"].get_local_rank()
     my_stages = [s for s in range(split.num_stages) if split.stage_to_rank[s] == pp_rank]
     if split.container is None:  # pp = 1 and no container: the one stage holds the whole module

@@ -65,6 +65,7 @@ __all__ = [
     "schedule_stages",
     "set_donated_buffers",
     "set_group_timeout",
+    "settle_async_collective",
     "shape_inference_done",
     "split_backward_functions",
     "tensor_version",
@@ -699,6 +700,39 @@ def set_donated_buffers(enabled: bool) -> bool:
     previous = bool(functorch_config.donated_buffer)
     functorch_config.donated_buffer = enabled
     return previous
+
+
+class _Settled(torch.autograd.Function):
+    """The tensor an ``AsyncCollectiveTensor`` wraps, once its collective is done; the gradient passes as it is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.wait()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def settle_async_collective(value: Any) -> Any:
+    """``value`` as a plain tensor if it is still waiting on an asynchronous collective, else ``value`` itself.
+
+    torch's row-parallel styles (``RowwiseParallel``, so a vocabulary-parallel Embedding too) all-reduce their
+    output with ``async_op=True``: the module returns an ``AsyncCollectiveTensor`` (a private tensor subclass of
+    ``torch.distributed._functional_collectives``) that waits at its first use. Handed straight to a compiled
+    function (a Llama's embedding output is the first decoder layer's input), AOT autograd gives its backward a
+    plain gradient where DTensor's redistribution expects a DTensor (torch 2.13: ``'Tensor' object has no
+    attribute '_local_tensor'`` in the first backward). Waiting first, outside the compiled code, keeps the
+    gradient's path eager; the wait is what the first eager use would do anyway, and nothing is copied.
+    """
+    from torch.distributed import _functional_collectives as functional
+
+    cls = getattr(functional, "AsyncCollectiveTensor", None)
+    if cls is None:
+        raise TorchCompatError("torch.distributed._functional_collectives.AsyncCollectiveTensor is gone")
+    if isinstance(value, cls):
+        return _Settled.apply(value)
+    return value
 
 
 # ------------------------------------------------------------------------------------ activation checkpointing

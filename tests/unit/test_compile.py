@@ -9,7 +9,6 @@ from torch import nn
 
 from lightning_3d import ThreeDSettings
 from lightning_3d.core.compile import (
-    check_compilable,
     compile_blocks,
     compile_kwargs,
     describe_kwargs,
@@ -44,10 +43,6 @@ def test_setting_forms_and_refusals() -> None:
     with pytest.raises(ValueError, match="bakend"):
         ThreeDSettings(compile={"bakend": "eager"})
     assert describe_kwargs({}) == "torch.compile(backend='inductor')"
-    check_compilable(hf_plan=True, tp=1, kwargs={})  # tp = 1: fine
-    check_compilable(hf_plan=True, tp=2, kwargs=None)  # not compiling: fine
-    with pytest.raises(ValueError, match="tp=2 and a Hugging Face model's own tensor-parallel plan"):
-        check_compilable(hf_plan=True, tp=2, kwargs={})
 
 
 def test_sequential_blocks_are_the_repeated_user_classes_with_parameters() -> None:

@@ -144,6 +144,32 @@ def test_tensor_version_counts_in_place_writes():
     assert torch_compat.tensor_version(t + 1) == 0
 
 
+def test_settle_async_collective_waits_and_keeps_the_gradient_path():
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    class Pending(torch.autograd.Function):  # what a row-parallel style's asynchronous all-reduce hands on
+        @staticmethod
+        def forward(ctx, x):
+            return AsyncCollectiveTensor(x * 1)
+
+        @staticmethod
+        def backward(ctx, grad):
+            assert type(grad) is torch.Tensor
+            return grad
+
+    x = torch.randn(2, 3, requires_grad=True)
+    pending = Pending.apply(x)
+    assert isinstance(pending, AsyncCollectiveTensor) and pending.requires_grad
+    settled = torch_compat.settle_async_collective(pending)
+    assert type(settled) is torch.Tensor and settled.requires_grad
+    assert torch.equal(settled, x.detach())
+    (settled * torch.arange(6.0).view(2, 3)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(6.0).view(2, 3))
+    plain = torch.ones(2)
+    assert torch_compat.settle_async_collective(plain) is plain
+    assert torch_compat.settle_async_collective("text") == "text"
+
+
 def test_is_view():
     t = torch.arange(6.0)
     assert torch_compat.is_view(t.view(2, 3)) and torch_compat.is_view(t[1:])
