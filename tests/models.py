@@ -173,6 +173,70 @@ class NanoGPT(_Base):
     validation_step = TinyGPT.validation_step
 
 
+def rotary_tables(head_dim: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rotary position embeddings, ``(length, head_dim // 2)``."""
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), inv)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    even, odd = x[..., ::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+
+
+class RotaryBlock(nn.Module):
+    """A torchtitan / litgpt style block: RMSNorm, attention with rotary embeddings, SwiGLU; the model's forward
+    hands it the rotary tables, ``block(x, cos, sin)``."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.attn_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.size()
+        h = self.attn_norm(x)
+        q, k, v = (w(h).view(B, T, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class RotaryGPT(_Base):
+    """Blocks in an ``nn.ModuleList`` that take more than the hidden states (the rotary tables, buffers of the
+    model); no learned positions. Its ``example_input_array`` lets the tensor-parallel analysis see what the
+    forward passes the blocks."""
+
+    vocab, block, dim, heads, layers = 32, 8, 16, 2, 4
+
+    def configure_model(self) -> None:
+        if hasattr(self, "blocks"):
+            return
+        self.tok = nn.Embedding(self.vocab, self.dim)
+        self.blocks = nn.ModuleList(RotaryBlock(self.dim, self.heads) for _ in range(self.layers))
+        self.norm = nn.RMSNorm(self.dim)
+        self.out = nn.Linear(self.dim, self.vocab, bias=False)
+        cos, sin = rotary_tables(self.dim // self.heads, self.block)
+        self.register_buffer("cos", cos.to(torch.get_default_dtype()), persistent=False)
+        self.register_buffer("sin", sin.to(torch.get_default_dtype()), persistent=False)
+        self.example_input_array = torch.zeros(2, self.block, dtype=torch.long)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x, self.cos[:T], self.sin[:T])
+        return self.out(self.norm(x))
+
+    training_step = TinyGPT.training_step
+    validation_step = TinyGPT.validation_step
+
+
 def hf_config(arch: str, vocab: int = 32, layers: int = 4, tied: bool = False):
     """A tiny Hugging Face config of a causal LM family, dropout off and no KV cache (built offline); ``tied``: the
     LM head tied to the input embedding (GPT-2 always ties them)."""
@@ -249,8 +313,9 @@ MODELS = {
     "llamatied": lambda **kw: HFCausalLM("llama", tied=True, **kw),
     "qwen3": lambda **kw: HFCausalLM("qwen3", **kw),
     "gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
+    "rotary": RotaryGPT,
 }
-TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2"}
+TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "rotary"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

@@ -41,8 +41,9 @@ LAYOUTS = {
         "gpt2meta64",
     ],
     # without data parallelism the tied weights are DTensors over tp alone, and Llama's vocabulary-sharded
-    # embedding gets its gradient back replicated: the sum across the pipeline ends must take the same shard
-    (2, 2, 1): ["llamatied64"],
+    # embedding gets its gradient back replicated: the sum across the pipeline ends must take the same shard;
+    # rotary: blocks called with the rotary tables too (the tensor-parallel analysis runs them with those)
+    (2, 2, 1): ["llamatied64", "rotary64", "rotary32"],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264", "gpt2meta64"],  # meta: head re-tied to a sharded embedding
     (1, 1, 4): ["nanotied32", "llama64", "gpt264"],
@@ -66,6 +67,8 @@ SHARDED = {
         "lm_head.weight",
     ),
     "gpt2": ("mlp.c_fc.", "mlp.c_proj.weight", "wte.weight", "lm_head.weight"),
+    # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them
+    "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2."),
 }
 SHARDED["nanotied"] = SHARDED["nano"]
 SHARDED["qwen3"] = SHARDED["llamatied"] = SHARDED["llama"]

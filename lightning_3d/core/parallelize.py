@@ -28,6 +28,7 @@ from torchmetrics import Metric
 from . import blocks, partition, pieces, torch_compat
 from . import tensor_parallel as tpmod
 from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
+from .block_calls import BlocksWithArguments, block_calls
 from .blocks import sequential_blocks
 from .boundary_check import check_stage_boundaries, make_skeleton
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
@@ -243,14 +244,15 @@ def _plan_split_model(
     # A Hugging Face model's own plan when the user gives none (it checks heads / kv heads against tp)
     hf_plan = hf_tp_plan(module, tp) if tp > 1 and explicit is None else None
     if hf_plan is None and container is not None and (tp > 1 or explicit):
-        view = nn.Sequential(OrderedDict(container.module.named_children()))
+        view, view_example, hint = _analysis_view(module, container, tp > 1 and tp_autoplan)
         tp_plan = tpmod.resolve_plan(
             view,
             tp,
             explicit=explicit,
             body_prefix=container.fqn,
-            example_input=_block_example(view),
+            example_input=view_example,
             auto=tp_autoplan,
+            hint=hint,
         )
     is_meta = has_meta_tensors(module)
     if is_meta:
@@ -270,6 +272,34 @@ def _plan_split_model(
     if example_input is None and split.num_stages > 1 and container is not None:
         skeleton = make_skeleton(module)  # before pruning: the first step checks the unsplit model's training_step
     return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan, skeleton)
+
+
+def _analysis_view(module: nn.Module, container: blocks.BlockContainer, auto: bool) -> tuple[nn.Module, Any, str]:
+    """The blocks as the tensor-parallel analysis runs them, their input, and what to add if the analysis fails.
+
+    Blocks the model's forward calls with more than the hidden states (rotary tables, masks) run with those
+    arguments (``block_calls.py``), found from one forward on fake tensors of the module's ``example_input_array``;
+    otherwise (no example, or nothing more to pass) the blocks run one after the other on a ``(1, 2, hidden)``
+    input."""
+    children = OrderedDict(container.module.named_children())
+    plain = nn.Sequential(children)
+    example = getattr(module, "example_input_array", None)
+    if not auto:
+        return plain, _block_example(plain), ""
+    if example is None:
+        hint = (
+            "blocks called with more than the hidden states (rotary tables, masks) are analysed as the model's "
+            "forward calls them when you set the LightningModule's example_input_array (one micro-batch's input)"
+        )
+        return plain, _block_example(plain), hint
+    found = block_calls(module, list(children.values()), example)
+    if isinstance(found, str):
+        return plain, _block_example(plain), f"the blocks were run alone because {found}"
+    if not any(call.takes_more() for call in found):
+        return plain, _block_example(plain), ""
+    param = next(plain.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    return BlocksWithArguments(children, found, device), found[0].hidden.zeros(device), ""
 
 
 def _block_example(view: nn.Module) -> torch.Tensor | None:

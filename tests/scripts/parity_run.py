@@ -61,6 +61,9 @@ CASES = {
     "qwen364": ("qwen3", "64-true", 2, None, 1, "init"),
     "gpt264": ("gpt2", "64-true", 2, None, 1, "init"),
     "gpt232": ("gpt2", "32-true", 20, 0.5, 1, "init"),
+    # blocks called with the rotary tables besides the hidden states (torchtitan / litgpt style)
+    "rotary64": ("rotary", "64-true", 2, None, 1, "init"),
+    "rotary32": ("rotary", "32-true", 20, 0.5, 1, "init"),
     # built in configure_model: on the meta device under ThreeDStrategy, materialised per stage with the
     # model's own initialiser (then given the reference's weights)
     "llamameta64": ("llama", "64-true", 2, None, 1, "configure"),

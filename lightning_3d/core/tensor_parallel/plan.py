@@ -200,6 +200,7 @@ def resolve_plan(
     body_prefix: str = "body",
     example_input: Any | None = None,
     auto: bool = True,
+    hint: str = "",
 ) -> TPPlan:
     """Build the tensor-parallel plan of ``body`` for ``tp`` ranks.
 
@@ -218,6 +219,7 @@ def resolve_plan(
         body_prefix: attribute name of the body in the LightningModule (for patterns and messages).
         example_input: input of the body for the analysis; default :func:`example_input_for`.
         auto: run the automatic analysis.
+        hint: added to the warning and the notes when the analysis cannot run the body (what would let it).
 
     Returns:
         The plan; modules the analysis left replicated are explained in ``notes``.
@@ -248,6 +250,8 @@ def resolve_plan(
                 f"automatic tensor-parallel analysis could not run the body: {error}; modules without an "
                 "explicit plan entry stay replicated"
             )
+            if hint:
+                msg += f" ({hint})"
             warnings.warn(f"{msg}.", stacklevel=2)
             notes = {f: msg for f in found if f not in pins}
             _check_explicit(body, matched, tp, body_prefix, {})

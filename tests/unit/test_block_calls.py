@@ -1,0 +1,134 @@
+"""What a model's forward hands its blocks (``lightning_3d/core/block_calls.py``), and the automatic tensor-parallel
+plan of a model whose blocks take more than the hidden states (``parallelize.plan_model``)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_3d.core.block_calls import BlocksWithArguments, TensorSpec, block_calls
+from lightning_3d.core.parallelize import plan_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import NanoGPT, RotaryGPT
+
+
+def test_block_calls_record_the_rotary_tables_and_leave_the_model_untouched():
+    model = RotaryGPT(build="init")
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    calls = block_calls(model, list(model.blocks), torch.zeros(3, 5, dtype=torch.long))
+    assert not isinstance(calls, str), calls
+    assert len(calls) == 4
+    for call in calls:
+        assert call.hidden == TensorSpec((3, 5, 16), torch.float32)
+        assert call.args == (TensorSpec((5, 4), torch.float32), TensorSpec((5, 4), torch.float32))
+        assert call.kwargs == {} and call.takes_more()
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not any(b._forward_pre_hooks for b in model.blocks)  # hooks removed
+
+
+def test_block_calls_with_keyword_arguments_and_tuple_outputs_run_like_the_model():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, *, scale, flag=None):
+            return (self.fc(x) * scale, "extra")
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x, scale=torch.full((4,), 2.0), flag="on")[0]
+            return x
+
+    model = Model()
+    calls = block_calls(model, list(model.layers), {"x": torch.randn(2, 4)})
+    assert not isinstance(calls, str), calls
+    assert calls[0].kwargs == {"scale": TensorSpec((4,), torch.float32), "flag": "on"}
+    view = BlocksWithArguments(OrderedDict(model.layers.named_children()), calls, torch.device("cpu"))
+    assert [n for n, _ in view.named_children()] == ["0", "1"]
+    x = torch.randn(2, 4)
+    # the stand-ins are zeros: the view runs the blocks as the model does, on zero scales
+    assert torch.equal(view(x), torch.zeros(2, 4))
+
+
+def test_block_calls_say_why_when_they_cannot_be_recorded():
+    class Hidden(nn.Module):
+        def forward(self, x=None):
+            return x
+
+    class ByKeyword(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Hidden()])
+
+        def forward(self, x):
+            return self.layers[0](x=x)
+
+    model = ByKeyword()
+    assert "without the hidden states as its first positional argument" in block_calls(
+        model, list(model.layers), torch.zeros(2)
+    )
+
+    class Skips(ByKeyword):
+        def forward(self, x):
+            return x
+
+    model = Skips()
+    assert block_calls(model, list(model.layers), torch.zeros(2)) == "forward(example_input_array) did not call block 0"
+
+    class DataDependent(ByKeyword):
+        def forward(self, x):
+            if x.sum() > 0:  # a value: unknown on fake tensors
+                return self.layers[0](x)
+            return x
+
+    model = DataDependent()
+    assert block_calls(model, list(model.layers), torch.ones(2)).startswith(
+        "forward(example_input_array) did not run on fake tensors"
+    )
+
+
+def _styles(plan) -> dict[str, str]:
+    return {name: entry.style for name, entry in plan.tp_plan.entries.items()}
+
+
+def test_the_automatic_plan_shards_blocks_called_with_the_rotary_tables():
+    model = RotaryGPT(build="init")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "could not run the body" warning
+        styles = _styles(plan_model(model, tp=2, pp=2))
+    for i in range(4):
+        for name in ("wq", "wk", "wv", "w1", "w3"):
+            assert styles[f"{i}.{name}"] == "colwise"
+        assert styles[f"{i}.wo"] == styles[f"{i}.w2"] == "rowwise"
+    assert len(styles) == 28
+
+
+def test_without_an_example_such_blocks_stay_replicated_with_the_reason():
+    model = RotaryGPT(build="init")
+    model.example_input_array = None
+    with pytest.warns(UserWarning, match="missing 2 required positional arguments: 'cos' and 'sin'"):
+        plan = plan_model(model, tp=2, pp=2)
+    assert _styles(plan) == {}
+    assert "set the LightningModule's example_input_array" in plan.tp_plan.notes["0.wq"]
+
+
+def test_blocks_of_one_tensor_keep_the_plain_analysis():
+    model = NanoGPT(build="init")
+    assert model.example_input_array is None
+    styles = _styles(plan_model(model, tp=2, pp=2))
+    assert styles["0.q_proj"] == "colwise" and styles["0.out_proj"] == "rowwise"
