@@ -60,6 +60,25 @@ class TinyMLP(_Base):
         return loss
 
 
+class PlainMLP(_Base):
+    """No block container and no ``nn.Sequential``: layers as attributes, a forward of the user's own (a residual
+    MLP). Only pp = 1 applies; tensor parallelism analyses the whole module."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "head"):
+            return
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.fc2(F.gelu(self.fc1(x)))
+        return self.head(self.norm(h))
+
+    training_step = TinyMLP.training_step
+    validation_step = TinyMLP.validation_step
+
+
 class Embed(nn.Module):
     def __init__(self, vocab: int, block: int, dim: int):
         super().__init__()
@@ -314,6 +333,7 @@ MODELS = {
     "qwen3": lambda **kw: HFCausalLM("qwen3", **kw),
     "gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
     "rotary": RotaryGPT,
+    "plain": PlainMLP,
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "rotary"}
 

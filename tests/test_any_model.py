@@ -45,7 +45,8 @@ LAYOUTS = {
     # rotary: blocks called with the rotary tables too (the tensor-parallel analysis runs them with those)
     (2, 2, 1): ["llamatied64", "rotary64", "rotary32"],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
-    (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264", "gpt2meta64"],  # meta: head re-tied to a sharded embedding
+    # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
+    (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264", "gpt2meta64", "plain64", "plain32"],
     (1, 1, 4): ["nanotied32", "llama64", "gpt264"],
 }
 ALL_CASES = sorted({c for cases in LAYOUTS.values() for c in cases})
@@ -69,6 +70,8 @@ SHARDED = {
     "gpt2": ("mlp.c_fc.", "mlp.c_proj.weight", "wte.weight", "lm_head.weight"),
     # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them
     "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2."),
+    # no container: the MLP pair and the final projection (all-gathered)
+    "plain": ("fc1.", "fc2.weight", "head."),
 }
 SHARDED["nanotied"] = SHARDED["nano"]
 SHARDED["qwen3"] = SHARDED["llamatied"] = SHARDED["llama"]

@@ -66,6 +66,9 @@ class ModelPlan:
     # a meta-device copy of the unsplit model for the first-step boundary check (no example_input_array), or why
     # none could be made (``boundary_check.make_skeleton``)
     skeleton: nn.Module | str | None = None
+    # the module the tensor-parallel plan is for when it is not the body: at pp = 1 without a block container, the
+    # whole LightningModule (its names are the module's own)
+    tp_root: nn.Module | None = None
 
 
 def plan_model(
@@ -243,7 +246,22 @@ def _plan_split_model(
     tp_plan = tpmod.TPPlan()
     # A Hugging Face model's own plan when the user gives none (it checks heads / kv heads against tp)
     hf_plan = hf_tp_plan(module, tp) if tp > 1 and explicit is None else None
-    if hf_plan is None and container is not None and (tp > 1 or explicit):
+    tp_root = None
+    if hf_plan is None and container is None and (tp > 1 or explicit):
+        # pp = 1 and no block container: the whole module, run on its example_input_array (else on an input made
+        # for its first layer)
+        tp_root = module
+        tp_plan = tpmod.resolve_plan(
+            module,
+            tp,
+            explicit=explicit,
+            body_prefix="",
+            example_input=module.example_input_array,
+            auto=tp_autoplan,
+            hint="set the LightningModule's example_input_array (one micro-batch's input) for the analysis to run "
+            "its forward",
+        )
+    elif hf_plan is None and container is not None and (tp > 1 or explicit):
         view, view_example, hint = _analysis_view(module, container, tp > 1 and tp_autoplan)
         tp_plan = tpmod.resolve_plan(
             view,
@@ -271,7 +289,7 @@ def _plan_split_model(
     skeleton = None
     if example_input is None and split.num_stages > 1 and container is not None:
         skeleton = make_skeleton(module)  # before pruning: the first step checks the unsplit model's training_step
-    return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan, skeleton)
+    return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan, skeleton, tp_root)
 
 
 def _analysis_view(module: nn.Module, container: blocks.BlockContainer, auto: bool) -> tuple[nn.Module, Any, str]:
@@ -564,6 +582,8 @@ def _build_split_stages(
             styles = model.hf_plan.styles_for(name)
         elif tp > 1 and name in blocks_of:
             styles = model.tp_plan.styles_for(blocks_of[name])
+        elif tp > 1 and model.tp_root is not None:
+            styles = model.tp_plan.styles_for(name)
         if styles:
             parallelize_module(sub, mesh["tp"], styles)
     if model.is_meta and has_meta_tensors(module):  # modules on every stage: rotary tables, parameter-free
@@ -619,6 +639,11 @@ def add_body_randomness(
         randomness.install_stage(spec.module, spec.index)
         if tp == 1:
             continue
+        if model.tp_root is not None:  # the whole module is the one stage's one layer
+            styles = model.tp_plan.styles_for("")
+            if styles:
+                randomness.install_regions(model.tp_root, styles, spec.index)
+            continue
         for name in model.stage_plan.layer_names[spec.index]:
             whole = pieces.layer_of(name)  # a part of a layer is in the stage's container, under the layer's name
             layer = torch_compat.child_modules(model.body.module if whole == name else spec.module)[whole]
@@ -656,6 +681,8 @@ def describe_layout(topology: Topology, mesh: DeviceMesh, model: ModelPlan, sche
     tp = mesh["tp"].size()
     if tp > 1 and model.hf_plan is not None:
         lines.append(f"tensor-parallel plan (the model's own, tp={tp}):\n{model.hf_plan.describe()}")
+    elif tp > 1 and model.tp_root is not None:
+        lines.append(tpmod.describe_plan(model.tp_root, model.tp_plan, tp, body_prefix=""))
     elif tp > 1:
         lines.append(tpmod.describe_plan(model.body.module, model.tp_plan, tp, body_prefix=model.body.fqn))
     return "\n".join(lines)

@@ -64,6 +64,9 @@ CASES = {
     # blocks called with the rotary tables besides the hidden states (torchtitan / litgpt style)
     "rotary64": ("rotary", "64-true", 2, None, 1, "init"),
     "rotary32": ("rotary", "32-true", 20, 0.5, 1, "init"),
+    # no block container: at pp = 1 the whole module is analysed for tensor parallelism
+    "plain64": ("plain", "64-true", 2, None, 1, "init"),
+    "plain32": ("plain", "32-true", 20, 0.5, 1, "init"),
     # built in configure_model: on the meta device under ThreeDStrategy, materialised per stage with the
     # model's own initialiser (then given the reference's weights)
     "llamameta64": ("llama", "64-true", 2, None, 1, "configure"),
