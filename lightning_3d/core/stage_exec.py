@@ -80,6 +80,25 @@ class Elsewhere(nn.Module):
         self.fqn, self.role = fqn, role
         self.__dict__["_executor"] = executor  # not a submodule
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        # the forward read a parameter or attribute of a module another stage holds (``self.embed.weight``)
+        executor, fqn = self.__dict__.get("_executor"), self.__dict__.get("fqn")
+        if executor is None or fqn is None:  # half-made (copy, unpickling): a plain miss
+            raise AttributeError(name)
+        current = executor.current
+        stage = current.stage if current is not None else "?"
+        raise AttributeError(
+            f"lightning_3d: {fqn}.{name} was read on pipeline stage {stage}, but {fqn} is held by stage "
+            f"{executor.split.stage_of(fqn)}: a stage holds only its own modules. Call the module instead of "
+            f"reading its parameters (a head that reuses the embedding's weight: tie them as modules, "
+            "self.head.weight = self.embed.weight, and they stay one weight across the stages), or keep the value "
+            "in a buffer of the LightningModule, which every stage holds."
+        ) from None
+
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         current = self._executor.current
         # Before the stage's first block its output is never used (the block's input is replaced by the received

@@ -96,6 +96,24 @@ def test_last_stage_takes_the_received_tensor_and_returns_the_weighted_loss() ->
     assert logs.entries["train_loss"].weight == 2.0
 
 
+def test_reading_a_parameter_of_another_stages_module_names_it_and_the_fix() -> None:
+    class ReadsTheEmbedding(Net):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.embed(x)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(h) + self.embed.bias.sum()  # the first stage's parameter, on the last stage
+
+    model = ReadsTheEmbedding()
+    executor, stage = stage_of(model, 1)
+    x, y = batch()
+    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(1, 0)
+    with pytest.raises(AttributeError, match=r"embed.bias was read on pipeline stage 1, but embed is held by stage 0"):
+        stage(torch.randn(2, 4, requires_grad=True))
+    assert not hasattr(model.embed, "weight")  # probes still see an AttributeError
+
+
 def test_a_skip_connection_across_the_boundary_is_named() -> None:
     model = Net(skip=True)
     executor, stage = stage_of(model, 1)
