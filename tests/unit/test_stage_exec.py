@@ -96,6 +96,14 @@ def test_last_stage_takes_the_received_tensor_and_returns_the_weighted_loss() ->
     assert logs.entries["train_loss"].weight == 2.0
 
 
+def run_last_stage(model: Net) -> torch.Tensor:
+    """The last of two stages on the first micro-batch of two, fed a received activation."""
+    executor, stage = stage_of(model, 1)
+    executor.begin("training_step", model.training_step, batch(), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(1, 0)
+    return stage(torch.randn(2, 4, requires_grad=True))
+
+
 def test_reading_a_parameter_of_another_stages_module_names_it_and_the_fix() -> None:
     class ReadsTheEmbedding(Net):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,23 +113,14 @@ def test_reading_a_parameter_of_another_stages_module_names_it_and_the_fix() -> 
             return self.head(h) + self.embed.bias.sum()  # the first stage's parameter, on the last stage
 
     model = ReadsTheEmbedding()
-    executor, stage = stage_of(model, 1)
-    x, y = batch()
-    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
-    executor.on_chunk(1, 0)
     with pytest.raises(AttributeError, match=r"embed.bias was read on pipeline stage 1, but embed is held by stage 0"):
-        stage(torch.randn(2, 4, requires_grad=True))
+        run_last_stage(model)
     assert not hasattr(model.embed, "weight")  # probes still see an AttributeError
 
 
 def test_a_skip_connection_across_the_boundary_is_named() -> None:
-    model = Net(skip=True)
-    executor, stage = stage_of(model, 1)
-    x, y = batch()
-    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
-    executor.on_chunk(1, 0)
     with pytest.raises(ValueError, match=r"crosses the stage boundary between blocks.0 and blocks.2"):
-        stage(torch.randn(2, 4, requires_grad=True))
+        run_last_stage(Net(skip=True))
 
 
 def test_a_step_that_skips_the_model_is_refused() -> None:
