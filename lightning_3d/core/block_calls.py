@@ -31,7 +31,7 @@ from . import torch_compat
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class ArgSpec:
     """Shape and dtype of a tensor seen on fake tensors."""
 
     shape: tuple[int, ...]
@@ -48,11 +48,11 @@ class BlockCall:
 
     Attributes:
         hidden: the first positional argument (the hidden states).
-        args: the other positional arguments, tensors as :class:`TensorSpec`.
-        kwargs: the keyword arguments, tensors as :class:`TensorSpec`.
+        args: the other positional arguments, tensors as :class:`ArgSpec`.
+        kwargs: the keyword arguments, tensors as :class:`ArgSpec`.
     """
 
-    hidden: TensorSpec
+    hidden: ArgSpec
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
@@ -62,11 +62,11 @@ class BlockCall:
 
 
 def _spec(value: Any) -> Any:
-    return apply_to_collection(value, torch.Tensor, lambda t: TensorSpec(tuple(t.shape), t.dtype))
+    return apply_to_collection(value, torch.Tensor, lambda t: ArgSpec(tuple(t.shape), t.dtype))
 
 
 def _real(value: Any, device: torch.device) -> Any:
-    return apply_to_collection(value, TensorSpec, lambda s: s.zeros(device))
+    return apply_to_collection(value, ArgSpec, lambda s: s.zeros(device))
 
 
 def _arguments(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -165,4 +165,4 @@ class BlocksWithArguments(nn.Sequential):
         return hidden
 
 
-__all__ = ["BlockCall", "BlocksWithArguments", "TensorSpec", "block_calls"]
+__all__ = ["ArgSpec", "BlockCall", "BlocksWithArguments", "block_calls"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.core.block_calls import BlocksWithArguments, TensorSpec, block_calls
+from lightning_3d.core.block_calls import ArgSpec, BlocksWithArguments, block_calls
 from lightning_3d.core.parallelize import plan_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,8 +27,8 @@ def test_block_calls_record_the_rotary_tables_and_leave_the_model_untouched():
     assert not isinstance(calls, str), calls
     assert len(calls) == 4
     for call in calls:
-        assert call.hidden == TensorSpec((3, 5, 16), torch.float32)
-        assert call.args == (TensorSpec((5, 4), torch.float32), TensorSpec((5, 4), torch.float32))
+        assert call.hidden == ArgSpec((3, 5, 16), torch.float32)
+        assert call.args == (ArgSpec((5, 4), torch.float32), ArgSpec((5, 4), torch.float32))
         assert call.kwargs == {} and call.takes_more()
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
@@ -57,7 +57,7 @@ def test_block_calls_with_keyword_arguments_and_tuple_outputs_run_like_the_model
     model = Model()
     calls = block_calls(model, list(model.layers), {"x": torch.randn(2, 4)})
     assert not isinstance(calls, str), calls
-    assert calls[0].kwargs == {"scale": TensorSpec((4,), torch.float32), "flag": "on"}
+    assert calls[0].kwargs == {"scale": ArgSpec((4,), torch.float32), "flag": "on"}
     view = BlocksWithArguments(OrderedDict(model.layers.named_children()), calls, torch.device("cpu"))
     assert [n for n, _ in view.named_children()] == ["0", "1"]
     x = torch.randn(2, 4)
