@@ -153,9 +153,10 @@ def config_items(
         items["model.class"] = f"{type(module).__module__}.{type(module).__qualname__}"
     if model is not None:
         items.update(spec_items(model.full_spec))
-        for name, entry in model.tp_plan.entries.items():
-            style = entry.style if isinstance(entry.style, str) else type(entry.style).__name__
-            items[f"tp_plan.{name}"] = style
+        for key, plan in (("tp_plan", model.tp_plan), ("tp_plan.outer", model.outer_plan)):
+            for name, entry in (plan.entries if plan is not None else {}).items():
+                style = entry.style if isinstance(entry.style, str) else type(entry.style).__name__
+                items[f"{key}.{name}"] = style
     return items
 
 

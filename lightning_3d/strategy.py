@@ -402,7 +402,7 @@ class ThreeDStrategy(ParallelStrategy):
             model.full_spec,
         )
         self._example_input = model.example_input
-        layout = describe_layout(self.topology, self.device_mesh, model, self.schedule, self.micro_batches)
+        layout = describe_layout(self.topology, self.device_mesh, module, model, self.schedule, self.micro_batches)
         # --- from here on ranks communicate
         # ---- reliability: the plan (tensor-parallel plan, stage split) agreed on before anything is built
         self._reliability.check_consistency(module, self.precision_plugin, model)

@@ -68,8 +68,9 @@ SHARDED = {
         "lm_head.weight",
     ),
     "gpt2": ("mlp.c_fc.", "mlp.c_proj.weight", "wte.weight", "lm_head.weight"),
-    # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them
-    "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2."),
+    # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them; with its
+    # example_input_array the embedding (vocabulary-parallel) and the head (all-gathered) outside the blocks too
+    "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2.", "tok.weight", "out.weight"),
     # no container: the MLP pair and the final projection (all-gathered)
     "plain": ("fc1.", "fc2.weight", "head."),
 }

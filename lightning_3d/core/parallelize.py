@@ -69,6 +69,9 @@ class ModelPlan:
     # the module the tensor-parallel plan is for when it is not the body: at pp = 1 without a block container, the
     # whole LightningModule (its names are the module's own)
     tp_root: nn.Module | None = None
+    # a model split at its blocks under the automatic plan: the modules outside the blocks (embeddings, LM head),
+    # by module-relative name (``tensor_parallel.resolve_outer_plan``); ``tp_plan`` is then the blocks' plan
+    outer_plan: tpmod.TPPlan | None = None
 
 
 def plan_model(
@@ -272,6 +275,9 @@ def _plan_split_model(
             auto=tp_autoplan,
             hint=hint,
         )
+    outer_plan = None
+    if hf_plan is None and container is not None and tp > 1 and tp_autoplan and explicit is None:
+        outer_plan = tpmod.resolve_outer_plan(module, tp, container.fqn, module.example_input_array)
     is_meta = has_meta_tensors(module)
     if is_meta:
         check_materializable(module, "", library_initializers(module))
@@ -289,7 +295,9 @@ def _plan_split_model(
     skeleton = None
     if example_input is None and split.num_stages > 1 and container is not None:
         skeleton = make_skeleton(module)  # before pruning: the first step checks the unsplit model's training_step
-    return ModelPlan(body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan, skeleton, tp_root)
+    return ModelPlan(
+        body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan, skeleton, tp_root, outer_plan
+    )
 
 
 def _analysis_view(module: nn.Module, container: blocks.BlockContainer, auto: bool) -> tuple[nn.Module, Any, str]:
@@ -584,6 +592,8 @@ def _build_split_stages(
             styles = model.tp_plan.styles_for(blocks_of[name])
         elif tp > 1 and model.tp_root is not None:
             styles = model.tp_plan.styles_for(name)
+        elif tp > 1 and model.outer_plan is not None:
+            styles = model.outer_plan.styles_for(name)
         if styles:
             parallelize_module(sub, mesh["tp"], styles)
     if model.is_meta and has_meta_tensors(module):  # modules on every stage: rotary tables, parameter-free
@@ -644,6 +654,11 @@ def add_body_randomness(
             if styles:
                 randomness.install_regions(model.tp_root, styles, spec.index)
             continue
+        if model.outer_plan is not None:  # embeddings, head: a stage module holds them by their names in the model
+            for name, held in zip(spec.module.names, spec.module.held):
+                styles = model.outer_plan.styles_for(name)
+                if styles:
+                    randomness.install_regions(held, styles, spec.index)
         for name in model.stage_plan.layer_names[spec.index]:
             whole = pieces.layer_of(name)  # a part of a layer is in the stage's container, under the layer's name
             layer = torch_compat.child_modules(model.body.module if whole == name else spec.module)[whole]
@@ -670,8 +685,11 @@ def sync_replicas(body: nn.Module, mesh: DeviceMesh) -> None:
                 dist.broadcast(local, src=int(dp_mesh.mesh[0]), group=dp_mesh.get_group())
 
 
-def describe_layout(topology: Topology, mesh: DeviceMesh, model: ModelPlan, schedule: str, micro_batches: int) -> str:
-    """The mesh, the stages and the tensor-parallel plan, as rank 0 prints them once."""
+def describe_layout(
+    topology: Topology, mesh: DeviceMesh, module: nn.Module, model: ModelPlan, schedule: str, micro_batches: int
+) -> str:
+    """The mesh, the stages and the tensor-parallel plan of ``module`` (still unsharded), as rank 0 prints them
+    once."""
     lines = [
         f"lightning_3d layout: {topology.describe()}, schedule {schedule}, {micro_batches} micro-batches per batch",
         mesh_ranks_table(mesh),
@@ -685,4 +703,7 @@ def describe_layout(topology: Topology, mesh: DeviceMesh, model: ModelPlan, sche
         lines.append(tpmod.describe_plan(model.tp_root, model.tp_plan, tp, body_prefix=""))
     elif tp > 1:
         lines.append(tpmod.describe_plan(model.body.module, model.tp_plan, tp, body_prefix=model.body.fqn))
+    if tp > 1 and model.outer_plan is not None:
+        outside = tpmod.describe_plan(module, model.outer_plan, tp, body_prefix="")
+        lines.append(outside.replace("Tensor-parallel plan", "Outside the blocks", 1))
     return "\n".join(lines)

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_3d.core.parallelize import plan_model
+from lightning_3d.core.parallelize import describe_layout, plan_model
+from lightning_3d.core.topology import Topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from models import PlainMLP
+from models import NanoGPT, PlainMLP, RotaryGPT
 
 
 def _styles(plan) -> dict[str, str]:
@@ -61,3 +63,71 @@ def test_modules_with_blocks_keep_the_plan_of_their_blocks():
 
     plan = plan_model(WithBlocks(build="init"), tp=2, pp=1)
     assert plan.tp_root is None and plan.split.container is not None
+
+
+class _FakeMesh:
+    """What ``describe_layout`` reads of a (dp, pp, tp) mesh, without a process group."""
+
+    def __init__(self, tp: int, pp: int = 2) -> None:
+        self.mesh = torch.arange(tp * pp).reshape(1, pp, tp)
+        self.sizes = {"tp": tp, "pp": pp, "dp": 1}
+
+    def __getitem__(self, name: str):
+        return SimpleNamespace(size=lambda: self.sizes[name])
+
+
+def _outer(plan) -> dict[str, str]:
+    return {name: entry.style for name, entry in plan.outer_plan.entries.items()}
+
+
+def test_a_split_model_shards_its_embedding_and_head_too():
+    """Blocks in a ModuleList: the blocks get their plan, and the modules around them the one an nn.Sequential body
+    would give them (vocabulary-sharded embedding, final projection gathered), from the whole forward."""
+    model = RotaryGPT()
+    model.configure_model()
+    plan = plan_model(model, tp=2, pp=2)
+    assert _outer(plan) == {"tok": "vocab", "out": "colwise_gather"}
+    assert plan.outer_plan.notes == {}
+    assert {n.split(".", 1)[1] for n in plan.tp_plan.entries} == {"wq", "wk", "wv", "wo", "w1", "w3", "w2"}
+    layout = describe_layout(Topology(world_size=4, tp=2, pp=2), _FakeMesh(2), model, plan, "1f1b", 4)
+    assert "Outside the blocks (tp=2): 2 modules sharded" in layout
+    assert "out     Linear     colwise_gather  (32, 16) -> (16, 16)" in layout
+
+
+def test_tied_and_unexampled_outer_modules_stay_replicated_with_the_reason():
+    model = NanoGPT(tie=True)
+    model.configure_model()
+    plan = plan_model(model, tp=2, pp=2)  # no example_input_array: nothing outside the blocks is sharded
+    assert _outer(plan) == {}
+    assert set(plan.outer_plan.notes) == {"transformer.wte", "transformer.wpe", "lm_head"}
+    assert all("example_input_array" in why for why in plan.outer_plan.notes.values())
+    model.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+    plan = plan_model(model, tp=2, pp=2)
+    assert _outer(plan) == {"transformer.wpe": "vocab"}  # the position table; the tied pair stays whole
+    assert "tied weights" in plan.outer_plan.notes["lm_head"]
+    assert "tied weights" in plan.outer_plan.notes["transformer.wte"]
+
+
+def _rotary() -> RotaryGPT:
+    model = RotaryGPT()
+    model.configure_model()
+    return model  # (plan_model hides the example_input_array from Lightning: a fresh model for each plan)
+
+
+def test_outer_modules_follow_the_settings():
+    assert plan_model(_rotary(), tp=1, pp=2).outer_plan is None
+    assert plan_model(_rotary(), tp=2, pp=2, tp_autoplan=False).outer_plan is None
+    # an explicit plan is the user's whole say: what it does not name stays as it was
+    explicit = plan_model(_rotary(), tp=2, pp=2, tp_plan={"blocks.*.wq": "colwise", "blocks.*.wo": "rowwise"})
+    assert explicit.outer_plan is None and explicit.tp_plan.entries["0.wq"].source == "explicit"
+    assert _outer(plan_model(_rotary(), tp=2, pp=2)) == {"tok": "vocab", "out": "colwise_gather"}
+
+
+def test_an_outer_size_tp_does_not_divide_stays_replicated_without_failing():
+    model = RotaryGPT()
+    model.vocab = 33
+    model.configure_model()
+    plan = plan_model(model, tp=2, pp=2)
+    assert _outer(plan) == {}
+    assert "33 embeddings are not divisible by tp=2" in plan.outer_plan.notes["tok"]
+    assert "33 outputs, not divisible by tp=2" in plan.outer_plan.notes["out"]

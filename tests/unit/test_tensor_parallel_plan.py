@@ -18,6 +18,7 @@ from lightning_3d.core.tensor_parallel import (
     describe_plan,
     example_input_for,
     local_numel,
+    resolve_outer_plan,
     resolve_plan,
 )
 from lightning_3d.core.tensor_parallel.styles import SharedInputColwiseParallel
@@ -172,3 +173,19 @@ def test_example_input_for() -> None:
     assert z is not None and z.is_meta
     assert example_input_for(nn.Sequential(nn.Conv1d(2, 2, 1), nn.Linear(2, 2))) is None
     assert example_input_for(nn.Sequential(nn.Flatten(), nn.Linear(2, 2))) is None
+
+
+def test_resolve_outer_plan_leaves_the_blocks_alone_and_never_fails() -> None:
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from models import RotaryGPT
+
+    model = RotaryGPT()
+    model.configure_model()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    plan = resolve_outer_plan(model, 2, "blocks", torch.zeros(2, 8, dtype=torch.long))
+    assert {n: e.style for n, e in plan.entries.items()} == {"tok": "vocab", "out": "colwise_gather"}
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # left unchanged
+    assert local_numel("out.weight", (32, 16), plan, 2) == 16 * 16
+    broken = resolve_outer_plan(model, 2, "blocks", torch.zeros(2, 8))  # float token ids: the forward fails
+    assert broken.entries == {} and set(broken.notes) == {"tok", "out"}
+    assert all("analysis of the whole forward on example_input_array failed" in n for n in broken.notes.values())

@@ -260,6 +260,51 @@ def resolve_plan(
     return _merge(body, matched, result, result.notes if result else {})
 
 
+def resolve_outer_plan(module: nn.Module, tp: int, container: str, example_input: Any | None) -> TPPlan:
+    """The automatic plan of the modules of ``module`` outside its block container (embeddings, LM head).
+
+    A model split at its blocks has its blocks planned on their own (:func:`resolve_plan` on the container);
+    what lies outside them is found here, from one analysis of the whole forward on ``example_input`` with
+    every module inside the container taken as replicated: the input embeddings become vocabulary-sharded,
+    a final projection whose output leaves the forward column-wise with its output all-gathered, exactly as
+    in an ``nn.Sequential`` body. Each of those styles takes and gives full tensors, so it composes with any
+    plan of the blocks. Nothing here fails a run: a forward the analysis cannot follow, or a size ``tp`` does
+    not divide, leaves the outer modules replicated, with the reason in the plan's notes.
+
+    Args:
+        module: the LightningModule (unsharded, possibly on the meta device); left unchanged.
+        tp: tensor-parallel size (> 1).
+        container: module-relative name of the block container.
+        example_input: ``module``'s ``example_input_array`` (one micro-batch's input); without one the outer
+            modules stay replicated (the notes say how to have them sharded).
+
+    Returns:
+        Entries and notes keyed by module-relative names, for modules outside the container only.
+    """
+
+    def inside(fqn: str) -> bool:
+        return fqn == container or fqn.startswith(container + ".")
+
+    found, ineligible = candidates(module)
+    outer = [f for f in [*found, *ineligible] if not inside(f)]
+    if example_input is None:
+        why = (
+            "left replicated: modules outside the blocks (embeddings, LM head) are sharded when the LightningModule "
+            "sets example_input_array (one micro-batch's input), on which the analysis runs the whole forward"
+        )
+        return TPPlan(notes=dict.fromkeys(outer, why))
+    pins = {f: "replicate" for f in found if inside(f)}
+    try:
+        result = analyze(module, tp, _on_device(example_input, module), pins)
+    except (AnalysisError, ValueError) as error:
+        why = f"left replicated: the analysis of the whole forward on example_input_array failed ({error})"
+        return TPPlan(notes=dict.fromkeys(outer, why))
+    plan = _merge(module, {}, result, result.notes)
+    plan.entries = {f: e for f, e in plan.entries.items() if not inside(f)}
+    plan.notes = {f: n for f, n in plan.notes.items() if not inside(f)}
+    return plan
+
+
 def _merge(
     body: nn.Module, matched: Mapping[str, tuple[str | ParallelStyle, str]], result: Any, notes: dict[str, str]
 ) -> TPPlan:
@@ -298,4 +343,4 @@ def local_numel(param_fqn: str, full_shape: tuple[int, ...], plan: TPPlan, tp: i
     return local_numel_of(tuple(full_shape), kind, pname, tp)
 
 
-__all__ = ["STYLE_NAMES", "PlanEntry", "TPPlan", "local_numel", "resolve_plan"]
+__all__ = ["STYLE_NAMES", "PlanEntry", "TPPlan", "local_numel", "resolve_outer_plan", "resolve_plan"]
