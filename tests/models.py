@@ -157,13 +157,18 @@ class TinyGPT(_Base):
 
 class NanoGPT(_Base):
     """nanoGPT's layout: blocks in an nn.ModuleList inside an nn.ModuleDict, embeddings and head around them,
-    a forward that loops over the blocks. ``tie=True`` ties the head to the token embedding (as nanoGPT does)."""
+    a forward that loops over the blocks. ``tie=True`` ties the head to the token embedding (as nanoGPT does).
+    ``example=True`` sets an ``example_input_array``: the tensor-parallel analysis then runs the whole forward and
+    shards the embeddings and the head (tied or not) on the vocabulary too, and the stage boundaries are checked at
+    setup; without one, only the blocks are sharded and the boundaries are checked at the first step."""
 
     vocab, block, dim, heads, layers = 32, 8, 16, 2, 4
 
-    def __init__(self, tie: bool = False, **kwargs):
+    def __init__(self, tie: bool = False, example: bool = False, **kwargs):
         self.tie = tie
         super().__init__(**kwargs)
+        if example:
+            self.example_input_array = torch.zeros(2, self.block, dtype=torch.long)
 
     def configure_model(self) -> None:
         if hasattr(self, "transformer"):
@@ -327,7 +332,7 @@ MODELS = {
     "mlp": TinyMLP,
     "gpt": TinyGPT,
     "nano": NanoGPT,
-    "nanotied": lambda **kw: NanoGPT(tie=True, **kw),
+    "nanotied": lambda **kw: NanoGPT(tie=True, example=True, **kw),
     "llama": lambda **kw: HFCausalLM("llama", **kw),
     "llamatied": lambda **kw: HFCausalLM("llama", tied=True, **kw),
     "qwen3": lambda **kw: HFCausalLM("qwen3", **kw),

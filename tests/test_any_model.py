@@ -42,8 +42,9 @@ LAYOUTS = {
     ],
     # without data parallelism the tied weights are DTensors over tp alone, and Llama's vocabulary-sharded
     # embedding gets its gradient back replicated: the sum across the pipeline ends must take the same shard;
-    # rotary: blocks called with the rotary tables too (the tensor-parallel analysis runs them with those)
-    (2, 2, 1): ["llamatied64", "rotary64", "rotary32"],
+    # rotary: blocks called with the rotary tables too (the tensor-parallel analysis runs them with those);
+    # nanotiedmeta: built on the meta device, its head re-tied to the sharded embedding on the last stage
+    (2, 2, 1): ["llamatied64", "rotary64", "rotary32", "nanotiedmeta64"],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
     (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264", "gpt2meta64", "plain64", "plain32"],
@@ -74,7 +75,8 @@ SHARDED = {
     # no container: the MLP pair and the final projection (all-gathered)
     "plain": ("fc1.", "fc2.weight", "head."),
 }
-SHARDED["nanotied"] = SHARDED["nano"]
+# nanotied has an example_input_array: the embeddings and the head tied to the token embedding, on the vocabulary
+SHARDED["nanotied"] = (*SHARDED["nano"], "wte.weight", "wpe.weight", "lm_head.weight")
 SHARDED["qwen3"] = SHARDED["llamatied"] = SHARDED["llama"]
 
 
@@ -167,11 +169,11 @@ def test_v_schedule_with_tied_weights_under_tensor_parallelism_and_fsdp(any_refe
     """``dualpipev`` at tp2 x pp2 x dp2 under FSDP, and at tp2 x pp2 alone: rank 0 holds the first and the last
     stage, so the embedding and the head tied to it are wrapped by two stages there; each stage gets its own copy
     (a tensor-parallel DTensor, sharded again by its own FSDP unit at dp2) and the two gradients are summed on the
-    rank (``core/tied.py``). nanoGPT tied (the automatic plan leaves the tied pair whole), GPT-2 built on the meta
-    device (its own plan shards both on the vocabulary; the copies are materialised as shards and take the
-    pretrained values) and GPT-2 in float32: float64 gradients within 1e-10 and the float32 20-step curve within
-    1e-4 against one process. (The resume test below runs GPT-2 under ``zbvzerobubble`` with replicated data
-    parallelism at tp2 x pp2 x dp2.)"""
+    rank (``core/tied.py``). nanoGPT tied (its example_input_array: the automatic plan shards the pair on the
+    vocabulary), GPT-2 built on the meta device (its own plan shards both on the vocabulary; the copies are
+    materialised as shards and take the pretrained values) and GPT-2 in float32: float64 gradients within 1e-10
+    and the float32 20-step curve within 1e-4 against one process. (The resume test below runs GPT-2 under
+    ``zbvzerobubble`` with replicated data parallelism at tp2 x pp2 x dp2.)"""
     cases = ["nanotied64", "gpt2meta64", "gpt232"]
     copy_inits(any_reference, tmp_path)
     run_lightning(

@@ -71,6 +71,8 @@ CASES = {
     # model's own initialiser (then given the reference's weights)
     "llamameta64": ("llama", "64-true", 2, None, 1, "configure"),
     "gpt2meta64": ("gpt2", "64-true", 2, None, 1, "configure"),
+    # the automatic plan's vocabulary-sharded embedding with the head tied to it, materialised stage by stage
+    "nanotiedmeta64": ("nanotied", "64-true", 2, None, 1, "configure"),
 }
 COUNTER: CollectiveCounter | None = None
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]

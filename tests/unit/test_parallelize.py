@@ -94,18 +94,15 @@ def test_a_split_model_shards_its_embedding_and_head_too():
     assert "out     Linear     colwise_gather  (32, 16) -> (16, 16)" in layout
 
 
-def test_tied_and_unexampled_outer_modules_stay_replicated_with_the_reason():
-    model = NanoGPT(tie=True)
-    model.configure_model()
+def test_without_an_example_outer_modules_stay_replicated_with_what_to_set():
+    model = NanoGPT(tie=True, build="init")
     plan = plan_model(model, tp=2, pp=2)  # no example_input_array: nothing outside the blocks is sharded
     assert _outer(plan) == {}
     assert set(plan.outer_plan.notes) == {"transformer.wte", "transformer.wpe", "lm_head"}
     assert all("example_input_array" in why for why in plan.outer_plan.notes.values())
-    model.example_input_array = torch.zeros(2, 8, dtype=torch.long)
-    plan = plan_model(model, tp=2, pp=2)
-    assert _outer(plan) == {"transformer.wpe": "vocab"}  # the position table; the tied pair stays whole
-    assert "tied weights" in plan.outer_plan.notes["lm_head"]
-    assert "tied weights" in plan.outer_plan.notes["transformer.wte"]
+    plan = plan_model(NanoGPT(tie=True, example=True, build="init"), tp=2, pp=2)
+    assert _outer(plan) == {"transformer.wte": "vocab", "transformer.wpe": "vocab", "lm_head": "colwise_gather"}
+    assert plan.outer_plan.tied == [("transformer.wte.weight", "lm_head.weight")]
 
 
 def _rotary() -> RotaryGPT:

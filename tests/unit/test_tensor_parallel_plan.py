@@ -189,3 +189,40 @@ def test_resolve_outer_plan_leaves_the_blocks_alone_and_never_fails() -> None:
     broken = resolve_outer_plan(model, 2, "blocks", torch.zeros(2, 8))  # float token ids: the forward fails
     assert broken.entries == {} and set(broken.notes) == {"tok", "out"}
     assert all("analysis of the whole forward on example_input_array failed" in n for n in broken.notes.values())
+
+
+class _TiedLM(nn.Module):
+    """Embedding, one block, a head tied to the embedding; ``head_reads_shards``: a Linear before the head makes it
+    row-parallel (its weight split on the other dimension than the embedding's)."""
+
+    def __init__(self, head_reads_shards: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+        self.up = nn.Linear(4, 4) if head_reads_shards else None
+        self.head = nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.blocks[0](self.emb(ids))
+        if self.up is not None:
+            x = torch.relu(self.up(x))
+        return self.head(x)
+
+
+def test_a_tied_embedding_and_head_are_sharded_alike_or_not_at_all() -> None:
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    model = _TiedLM()
+    plan = resolve_outer_plan(model, 2, "blocks", ids)
+    assert {n: e.style for n, e in plan.entries.items()} == {"emb": "vocab", "head": "colwise_gather"}
+    assert plan.tied == [("emb.weight", "head.weight")]
+    assert "weight tied to head.weight" in plan.entries["emb"].reason
+    assert model.head.weight is model.emb.weight  # the analysis ran them untied; the tie is back
+    styles = plan.styles_for("")
+    assert styles["emb"].ties is styles["head"].ties is plan.ties  # one registry: one DTensor parameter for both
+    # the head row-parallel (weight split on dim 1), the embedding on the vocabulary (dim 0): both left whole
+    model = _TiedLM(head_reads_shards=True)
+    plan = resolve_outer_plan(model, 2, "blocks", ids)
+    assert "emb" not in plan.entries and "head" not in plan.entries and plan.tied == []
+    assert "tied weights" in plan.notes["emb"] and "tied weights" in plan.notes["head"]
+    assert model.head.weight is model.emb.weight

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import difflib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_3d.core.tensor_parallel.analyzer import (
@@ -24,12 +26,14 @@ from lightning_3d.core.tensor_parallel.analyzer import (
     divisors_text,
     example_input_for,
 )
+from lightning_3d.core.tensor_parallel.hf_styles import HFColwiseParallel, HFRowwiseParallel, TiedParams
 from lightning_3d.core.tensor_parallel.styles import (
     STYLE_NAMES,
     check_style,
     local_numel_of,
     make_style,
     relative_name,
+    sharded_dim,
     style_kind,
 )
 
@@ -51,10 +55,17 @@ class PlanEntry:
 
 @dataclass
 class TPPlan:
-    """Styles by body-relative module name, plus notes on modules deliberately left replicated."""
+    """Styles by body-relative module name, plus notes on modules deliberately left replicated.
+
+    ``tied`` lists groups of parameter names that are one parameter of several sharded modules (an LM head tied
+    to the input embedding, both sharded on the vocabulary); their modules' styles share the ``ties`` registry,
+    so the parameter stays one DTensor parameter whichever module is sharded first, in whichever call.
+    """
 
     entries: dict[str, PlanEntry] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    tied: list[tuple[str, ...]] = field(default_factory=list)
+    ties: TiedParams = field(default_factory=TiedParams, repr=False, compare=False)
 
     def styles_for(self, prefix: str) -> dict[str, ParallelStyle]:
         """``parallelize_module`` plan for the submodule at body-relative ``prefix``.
@@ -72,14 +83,29 @@ class TPPlan:
             {'attn.q_proj': ColwiseParallel(...), ..., 'mlp.proj': RowwiseParallel(...)}
         """
         out: dict[str, ParallelStyle] = {}
+        tied_owners = {name.rpartition(".")[0] for group in self.tied for name in group}
         for fqn, entry in self.entries.items():
             key = relative_name(fqn, prefix)
             if key is None:
                 continue
-            style = make_style(entry.style)
+            style = _tie_aware(entry.style, self.ties) if fqn in tied_owners else make_style(entry.style)
             if style is not None:
                 out[key] = style
         return out
+
+
+def _tie_aware(style: str | ParallelStyle, ties: TiedParams) -> ParallelStyle | None:
+    """``make_style(style)``, but one that gives a parameter already distributed for a module tied to this one
+    the very same DTensor parameter (``hf_styles.TiedParams``)."""
+    if style == "vocab":
+        return HFRowwiseParallel(input_layouts=Replicate(), ties=ties)
+    if style == "colwise_gather":
+        return HFColwiseParallel(output_layouts=Replicate(), ties=ties)
+    if style == "colwise":
+        return HFColwiseParallel(ties=ties)
+    if style == "rowwise":
+        return HFRowwiseParallel(ties=ties)
+    return make_style(style)
 
 
 def _shown(body_prefix: str, fqn: str) -> str:
@@ -294,15 +320,79 @@ def resolve_outer_plan(module: nn.Module, tp: int, container: str, example_input
         )
         return TPPlan(notes=dict.fromkeys(outer, why))
     pins = {f: "replicate" for f in found if inside(f)}
-    try:
-        result = analyze(module, tp, _on_device(example_input, module), pins)
-    except (AnalysisError, ValueError) as error:
-        why = f"left replicated: the analysis of the whole forward on example_input_array failed ({error})"
-        return TPPlan(notes=dict.fromkeys(outer, why))
-    plan = _merge(module, {}, result, result.notes)
+    example = _on_device(example_input, module)
+    # A weight tied across outer modules (the head sharing the token embedding's matrix) is analysed untied, and
+    # kept sharded only when every module holding it shards it alike (the embedding and the head both on the
+    # vocabulary, Megatron's layout); a group sharded differently is analysed again tied, which leaves it whole.
+    groups = _tie_groups(module, inside)
+    for _ in range(len(groups) + 1):
+        try:
+            with _untied(module, groups):
+                result = analyze(module, tp, example, pins)
+        except (AnalysisError, ValueError) as error:
+            why = f"left replicated: the analysis of the whole forward on example_input_array failed ({error})"
+            return TPPlan(notes=dict.fromkeys(outer, why))
+        plan = _merge(module, {}, result, result.notes)
+        unlike = [g for g in groups if not _sharded_alike(module, plan, g)]
+        if not unlike:
+            break
+        groups = [g for g in groups if g not in unlike]
     plan.entries = {f: e for f, e in plan.entries.items() if not inside(f)}
     plan.notes = {f: n for f, n in plan.notes.items() if not inside(f)}
+    for group in groups:
+        names = tuple(f"{owner}.{pname}" for owner, pname in group)
+        plan.tied.append(names)
+        for owner, pname in group:
+            entry = plan.entries[owner]
+            others = ", ".join(n for n in names if n != f"{owner}.{pname}")
+            plan.entries[owner] = PlanEntry(entry.style, entry.source, f"{entry.reason}; {pname} tied to {others}")
     return plan
+
+
+def _tie_groups(module: nn.Module, inside: Any) -> list[list[tuple[str, str]]]:
+    """Parameters held by several Linear / Embedding modules, every one of them outside the blocks: each as its
+    ``(module name, parameter name)`` pairs, the first as registered."""
+    modules = dict(module.named_modules(remove_duplicate=False))
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for fqn, mod in modules.items():
+        for pname, param in mod.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((fqn, pname))
+    return [
+        group
+        for group in holders.values()
+        if len(group) > 1
+        and len({id(modules[f]) for f, _ in group}) == len(group)
+        and all(f and not inside(f) and isinstance(modules[f], (nn.Linear, nn.Embedding)) for f, _ in group)
+    ]
+
+
+@contextmanager
+def _untied(module: nn.Module, groups: list[list[tuple[str, str]]]) -> Iterator[None]:
+    """Give every holder but the first of each group its own parameter (the same storage) while the analysis
+    runs, so that it plans each module on its own; the tie is restored on exit."""
+    saved = []
+    try:
+        for group in groups:
+            for fqn, pname in group[1:]:
+                mod = module.get_submodule(fqn)
+                param = mod._parameters[pname]
+                assert param is not None
+                saved.append((mod, pname, param))
+                mod._parameters[pname] = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+        yield
+    finally:
+        for mod, pname, param in saved:
+            mod._parameters[pname] = param
+
+
+def _sharded_alike(module: nn.Module, plan: TPPlan, group: list[tuple[str, str]]) -> bool:
+    """Whether every module of a tie group shards the tied parameter, along the same dimension."""
+    dims = set()
+    for fqn, pname in group:
+        entry = plan.entries.get(fqn)
+        kind = style_kind(entry.style) if entry is not None else "replicate"
+        dims.add(sharded_dim(kind, pname, isinstance(module.get_submodule(fqn), nn.Embedding)))
+    return len(dims) == 1 and None not in dims
 
 
 def _merge(
