@@ -264,7 +264,10 @@ def _plan_split_model(
             hint="set the LightningModule's example_input_array (one micro-batch's input) for the analysis to run "
             "its forward",
         )
-    elif hf_plan is None and container is not None and (tp > 1 or explicit):
+    outer_explicit: Mapping[str, Any] | None = None
+    if hf_plan is None and container is not None and (tp > 1 or explicit):
+        # the user's patterns name modules in the blocks, outside them (embeddings, head), or both
+        explicit, outer_explicit = tpmod.split_explicit(module, container.fqn, explicit) if explicit else (None, None)
         view, view_example, hint = _analysis_view(module, container, tp > 1 and tp_autoplan)
         tp_plan = tpmod.resolve_plan(
             view,
@@ -276,8 +279,10 @@ def _plan_split_model(
             hint=hint,
         )
     outer_plan = None
-    if hf_plan is None and container is not None and tp > 1 and tp_autoplan and explicit is None:
-        outer_plan = tpmod.resolve_outer_plan(module, tp, container.fqn, module.example_input_array)
+    if hf_plan is None and container is not None and tp > 1 and (tp_autoplan or outer_explicit):
+        outer_plan = tpmod.resolve_outer_plan(
+            module, tp, container.fqn, module.example_input_array, explicit=outer_explicit, auto=tp_autoplan
+        )
     is_meta = has_meta_tensors(module)
     if is_meta:
         check_materializable(module, "", library_initializers(module))

@@ -114,10 +114,31 @@ def _rotary() -> RotaryGPT:
 def test_outer_modules_follow_the_settings():
     assert plan_model(_rotary(), tp=1, pp=2).outer_plan is None
     assert plan_model(_rotary(), tp=2, pp=2, tp_autoplan=False).outer_plan is None
-    # an explicit plan is the user's whole say: what it does not name stays as it was
-    explicit = plan_model(_rotary(), tp=2, pp=2, tp_plan={"blocks.*.wq": "colwise", "blocks.*.wo": "rowwise"})
-    assert explicit.outer_plan is None and explicit.tp_plan.entries["0.wq"].source == "explicit"
     assert _outer(plan_model(_rotary(), tp=2, pp=2)) == {"tok": "vocab", "out": "colwise_gather"}
+    # explicit entries name modules in the blocks, outside them, or both; the analysis does the rest
+    plan = plan_model(_rotary(), tp=2, pp=2, tp_plan={"blocks.*.wq": "replicate", "out": "replicate"})
+    assert plan.tp_plan.entries["0.wq"].source == "explicit" and plan.tp_plan.entries["0.w1"].source == "auto"
+    assert _outer(plan) == {"tok": "vocab", "out": "replicate"}
+    assert plan.outer_plan.entries["out"].source == "explicit"
+    plan = plan_model(_rotary(), tp=2, pp=2, tp_plan={"*": "replicate"})  # both sides, everything whole
+    assert {e.style for e in plan.tp_plan.entries.values()} == {"replicate"}
+    assert {e.style for e in plan.outer_plan.entries.values()} == {"replicate"}
+    # without the analysis only the explicit entries, and a pattern naming nothing anywhere is refused
+    plan = plan_model(_rotary(), tp=2, pp=2, tp_autoplan=False, tp_plan={"tok": "vocab"})
+    assert _outer(plan) == {"tok": "vocab"} and plan.tp_plan.entries == {}
+    with pytest.raises(ValueError, match="'lm_head' matches no module of the model\\. Closest"):
+        plan_model(_rotary(), tp=2, pp=2, tp_plan={"lm_head": "replicate"})
+    with pytest.raises(ValueError, match="num_embeddings = 32 is not divisible by tp=3"):
+        plan_model(_rotary(), tp=3, pp=2, tp_plan={"tok": "vocab"}, tp_autoplan=False)
+
+
+def test_an_explicit_entry_must_not_split_a_tie():
+    tied = {"tp_plan": {"lm_head": "colwise_gather", "transformer.wte": "replicate"}}
+    with pytest.raises(ValueError, match=r"lm_head \(explicit plan\) would shard the tied parameter"):
+        plan_model(NanoGPT(tie=True, example=True, build="init"), tp=2, pp=2, **tied)
+    alike = {"tp_plan": {"lm_head": "colwise_gather", "transformer.wte": "vocab"}}
+    plan = plan_model(NanoGPT(tie=True, example=True, build="init"), tp=2, pp=2, **alike)
+    assert plan.outer_plan.tied == [("transformer.wte.weight", "lm_head.weight")]
 
 
 def test_an_outer_size_tp_does_not_divide_stays_replicated_without_failing():

@@ -8,7 +8,14 @@ plan into ``parallelize_module`` arguments for one pipeline stage; :func:`descri
 
 from lightning_3d.core.tensor_parallel.analyzer import example_input_for
 from lightning_3d.core.tensor_parallel.describe import describe_plan
-from lightning_3d.core.tensor_parallel.plan import PlanEntry, TPPlan, local_numel, resolve_outer_plan, resolve_plan
+from lightning_3d.core.tensor_parallel.plan import (
+    PlanEntry,
+    TPPlan,
+    local_numel,
+    resolve_outer_plan,
+    resolve_plan,
+    split_explicit,
+)
 from lightning_3d.core.tensor_parallel.styles import STYLE_NAMES
 
 __all__ = [
@@ -20,4 +27,5 @@ __all__ = [
     "local_numel",
     "resolve_outer_plan",
     "resolve_plan",
+    "split_explicit",
 ]

@@ -122,16 +122,46 @@ def _match_explicit(
         check_style(style, repr(pattern))
         hits = [f for f in names if fnmatchcase(_shown(body_prefix, f), pattern) or (f and fnmatchcase(f, pattern))]
         if not hits:
-            shown = [_shown(body_prefix, f) for f in names if f]
-            close = difflib.get_close_matches(pattern, shown, n=5, cutoff=0.5) or shown[:5]
-            raise ValueError(
-                f"Tensor-parallel plan pattern {pattern!r} matches no module of the model body. Closest module "
-                f"names: {', '.join(close)}. Patterns are fnmatch globs on LightningModule-relative names, "
-                f"e.g. '{_shown(body_prefix, '*.attn.q_proj')}'."
-            )
+            _no_match(pattern, [_shown(body_prefix, f) for f in names if f], "the model body", body_prefix)
         for f in hits:
             matched[f] = (style, pattern)
     return matched
+
+
+def _no_match(pattern: str, shown: list[str], what: str, prefix: str) -> None:
+    close = difflib.get_close_matches(pattern, shown, n=5, cutoff=0.5) or shown[:5]
+    raise ValueError(
+        f"Tensor-parallel plan pattern {pattern!r} matches no module of {what}. Closest module "
+        f"names: {', '.join(close)}. Patterns are fnmatch globs on LightningModule-relative names, "
+        f"e.g. '{_shown(prefix, '*.attn.q_proj')}'."
+    )
+
+
+def split_explicit(
+    module: nn.Module, container: str, explicit: Mapping[str, str | ParallelStyle]
+) -> tuple[dict[str, str | ParallelStyle], dict[str, str | ParallelStyle]]:
+    """The user's plan for a model split at its blocks, as two plans: the patterns that name modules in the block
+    container (for :func:`resolve_plan` of the blocks, which also matches names relative to the container) and
+    those that name modules outside it (for :func:`resolve_outer_plan`); a pattern may be in both.
+
+    Raises:
+        ValueError: a pattern that names no module at all (with the closest names).
+    """
+    names = [f for f, _ in module.named_modules(remove_duplicate=False) if f]
+    inner = [f for f in names if f == container or f.startswith(container + ".")]
+    outer = [f for f in names if f not in inner]
+    blocks: dict[str, str | ParallelStyle] = {}
+    rest: dict[str, str | ParallelStyle] = {}
+    for pattern, style in explicit.items():
+        check_style(style, repr(pattern))
+        relative = [f[len(container) + 1 :] for f in inner if f != container]
+        if any(fnmatchcase(f, pattern) for f in inner + relative):
+            blocks[pattern] = style
+        if any(fnmatchcase(f, pattern) for f in outer):
+            rest[pattern] = style
+        if pattern not in blocks and pattern not in rest:
+            _no_match(pattern, names, "the model", container)
+    return blocks, rest
 
 
 def _check_explicit(
@@ -286,16 +316,25 @@ def resolve_plan(
     return _merge(body, matched, result, result.notes if result else {})
 
 
-def resolve_outer_plan(module: nn.Module, tp: int, container: str, example_input: Any | None) -> TPPlan:
-    """The automatic plan of the modules of ``module`` outside its block container (embeddings, LM head).
+def resolve_outer_plan(
+    module: nn.Module,
+    tp: int,
+    container: str,
+    example_input: Any | None,
+    *,
+    explicit: Mapping[str, str | ParallelStyle] | None = None,
+    auto: bool = True,
+) -> TPPlan:
+    """The plan of the modules of ``module`` outside its block container (embeddings, LM head).
 
     A model split at its blocks has its blocks planned on their own (:func:`resolve_plan` on the container);
     what lies outside them is found here, from one analysis of the whole forward on ``example_input`` with
     every module inside the container taken as replicated: the input embeddings become vocabulary-sharded,
     a final projection whose output leaves the forward column-wise with its output all-gathered, exactly as
     in an ``nn.Sequential`` body. Each of those styles takes and gives full tensors, so it composes with any
-    plan of the blocks. Nothing here fails a run: a forward the analysis cannot follow, or a size ``tp`` does
-    not divide, leaves the outer modules replicated, with the reason in the plan's notes.
+    plan of the blocks. Nothing automatic fails a run: a forward the analysis cannot follow, or a size ``tp`` does
+    not divide, leaves the outer modules replicated, with the reason in the plan's notes. Explicit entries win for
+    the modules they match, as in :func:`resolve_plan`, and are checked the same way.
 
     Args:
         module: the LightningModule (unsharded, possibly on the meta device); left unchanged.
@@ -303,6 +342,8 @@ def resolve_outer_plan(module: nn.Module, tp: int, container: str, example_input
         container: module-relative name of the block container.
         example_input: ``module``'s ``example_input_array`` (one micro-batch's input); without one the outer
             modules stay replicated (the notes say how to have them sharded).
+        explicit: ``{fnmatch pattern: style}`` on module-relative names (``split_explicit``'s outer part).
+        auto: run the analysis (else only the explicit entries).
 
     Returns:
         Entries and notes keyed by module-relative names, for modules outside the container only.
@@ -311,15 +352,19 @@ def resolve_outer_plan(module: nn.Module, tp: int, container: str, example_input
     def inside(fqn: str) -> bool:
         return fqn == container or fqn.startswith(container + ".")
 
+    matched = {f: m for f, m in _match_explicit(module, explicit or {}, "").items() if not inside(f)}
+    _check_explicit(module, matched, tp, "", {})
     found, ineligible = candidates(module)
-    outer = [f for f in [*found, *ineligible] if not inside(f)]
+    outer = [f for f in [*found, *ineligible] if not inside(f) and f not in matched]
+    if not auto:
+        return _merge(module, matched, None, {})
     if example_input is None:
         why = (
             "left replicated: modules outside the blocks (embeddings, LM head) are sharded when the LightningModule "
             "sets example_input_array (one micro-batch's input), on which the analysis runs the whole forward"
         )
-        return TPPlan(notes=dict.fromkeys(outer, why))
-    pins = {f: "replicate" for f in found if inside(f)}
+        return _merge(module, matched, None, dict.fromkeys(outer, why))
+    pins = {f: "replicate" for f in found if inside(f)} | _pins(module, matched)
     example = _on_device(example_input, module)
     # A weight tied across outer modules (the head sharing the token embedding's matrix) is analysed untied, and
     # kept sharded only when every module holding it shards it alike (the embedding and the head both on the
@@ -331,12 +376,21 @@ def resolve_outer_plan(module: nn.Module, tp: int, container: str, example_input
                 result = analyze(module, tp, example, pins)
         except (AnalysisError, ValueError) as error:
             why = f"left replicated: the analysis of the whole forward on example_input_array failed ({error})"
-            return TPPlan(notes=dict.fromkeys(outer, why))
-        plan = _merge(module, {}, result, result.notes)
+            return _merge(module, matched, None, dict.fromkeys(outer, why))
+        plan = _merge(module, matched, result, result.notes)
         unlike = [g for g in groups if not _sharded_alike(module, plan, g)]
         if not unlike:
             break
         groups = [g for g in groups if g not in unlike]
+    for group in _tie_groups(module, inside):  # the user's entries must not split a tie the analysis kept whole
+        styled = [f for f, _ in group if f in matched and style_kind(matched[f][0]) != "replicate"]
+        if group not in groups and styled:
+            shown = ", ".join(f"{f}.{p}" for f, p in group)
+            raise ValueError(
+                f"Tensor-parallel plan: {', '.join(styled)} (explicit plan) would shard the tied parameter {shown} "
+                "unlike the other modules that hold it. Give every holder a style that splits it alike "
+                "(an Embedding 'vocab' with a Linear 'colwise' or 'colwise_gather'), or leave them to the analysis."
+            )
     plan.entries = {f: e for f, e in plan.entries.items() if not inside(f)}
     plan.notes = {f: n for f, n in plan.notes.items() if not inside(f)}
     for group in groups:
@@ -433,4 +487,4 @@ def local_numel(param_fqn: str, full_shape: tuple[int, ...], plan: TPPlan, tp: i
     return local_numel_of(tuple(full_shape), kind, pname, tp)
 
 
-__all__ = ["STYLE_NAMES", "PlanEntry", "TPPlan", "local_numel", "resolve_outer_plan", "resolve_plan"]
+__all__ = ["STYLE_NAMES", "PlanEntry", "TPPlan", "local_numel", "resolve_outer_plan", "resolve_plan", "split_explicit"]
