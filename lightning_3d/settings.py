@@ -67,8 +67,10 @@ class ThreeDSettings:
         stages_per_rank: pipeline stages per rank (virtual stages for interleaved schedules).
         tp_plan: explicit tensor-parallel plan ``{"glob pattern of module name": "colwise" | "rowwise" |
             "colwise_gather" | "vocab" | "sequence" | "replicate" | ParallelStyle}``; it overrides the automatic
-            plan for the modules it matches. A ``tp_plan`` attribute on the LightningModule works the same.
-        tp_autoplan: find the plan for standard blocks automatically from the data flow.
+            plan for the modules it matches (in a model split at its blocks: modules in the blocks, or outside
+            them such as ``"lm_head"``). A ``tp_plan`` attribute on the LightningModule works the same.
+        tp_autoplan: find the plan for standard blocks automatically from the data flow (and, with an
+            ``example_input_array``, for the embeddings and the head outside a split model's blocks).
         partitioner: ``"uniform"`` (layers per stage), ``"parameters"``, ``"compute"`` (minimise the slowest
             stage's forward + backward time, each layer timed at setup on the module's ``example_input_array``
             shape; FLOPs counted on the meta device when timing is impossible),
