@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel
 
 from lightning_3d.core.parallelize import describe_layout, plan_model
 from lightning_3d.core.topology import Topology
@@ -134,8 +136,11 @@ def test_outer_modules_follow_the_settings():
 
 def test_an_explicit_entry_must_not_split_a_tie():
     tied = {"tp_plan": {"lm_head": "colwise_gather", "transformer.wte": "replicate"}}
-    with pytest.raises(ValueError, match=r"lm_head \(explicit plan\) would shard the tied parameter"):
+    with pytest.raises(ValueError, match=r"lm_head \(explicit plan\) would shard the tied parameter .* unlike"):
         plan_model(NanoGPT(tie=True, example=True, build="init"), tp=2, pp=2, **tied)
+    objects = {"tp_plan": {"lm_head": ColwiseParallel(output_layouts=Replicate())}}
+    with pytest.raises(ValueError, match="as a ParallelStyle object"):
+        plan_model(NanoGPT(tie=True, example=True, build="init"), tp=2, pp=2, **objects)
     alike = {"tp_plan": {"lm_head": "colwise_gather", "transformer.wte": "vocab"}}
     plan = plan_model(NanoGPT(tie=True, example=True, build="init"), tp=2, pp=2, **alike)
     assert plan.outer_plan.tied == [("transformer.wte.weight", "lm_head.weight")]

@@ -382,14 +382,16 @@ def resolve_outer_plan(
         if not unlike:
             break
         groups = [g for g in groups if g not in unlike]
-    for group in _tie_groups(module, inside):  # the user's entries must not split a tie the analysis kept whole
+    for group in _tie_groups(module, inside):  # the user's entries must not split a tie
         styled = [f for f, _ in group if f in matched and style_kind(matched[f][0]) != "replicate"]
-        if group not in groups and styled:
+        objects = [f for f in styled if not isinstance(matched[f][0], str)]
+        if styled and (group not in groups or objects):
             shown = ", ".join(f"{f}.{p}" for f, p in group)
+            how = "as a ParallelStyle object (it would make its own copy)" if objects else "unlike its other holders"
             raise ValueError(
-                f"Tensor-parallel plan: {', '.join(styled)} (explicit plan) would shard the tied parameter {shown} "
-                "unlike the other modules that hold it. Give every holder a style that splits it alike "
-                "(an Embedding 'vocab' with a Linear 'colwise' or 'colwise_gather'), or leave them to the analysis."
+                f"Tensor-parallel plan: {', '.join(objects or styled)} (explicit plan) would shard the tied parameter "
+                f"{shown} {how}. Give every holder a style name that splits it alike (an Embedding 'vocab' with a "
+                "Linear 'colwise' or 'colwise_gather'), or leave them to the analysis."
             )
     plan.entries = {f: e for f, e in plan.entries.items() if not inside(f)}
     plan.notes = {f: n for f, n in plan.notes.items() if not inside(f)}
@@ -429,14 +431,13 @@ def _untied(module: nn.Module, groups: list[list[tuple[str, str]]]) -> Iterator[
         for group in groups:
             for fqn, pname in group[1:]:
                 mod = module.get_submodule(fqn)
-                param = mod._parameters[pname]
-                assert param is not None
+                param = getattr(mod, pname)
                 saved.append((mod, pname, param))
-                mod._parameters[pname] = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+                setattr(mod, pname, nn.Parameter(param.detach(), requires_grad=param.requires_grad))
         yield
     finally:
         for mod, pname, param in saved:
-            mod._parameters[pname] = param
+            setattr(mod, pname, param)
 
 
 def _sharded_alike(module: nn.Module, plan: TPPlan, group: list[tuple[str, str]]) -> bool:
