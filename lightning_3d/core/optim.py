@@ -18,8 +18,9 @@ The swap needs the step's gradients and state, so it happens inside ``optimizer.
 before the update; on leaving, the param groups hold the DTensors again and no local tensor keeps a gradient or a
 state entry. A group takes it when the user left ``foreach`` to torch (``None``; nor set ``fused``,
 ``differentiable``, ``capturable``), every parameter is a DTensor, each gradient has its parameter's mesh and
-placements, every parameter with a gradient already has state with those placements (the first step creates the
-state, as DTensors, over the DTensors), and the optimizer has no step hooks (they would see local tensors).
+placements, so has every state tensor it already has (the first step creates the state over the local tensors and
+the parameter-shaped entries become DTensors with the parameter's layout, as a step over the DTensors makes them),
+and the optimizer has no step hooks (they would see local tensors).
 
 Where the swap does not apply, groups of DTensor parameters still get ``foreach=True`` where torch's default would
 loop (every device but GPUs), for the optimizers whose multi-tensor step is bitwise their loop's
@@ -191,13 +192,15 @@ class _LocalView:
 
 def _localizable(param: DTensor, state: dict[str, Any] | None) -> bool:
     """Whether ``param``'s step over local tensors is its step over DTensors: its gradient (if any) and its state
-    tensors have its mesh and placements, and it has state already when it has a gradient (not the first step)."""
+    tensors have its mesh and placements. Without state yet (the first step) the optimizer creates it over the local
+    tensors, and ``exit`` makes each parameter-shaped entry a DTensor with the parameter's layout, as the step over
+    the DTensors would have made it (scalars such as Adam's ``step`` stay plain tensors there too)."""
     grad = param.grad
     if grad is None:
         return True
-    if not _same_layout(grad, param) or not state:
+    if not _same_layout(grad, param):
         return False
-    return all(_same_layout(v, param) for v in state.values() if isinstance(v, DTensor))
+    return all(_same_layout(v, param) for v in (state or {}).values() if isinstance(v, DTensor))
 
 
 def _same_layout(tensor: torch.Tensor, param: DTensor) -> bool:

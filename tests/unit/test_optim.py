@@ -111,17 +111,17 @@ def _spy_groups(monkeypatch: pytest.MonkeyPatch, cls: type[torch.optim.Optimizer
 def test_dtensor_steps_over_local_tensors_give_the_plain_tensor_steps_parameters_and_state(
     gloo_world, monkeypatch, cls, dtype
 ) -> None:
-    """From the second step on (the first creates the state, as DTensors), the step runs over the local tensors: the
-    parameters and the state are bitwise those of the same optimizer over plain tensors (a single device), the state
-    stays the same DTensor objects, and nothing of the swap is left behind."""
+    """Every step runs over the local tensors, the first too (it creates the state there, which then becomes
+    DTensors with the parameters' layout): the parameters and the state are bitwise those of the same optimizer over
+    plain tensors (a single device), the state stays the same DTensor objects, and nothing of the swap is left
+    behind."""
     mesh = init_device_mesh("cpu", (1,))
     plain_params, dt_params = _params(mesh, dtype, dtensor=False), _params(mesh, dtype)
     plain, dt = cls(plain_params, **HYPER[cls]), cls(dt_params, **HYPER[cls])
     expected = _train(plain, plain_params, mesh)
-    state_at_init = bool(dt.state)  # Adagrad creates its state in __init__ (as DTensors): local from the first step
     seen = _spy_groups(monkeypatch, cls)
     got = _train(dt, dt_params, mesh)
-    assert seen == [state_at_init] + [True] * 5
+    assert seen == [True] * 6
     for e, g in zip(expected, got):
         assert torch.equal(e, g)
     assert set(dt.state) == set(dt_params) and dt.param_groups[0]["params"] == dt_params
