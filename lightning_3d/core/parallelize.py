@@ -708,7 +708,7 @@ def describe_layout(
         lines.append(tpmod.describe_plan(model.tp_root, model.tp_plan, tp, body_prefix=""))
     elif tp > 1:
         lines.append(tpmod.describe_plan(model.body.module, model.tp_plan, tp, body_prefix=model.body.fqn))
-    if tp > 1 and model.outer_plan is not None:
+    if tp > 1 and model.outer_plan is not None and (model.outer_plan.entries or model.outer_plan.notes):
         outside = tpmod.describe_plan(module, model.outer_plan, tp, body_prefix="")
         lines.append(outside.replace("Tensor-parallel plan", "Outside the blocks", 1))
     return "\n".join(lines)
