@@ -941,10 +941,12 @@ class MemoryPartitioner(_Balanced):
 
     def describe(self, cost: float, stage: int | None = None) -> str:
         ckpt = "" if self.checkpointing is None else f", {self.checkpointing} activation checkpointing"
+        # the whole layers' figures, before tensor-parallel and FSDP sharding divide a rank's share of them
+        peak = f"{cost / 2**20:.2f} MiB peak, unsharded"
         if self.in_flight is None or stage is None:
-            return f"{cost / 2**20:.2f} MiB peak: params, grads, Adam states, 1F1B activations in flight{ckpt}"
+            return f"{peak}: params, grads, Adam states, 1F1B activations in flight{ckpt}"
         held = self.in_flight[stage]
         return (
-            f"{cost / 2**20:.2f} MiB peak: params, grads, Adam states, activations of {held} micro-batch"
+            f"{peak}: params, grads, Adam states, activations of {held} micro-batch"
             f"{'es' if held != 1 else ''} in flight under {self.schedule}{ckpt}"
         )
