@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_3d.core.tensor_parallel.analyzer import (
@@ -26,7 +25,8 @@ from lightning_3d.core.tensor_parallel.analyzer import (
     divisors_text,
     example_input_for,
 )
-from lightning_3d.core.tensor_parallel.hf_styles import HFColwiseParallel, HFRowwiseParallel, TiedParams
+from lightning_3d.core.tensor_parallel.hf_plan import make_hf_style
+from lightning_3d.core.tensor_parallel.hf_styles import TiedParams
 from lightning_3d.core.tensor_parallel.styles import (
     STYLE_NAMES,
     check_style,
@@ -94,17 +94,16 @@ class TPPlan:
         return out
 
 
+# the tie-aware Hugging Face styles that shard as these style names do
+_TIE_AWARE = {"vocab": "embedding_rowwise", "colwise_gather": "colwise_gather_output", "colwise": "colwise",
+              "rowwise": "rowwise"}  # fmt: skip
+
+
 def _tie_aware(style: str | ParallelStyle, ties: TiedParams) -> ParallelStyle | None:
     """``make_style(style)``, but one that gives a parameter already distributed for a module tied to this one
     the very same DTensor parameter (``hf_styles.TiedParams``)."""
-    if style == "vocab":
-        return HFRowwiseParallel(input_layouts=Replicate(), ties=ties)
-    if style == "colwise_gather":
-        return HFColwiseParallel(output_layouts=Replicate(), ties=ties)
-    if style == "colwise":
-        return HFColwiseParallel(ties=ties)
-    if style == "rowwise":
-        return HFRowwiseParallel(ties=ties)
+    if isinstance(style, str) and style in _TIE_AWARE:
+        return make_hf_style(_TIE_AWARE[style], ties)
     return make_style(style)
 
 
@@ -152,9 +151,9 @@ def split_explicit(
     outer = [f for f in names if f not in inner]
     blocks: dict[str, str | ParallelStyle] = {}
     rest: dict[str, str | ParallelStyle] = {}
+    relative = [f[len(container) + 1 :] for f in inner if f != container]
     for pattern, style in explicit.items():
         check_style(style, repr(pattern))
-        relative = [f[len(container) + 1 :] for f in inner if f != container]
         if any(fnmatchcase(f, pattern) for f in inner + relative):
             blocks[pattern] = style
         if any(fnmatchcase(f, pattern) for f in outer):
@@ -369,7 +368,8 @@ def resolve_outer_plan(
     # A weight tied across outer modules (the head sharing the token embedding's matrix) is analysed untied, and
     # kept sharded only when every module holding it shards it alike (the embedding and the head both on the
     # vocabulary, Megatron's layout); a group sharded differently is analysed again tied, which leaves it whole.
-    groups = _tie_groups(module, inside)
+    all_groups = _tie_groups(module, inside)
+    groups = list(all_groups)
     for _ in range(len(groups) + 1):
         try:
             with _untied(module, groups):
@@ -382,7 +382,7 @@ def resolve_outer_plan(
         if not unlike:
             break
         groups = [g for g in groups if g not in unlike]
-    for group in _tie_groups(module, inside):  # the user's entries must not split a tie
+    for group in all_groups:  # the user's entries must not split a tie
         styled = [f for f, _ in group if f in matched and style_kind(matched[f][0]) != "replicate"]
         objects = [f for f in styled if not isinstance(matched[f][0], str)]
         if styled and (group not in groups or objects):
