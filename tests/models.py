@@ -279,6 +279,26 @@ def hf_config(arch: str, vocab: int = 32, layers: int = 4, tied: bool = False):
             attn_pdrop=0.0,
             **common,
         )
+    if arch == "opt":
+        # OPT's decoder registers its final norm and output projection before its layers and calls them after;
+        # project_in / project_out map the 8-wide embeddings to the 16-wide layers; no biases (an attention key
+        # bias gets a zero gradient, which Adam turns into steps of round-off)
+        return AutoConfig.for_model(
+            "opt",
+            num_hidden_layers=layers,
+            hidden_size=16,
+            ffn_dim=32,
+            word_embed_proj_dim=8,
+            num_attention_heads=4,
+            max_position_embeddings=16,
+            enable_bias=False,
+            dropout=0.0,
+            pad_token_id=1,
+            bos_token_id=2,
+            eos_token_id=2,
+            tie_word_embeddings=tied,
+            **common,
+        )
     return AutoConfig.for_model(
         arch,
         num_hidden_layers=layers,
@@ -337,10 +357,11 @@ MODELS = {
     "llamatied": lambda **kw: HFCausalLM("llama", tied=True, **kw),
     "qwen3": lambda **kw: HFCausalLM("qwen3", **kw),
     "gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
+    "opt": lambda **kw: HFCausalLM("opt", tied=True, **kw),  # as OPT's checkpoints: the head tied to the embedding
     "rotary": RotaryGPT,
     "plain": PlainMLP,
 }
-TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "rotary"}
+TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "rotary"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

@@ -12,6 +12,12 @@ forward calls each block: the hidden states (the first positional argument) and 
 :class:`BlocksWithArguments` then calls the blocks in order with those other arguments, each tensor among them
 replaced by zeros of its shape and dtype on the blocks' device (the analysis follows shapes and data flow, not
 values), so the analysis sees the blocks as the model runs them.
+
+:func:`called_after_blocks` uses the same kind of forward to tell, for each module with parameters outside the
+blocks, whether the forward calls it before or after them, so the pipeline stages hold what they run even when a
+model registers a module in another order than it calls it (OPT's decoder registers ``final_layer_norm`` and
+``project_out`` before its ``layers``). It runs on the LightningModule's ``example_input_array``, else on a Hugging
+Face model's own ``dummy_inputs`` (the model that holds the blocks), else not at all (registration order).
 """
 
 from __future__ import annotations
@@ -107,20 +113,7 @@ def block_calls(module: nn.Module, blocks: Sequence[nn.Module], example_input: A
 
     handles = [b.register_forward_pre_hook(recorder(i), with_kwargs=True) for i, b in enumerate(blocks)]
     try:
-        with torch_compat.fake_tensor_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
-            state = {
-                name: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                for name, t in [*module.named_parameters(), *module.named_buffers()]
-            }
-            args, kwargs = _arguments(
-                apply_to_collection(
-                    example_input,
-                    torch.Tensor,
-                    lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu"),
-                )
-            )
-            with _eval(module):
-                functional_call(module, state, args, kwargs)
+        _run_on_fake(module, example_input)
     except Exception as err:  # the forward does not run on fake tensors: the analysis runs the blocks alone
         return f"forward(example_input_array) did not run on fake tensors ({type(err).__name__}: {err})"
     finally:
@@ -132,6 +125,87 @@ def block_calls(module: nn.Module, blocks: Sequence[nn.Module], example_input: A
     if missing:
         return f"forward(example_input_array) did not call block {missing[0]}"
     return calls  # type: ignore[return-value]
+
+
+def trace_input(module: nn.Module, container_fqn: str, example_input: Any) -> tuple[str, Any] | None:
+    """What :func:`called_after_blocks` can run: ``("", example_input)`` (the whole module's forward), else the
+    name of the outermost Hugging Face model on the path to the blocks and its ``dummy_inputs``, else ``None``."""
+    if example_input is not None:
+        return "", example_input
+    parts = container_fqn.split(".")
+    for depth in range(len(parts)):
+        name = ".".join(parts[:depth])
+        sub = module.get_submodule(name)
+        if hasattr(sub, "base_model_prefix") and hasattr(sub, "config"):  # a transformers PreTrainedModel
+            try:
+                dummy = sub.dummy_inputs
+            except Exception:  # a model whose dummy inputs need more than its config: registration order
+                return None
+            if isinstance(dummy, dict) and dummy:
+                return name, dict(dummy)
+    return None
+
+
+def called_after_blocks(module: nn.Module, container_fqn: str, outside: Sequence[str], example_input: Any) -> set[str]:
+    """The modules among ``outside`` that one forward on fake tensors first calls after its first block.
+
+    Args:
+        module: the unsplit LightningModule (parameters real or on the meta device; they are not touched).
+        container_fqn: the block container's name in ``module``.
+        outside: names (in ``module``) of the modules with parameters outside the blocks.
+        example_input: the module's ``example_input_array`` or ``None`` (see :func:`trace_input`).
+
+    Returns:
+        The names called after the blocks started; empty when nothing could be run (no input, or the forward does
+        not run on fake tensors): the caller then keeps registration order, and the stage boundary check, at setup
+        or at the first step, names any module a stage runs without holding it.
+    """
+    found = trace_input(module, container_fqn, example_input)
+    if found is None:
+        return set()
+    root_name, inputs = found
+    root = module.get_submodule(root_name)
+    prefix = f"{root_name}." if root_name else ""
+    relative = {name[len(prefix) :]: name for name in outside if name.startswith(prefix)}
+    first_block = next(iter(module.get_submodule(container_fqn).children()), None)
+    started, before, after = [False], set(), set()
+
+    def seen(name: str) -> Any:
+        def hook(*_: Any) -> None:
+            if not started[0]:
+                before.add(name)
+            elif name not in before:
+                after.add(name)
+
+        return hook
+
+    def start(*_: Any) -> None:
+        started[0] = True
+
+    handles = [first_block.register_forward_pre_hook(start)] if first_block is not None else []
+    handles += [root.get_submodule(rel).register_forward_pre_hook(seen(full)) for rel, full in relative.items()]
+    try:
+        _run_on_fake(root, inputs)
+    except Exception:  # the forward does not run on fake tensors: registration order, checked later
+        return set()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return after
+
+
+def _run_on_fake(module: nn.Module, inputs: Any) -> None:
+    """``module(inputs)`` (a tensor, a tuple of positional arguments or a dict of keyword arguments) in eval mode
+    on fake tensors of the parameters', buffers' and inputs' shapes: no data, no compute, the random state kept."""
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+    with torch_compat.fake_tensor_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
+        state = {name: fake(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        args, kwargs = _arguments(apply_to_collection(inputs, torch.Tensor, fake))
+        with _eval(module):
+            functional_call(module, state, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -9,17 +9,19 @@ It is found, in this order:
 3. the container that holds the most parameters (an ``nn.Sequential``, or a list / dict of same-type blocks).
 
 Every other module that owns parameters is assigned by where it sits relative to the container: modules
-registered before it (embeddings) go with the first stage, modules registered after it (final norm, head) with
-the last stage, unless the user lists the modules of every stage (``ThreeDStrategy(stages=[[...], [...]])``,
-checked by :func:`stage_ranges_from_names`). Modules without parameters (dropout, rotary tables) stay on every
-stage, so the model's own forward can run unchanged everywhere. Parameters shared by modules on different stages
+the forward runs before it (embeddings) go with the first stage, modules it runs after it (final norm, head) with
+the last stage. Registration order tells which, unless one forward on fake tensors shows a module registered
+before the container called after it (``block_calls.called_after_blocks``: OPT's final norm); the user may also
+list the modules of every stage (``ThreeDStrategy(stages=[[...], [...]])``, checked by
+:func:`stage_ranges_from_names`). Modules without parameters (dropout, rotary tables) stay on every stage, so the
+model's own forward can run unchanged everywhere. Parameters shared by modules on different stages
 (an LM head tied to the input embedding) are reported in ``tied`` so the caller can keep their copies equal.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -55,9 +57,9 @@ class ModelSplit:
     Attributes:
         container: the block container.
         stage_blocks: per stage, the container keys of its blocks (contiguous, in order).
-        first: fully qualified names of the modules outside the container registered before it (held by the first
-            stage unless ``placement`` says otherwise).
-        last: ... registered after it (held by the last stage unless ``placement`` says otherwise).
+        first: fully qualified names of the modules outside the container run before it (held by the first stage
+            unless ``placement`` says otherwise).
+        last: ... run after it (held by the last stage unless ``placement`` says otherwise).
         stage_to_rank: pipeline rank of each stage.
         tied: groups of parameter names that are one tensor held on different stages (first name canonical).
         aliases: every group of names under which one parameter is registered (first name canonical), on one
@@ -193,11 +195,15 @@ def find_blocks(root: nn.Module, name: str | None = None) -> BlockContainer:
     return BlockContainer(name, module, names, source)
 
 
-def outside_modules(root: nn.Module, container: BlockContainer) -> tuple[list[str], list[str]]:
-    """Modules with parameters outside the container, as (before, after) it in registration order.
+def outside_modules(
+    root: nn.Module, container: BlockContainer, called_after: Collection[str] = ()
+) -> tuple[list[str], list[str]]:
+    """Modules with parameters outside the container, as (before, after) it.
 
     Walks from the root down the path to the container: at each level, siblings registered before the path go
     first, siblings after it go last. A sibling without parameters is on every stage and listed in neither.
+    ``called_after``: modules registered before the container that the forward calls after it
+    (``block_calls.called_after_blocks``); they go last, ahead of the ones registered after it.
     """
     before: list[str] = []
     after_levels: list[list[str]] = []  # per level: a deeper level's modules run first after the blocks
@@ -228,7 +234,9 @@ def outside_modules(root: nn.Module, container: BlockContainer) -> tuple[list[st
                 "would be on no stage. Move them into a submodule."
             )
         prefix = f"{prefix}{part}."
-    return before, [name for level in after_levels for name in level]
+    moved = [name for name in before if name in called_after]
+    after = [name for level in after_levels for name in level]
+    return [name for name in before if name not in moved], moved + after
 
 
 def tied_parameters(root: nn.Module) -> list[tuple[str, ...]]:
@@ -246,12 +254,13 @@ def split_model(
     ranges: Sequence[range],
     stages_per_rank: int = 1,
     placement: dict[str, int] | None = None,
+    called_after: Collection[str] = (),
 ) -> ModelSplit:
     """Assign blocks to ``pp * stages_per_rank`` stages by ``ranges`` (indices into ``container.names``), and the
-    outside modules to the first / last stage, or to the stage ``placement`` names (see
-    :func:`stage_ranges_from_names`)."""
+    outside modules to the first / last stage (``called_after``: see :func:`outside_modules`), or to the stage
+    ``placement`` names (see :func:`stage_ranges_from_names`)."""
     num_stages = pp * stages_per_rank
-    before, after = outside_modules(root, container)
+    before, after = outside_modules(root, container, called_after)
     stage_blocks = [[container.names[i] for i in r] for r in ranges]
     stage_to_rank = [s % pp for s in range(num_stages)]
     split = ModelSplit(container, stage_blocks, before, after, stage_to_rank, placement=dict(placement or {}))

@@ -28,7 +28,7 @@ from torchmetrics import Metric
 from . import blocks, partition, pieces, torch_compat
 from . import tensor_parallel as tpmod
 from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
-from .block_calls import BlocksWithArguments, block_calls
+from .block_calls import BlocksWithArguments, block_calls, called_after_blocks
 from .blocks import sequential_blocks
 from .boundary_check import check_stage_boundaries, make_skeleton
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
@@ -234,7 +234,11 @@ def _plan_split_model(
                 ranges = rank_balanced(partitioner, layers, ranges, ranks)  # a rank's stages together
                 costs = partitioner.stage_costs(layers, ranges)
                 estimates = [partitioner.describe(c, stage) for stage, c in enumerate(costs)]
-        split = blocks.split_model(module, container, pp, ranges, stages_per_rank, placement)
+        called_after: set[str] = set()
+        if num_stages > 1:  # a module registered before the blocks but run after them goes with the last stage
+            before, _ = blocks.outside_modules(module, container)
+            called_after = called_after_blocks(module, container.fqn, before, module.example_input_array)
+        split = blocks.split_model(module, container, pp, ranges, stages_per_rank, placement, called_after)
         parent_name, _, attr = container.fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         body = partition.BodyRef(parent=parent, attr=attr, fqn=container.fqn, module=container.module)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.core.block_calls import ArgSpec, BlocksWithArguments, block_calls
+from lightning_3d.core.block_calls import ArgSpec, BlocksWithArguments, block_calls, called_after_blocks
 from lightning_3d.core.parallelize import plan_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -132,3 +132,58 @@ def test_blocks_of_one_tensor_keep_the_plain_analysis():
     assert model.example_input_array is None
     styles = _styles(plan_model(model, tp=2, pp=2))
     assert styles["0.q_proj"] == "colwise" and styles["0.out_proj"] == "rowwise"
+
+
+class _LateNorm(nn.Module):
+    """An OPT-like decoder: the final norm registered before the blocks and called after them; ``shared`` called
+    both before and after them (it stays with the first stage)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.shared = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 8)
+        self.fail = fail
+
+    def forward(self, idx):
+        x = self.shared(self.embed(idx))
+        if self.fail:
+            x = x[x.sum(-1) > 0]  # data-dependent shape: does not run on fake tensors
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(self.shared(x)))
+
+
+OUTSIDE = ["embed", "shared", "norm"]
+
+
+def test_called_after_blocks_finds_modules_registered_before_the_blocks_but_run_after_them():
+    model = _LateNorm()
+    rng = torch.get_rng_state()
+    example = torch.zeros(2, 3, dtype=torch.long)
+    assert called_after_blocks(model, "layers", OUTSIDE, example) == {"norm"}
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not any(m._forward_pre_hooks for m in model.modules())  # hooks removed
+    # nothing to run (no example, no Hugging Face model), or a forward that fails on fake tensors: registration
+    # order (the stage boundary check names a misplaced module later)
+    assert called_after_blocks(model, "layers", OUTSIDE, None) == set()
+    assert called_after_blocks(_LateNorm(fail=True), "layers", OUTSIDE, example) == set()
+
+
+def test_a_hugging_face_model_without_an_example_runs_on_its_dummy_inputs():
+    pytest.importorskip("transformers")
+    from models import HFCausalLM
+
+    module = HFCausalLM("opt", tied=True, build="init")
+    assert module.example_input_array is None
+    decoder = "model.model.decoder"
+    outside = [f"{decoder}.{n}" for n in ("embed_tokens", "embed_positions", "project_out", "project_in")]
+    outside.append(f"{decoder}.final_layer_norm")
+    found = called_after_blocks(module, f"{decoder}.layers", outside, None)
+    assert found == {f"{decoder}.project_out", f"{decoder}.final_layer_norm"}
+    plan = plan_model(module, tp=1, pp=2)
+    assert plan.split.first == [f"{decoder}.{n}" for n in ("embed_tokens", "embed_positions", "project_in")]
+    assert plan.split.last == [f"{decoder}.project_out", f"{decoder}.final_layer_norm", "model.lm_head"]
+    assert plan.split.stage_of(f"{decoder}.final_layer_norm") == 1

@@ -89,6 +89,15 @@ def test_modules_around_the_container_go_first_and_last() -> None:
     assert after == ["transformer.ln_f", "small", "lm_head"]
 
 
+def test_modules_the_forward_calls_after_the_blocks_go_last_whatever_their_registration() -> None:
+    model = Nano()
+    before, after = outside_modules(model, find_blocks(model), called_after={"transformer.wte"})
+    assert before == []
+    assert after == ["transformer.wte", "transformer.ln_f", "small", "lm_head"]
+    split = split_model(model, find_blocks(model), 2, [range(0, 1), range(1, 2)], called_after={"transformer.wte"})
+    assert split.stage_of("transformer.wte") == 1
+
+
 def test_parameters_owned_directly_are_refused() -> None:
     model = Nano()
     model.scale = nn.Parameter(torch.ones(()))
