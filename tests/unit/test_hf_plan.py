@@ -180,8 +180,14 @@ def test_unsupported_style_is_refused_naming_style_and_module() -> None:
     model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.gate_proj": "packed_colwise"}
     with pytest.raises(ValueError, match="packed_colwise") as info:
         hf_tp_plan(model, tp=2)
-    assert "model.layers.0.mlp.gate_proj" in str(info.value)
+    assert "(module model.layers.0.mlp.gate_proj, model.layers.1.mlp.gate_proj" in str(info.value)
     assert "model.layers.*.mlp.gate_proj" in str(info.value)
+    # Llama 4's experts: the entry names a parameter (a 3-D tensor of every expert's weights)
+    model.tp_plan = {**model.tp_plan, "model.layers.*.mlp.gate_proj.weight": "packed_rowwise"}
+    model.tp_plan.pop("model.layers.*.mlp.gate_proj")
+    refused = r"'model.layers.\*.mlp.gate_proj.weight' \(a parameter\): style 'packed_rowwise'"
+    with pytest.raises(ValueError, match=refused):
+        hf_tp_plan(model, tp=2)
 
 
 def test_style_on_the_wrong_kind_of_module_is_refused() -> None:

@@ -284,9 +284,12 @@ def _expand(model: nn.Module, declared: dict[str, str], who: str) -> dict[str, H
     for key, style in declared.items():
         names = by_generic.get(key, [])
         if style not in SUPPORTED_STYLES:
-            where = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "") if names else "no module"
+            if names:
+                where = "module " + ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+            else:
+                where = "a parameter" if key in params else "no module of this model"
             raise ValueError(
-                f"{who} tensor-parallel plan entry {key!r} (module {where}): style {style!r} is not supported by "
+                f"{who} tensor-parallel plan entry {key!r} ({where}): style {style!r} is not supported by "
                 f"lightning_3d. Supported styles: {_supported()}. Pass tp=1, or replace the entry in the "
                 "model's tp_plan."
             )
