@@ -633,10 +633,20 @@ def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any)
         static, inputs, kept_by_block = [0.0] * n, [0.0] * n, [0.0] * n
         kept = _KeptBytes()
         kept.active = False  # inside the blocks only
-        for name, param in params.items():
-            owner = in_block[name] if name in in_block else (n - 1 if _after_blocks(module, blocks, name) else 0)
-            static[owner] += param.numel() * param.element_size() * (2 + OPTIMIZER_STATES)
         state = {"current": 0, "mark": 0.0, "kept": 0.0}
+        # outside the blocks, a module's parameters count where the forward first calls it (before the blocks:
+        # the first; after them: the last, whatever the registration order: OPT's final norm)
+        in_blocks = {id(m) for b in blocks for m in b.modules()}
+        outside = [(name, m) for name, m in module.named_modules() if id(m) not in in_blocks]
+        started = [False]
+        called_after: dict[str, bool] = {}
+
+        def called(name: str) -> Callable[..., None]:
+            def hook(*_: Any) -> None:
+                called_after.setdefault(name, started[0])
+
+            return hook
+
         weights = frozenset(id(p) for p in params.values())
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -654,6 +664,7 @@ def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any)
                     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
                     inputs[index] += _tensor_bytes(first)
                     kept.active, state["kept"] = True, kept.bytes
+                    started[0] = True
 
                 return hook
 
@@ -668,6 +679,7 @@ def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any)
 
             handles = [b.register_forward_pre_hook(enter(i), with_kwargs=True) for i, b in enumerate(blocks)]
             handles += [b.register_forward_hook(leave(i)) for i, b in enumerate(blocks)]
+            handles += [m.register_forward_pre_hook(called(name)) for name, m in outside]
             try:
                 inp = _meta(example) if isinstance(example, torch.Tensor) else example
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kept:
@@ -676,6 +688,15 @@ def block_profiles(module: nn.Module, blocks: Sequence[nn.Module], example: Any)
             finally:
                 for handle in handles:
                     handle.remove()
+        for name, param in params.items():
+            owner_name = name.rpartition(".")[0]
+            if name in in_block:
+                owner = in_block[name]
+            elif owner_name in called_after:
+                owner = n - 1 if called_after[owner_name] else 0
+            else:
+                owner = n - 1 if _after_blocks(module, blocks, name) else 0
+            static[owner] += param.numel() * param.element_size() * (2 + OPTIMIZER_STATES)
     return [
         (f * BACKWARD_FACTOR, st, sv, held, held + k)
         for f, st, sv, held, k in zip(flops, static, saved, inputs, kept_by_block)

@@ -351,6 +351,28 @@ def test_block_profiles_count_embeddings_and_head_on_the_end_blocks():
     assert timed.measured and torch.equal(rng, torch.get_rng_state())
 
 
+class _LateHead(_BlockModel):
+    """The head registered before the blocks, called after them (as OPT's decoder does with its final norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        head = self.head
+        del self.head, self.blocks
+        self.head = head
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+
+def test_block_profiles_count_a_module_where_the_forward_calls_it():
+    model = _LateHead()
+    assert [n for n, _ in model.named_children()] == ["embed", "head", "blocks"]
+    prof = balance.block_profiles(model, list(model.blocks), torch.zeros(2, 8, dtype=torch.long))
+    per_param = 4 * (2 + balance.OPTIMIZER_STATES)
+    static = [sum(p.numel() for p in b.parameters()) * per_param for b in model.blocks]
+    static[0] += model.embed.weight.numel() * per_param
+    static[2] += sum(p.numel() for p in model.head.parameters()) * per_param
+    assert [p[1] for p in prof] == pytest.approx(static)
+
+
 def test_model_split_at_its_blocks_is_balanced_by_the_compute_partitioner():
     import lightning.pytorch as pl
 
