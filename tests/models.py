@@ -358,10 +358,11 @@ MODELS = {
     "qwen3": lambda **kw: HFCausalLM("qwen3", **kw),
     "gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
     "opt": lambda **kw: HFCausalLM("opt", tied=True, **kw),  # as OPT's checkpoints: the head tied to the embedding
+    "stablelm": lambda **kw: HFCausalLM("stablelm", **kw),  # no tensor-parallel plan of its own
     "rotary": RotaryGPT,
     "plain": PlainMLP,
 }
-TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "rotary"}
+TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "rotary"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

@@ -3,7 +3,7 @@
 Not one nn.Sequential: a nanoGPT-style model (blocks in an nn.ModuleList inside an nn.ModuleDict, untied and with
 the LM head tied to the token embedding) and unmodified Hugging Face causal LMs (Llama: GQA, RoPE, SwiGLU, RMSNorm;
 Qwen3: q/k norms; GPT-2: Conv1D, learned positions, tied embeddings; OPT: no pipeline plan of its own, final norm
-registered before the blocks), each wrapped in a LightningModule whose
+registered before the blocks; StableLM: no tensor-parallel plan of its own), each wrapped in a LightningModule whose
 training_step calls the model as usual (``self.model(input_ids=x, labels=x).loss``). Every layout is checked
 against one process on the same global batches (tests/scripts/parity_run.py): float64 step-1 gradients within
 1e-10 and float32 20-step curves (Adam, clipping, LR schedule) within 1e-4 relative, data-parallel replicas
@@ -18,7 +18,7 @@ from conftest import copy_inits
 from launch import run_lightning
 from parity_check import check_replicas, compare, load
 
-HF = ("llama", "qwen3", "gpt2", "opt")
+HF = ("llama", "qwen3", "gpt2", "opt", "stablelm")
 
 
 def precision_of(case: str) -> str:
@@ -46,8 +46,9 @@ LAYOUTS = {
     # rotary: blocks called with the rotary tables too (the tensor-parallel analysis runs them with those);
     # nanotiedmeta: built on the meta device, its head re-tied to the sharded embedding on the last stage;
     # opt: its final norm and output projection, registered before the blocks, go with the last stage (the
-    # forward on the model's dummy inputs shows they run after the blocks)
-    (2, 2, 1): ["llamatied64", "rotary64", "rotary32", "nanotiedmeta64", "opt64"],
+    # forward on the model's dummy inputs shows they run after the blocks); stablelm: no plan of its own, its
+    # blocks (called with the rotary tables and the mask) and its embedding and head analysed on its dummy inputs
+    (2, 2, 1): ["llamatied64", "rotary64", "rotary32", "nanotiedmeta64", "opt64", "stablelm64"],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
     (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264", "gpt2meta64", "plain64", "plain32"],
@@ -72,9 +73,12 @@ SHARDED = {
         "lm_head.weight",
     ),
     "gpt2": ("mlp.c_fc.", "mlp.c_proj.weight", "wte.weight", "lm_head.weight"),
-    # no plan of its own, no example: the automatic plan of the blocks; the attention stays replicated (OPT
-    # reshapes by its whole head count, `view(bsz, -1, self.num_heads, self.head_dim)`)
-    "opt": ("fc1.", "fc2.weight"),
+    # no plan of its own, no example: the automatic plan, run on the model's dummy_inputs. The attention stays
+    # replicated (OPT and StableLM reshape by their whole head count, `view(bsz, -1, self.num_heads, ...)`); OPT's
+    # head stays whole with the embedding it is tied to (the analysis pairs project_out with it row-parallel,
+    # unlike the embedding's vocabulary split), project_out gathers its output
+    "opt": ("fc1.", "fc2.weight", "project_out."),
+    "stablelm": ("gate_proj.", "up_proj.", "down_proj.weight", "embed_tokens.weight", "lm_head.weight"),
     # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them; with its
     # example_input_array the embedding (vocabulary-parallel) and the head (all-gathered) outside the blocks too
     "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2.", "tok.weight", "out.weight"),

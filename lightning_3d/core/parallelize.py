@@ -28,7 +28,7 @@ from torchmetrics import Metric
 from . import blocks, partition, pieces, torch_compat
 from . import tensor_parallel as tpmod
 from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
-from .block_calls import BlocksWithArguments, block_calls, called_after_blocks
+from .block_calls import BlocksWithArguments, block_calls, called_after_blocks, trace_input
 from .blocks import sequential_blocks
 from .boundary_check import check_stage_boundaries, make_skeleton
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
@@ -284,8 +284,9 @@ def _plan_split_model(
         )
     outer_plan = None
     if hf_plan is None and container is not None and tp > 1 and (tp_autoplan or outer_explicit):
+        root, example = trace_input(module, container.fqn, module.example_input_array) or ("", None)
         outer_plan = tpmod.resolve_outer_plan(
-            module, tp, container.fqn, module.example_input_array, explicit=outer_explicit, auto=tp_autoplan
+            module, tp, container.fqn, example, explicit=outer_explicit, auto=tp_autoplan, root=root
         )
     is_meta = has_meta_tensors(module)
     if is_meta:
@@ -313,21 +314,22 @@ def _analysis_view(module: nn.Module, container: blocks.BlockContainer, auto: bo
     """The blocks as the tensor-parallel analysis runs them, their input, and what to add if the analysis fails.
 
     Blocks the model's forward calls with more than the hidden states (rotary tables, masks) run with those
-    arguments (``block_calls.py``), found from one forward on fake tensors of the module's ``example_input_array``;
-    otherwise (no example, or nothing more to pass) the blocks run one after the other on a ``(1, 2, hidden)``
-    input."""
+    arguments (``block_calls.py``), found from one forward on fake tensors of the module's ``example_input_array``,
+    or without one, of the Hugging Face model holding the blocks on its own ``dummy_inputs``; otherwise (no input,
+    or nothing more to pass) the blocks run one after the other on a ``(1, 2, hidden)`` input."""
     children = OrderedDict(container.module.named_children())
     plain = nn.Sequential(children)
-    example = getattr(module, "example_input_array", None)
     if not auto:
         return plain, _block_example(plain), ""
-    if example is None:
+    traced = trace_input(module, container.fqn, getattr(module, "example_input_array", None))
+    if traced is None:
         hint = (
             "blocks called with more than the hidden states (rotary tables, masks) are analysed as the model's "
             "forward calls them when you set the LightningModule's example_input_array (one micro-batch's input)"
         )
         return plain, _block_example(plain), hint
-    found = block_calls(module, list(children.values()), example)
+    root_name, example = traced
+    found = block_calls(module.get_submodule(root_name), list(children.values()), example)
     if isinstance(found, str):
         return plain, _block_example(plain), f"the blocks were run alone because {found}"
     if not any(call.takes_more() for call in found):

@@ -63,6 +63,8 @@ CASES = {
     "gpt232": ("gpt2", "32-true", 20, 0.5, 1, "init"),
     # final norm and output projection registered before the blocks, called after them
     "opt64": ("opt", "64-true", 2, None, 1, "init"),
+    # no tensor-parallel plan of its own: the automatic one, on the model's dummy_inputs
+    "stablelm64": ("stablelm", "64-true", 2, None, 1, "init"),
     # blocks called with the rotary tables besides the hidden states (torchtitan / litgpt style)
     "rotary64": ("rotary", "64-true", 2, None, 1, "init"),
     "rotary32": ("rotary", "32-true", 20, 0.5, 1, "init"),

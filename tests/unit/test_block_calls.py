@@ -187,3 +187,22 @@ def test_a_hugging_face_model_without_an_example_runs_on_its_dummy_inputs():
     assert plan.split.first == [f"{decoder}.{n}" for n in ("embed_tokens", "embed_positions", "project_in")]
     assert plan.split.last == [f"{decoder}.project_out", f"{decoder}.final_layer_norm", "model.lm_head"]
     assert plan.split.stage_of(f"{decoder}.final_layer_norm") == 1
+
+
+def test_a_hugging_face_model_without_a_plan_or_an_example_is_analysed_on_its_dummy_inputs():
+    """StableLM has no tensor-parallel plan of its own and its decoder layers take the rotary tables and the mask:
+    its blocks run as its forward calls them on its dummy_inputs, and its embedding and head are planned too."""
+    pytest.importorskip("transformers")
+    from models import HFCausalLM
+
+    module = HFCausalLM("stablelm", build="init")
+    assert module.example_input_array is None
+    plan = plan_model(module, tp=2, pp=2)
+    assert plan.hf_plan is None
+    styles = _styles(plan)
+    assert styles["0.mlp.gate_proj"] == styles["0.mlp.up_proj"] == "colwise"
+    assert styles["0.mlp.down_proj"] == "rowwise"
+    # its attention reshapes by its whole head count (`view(bsz, q_len, self.num_heads, self.head_dim)`)
+    assert "0.self_attn.q_proj" not in styles and "`view`" in plan.tp_plan.notes["0.self_attn.q_proj"]
+    outer = {name: entry.style for name, entry in plan.outer_plan.entries.items()}
+    assert outer == {"model.model.embed_tokens": "vocab", "model.lm_head": "colwise_gather"}

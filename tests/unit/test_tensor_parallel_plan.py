@@ -226,3 +226,32 @@ def test_a_tied_embedding_and_head_are_sharded_alike_or_not_at_all() -> None:
     assert "emb" not in plan.entries and "head" not in plan.entries and plan.tied == []
     assert "tied weights" in plan.notes["emb"] and "tied weights" in plan.notes["head"]
     assert model.head.weight is model.emb.weight
+
+
+class _Wrapper(nn.Module):
+    """A LightningModule-like wrapper whose inner model takes keyword arguments (as a Hugging Face model does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _KeywordLM()
+        self.side = nn.Linear(4, 4)  # outside the inner model: its forward never runs it
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.side(self.inner(**batch))
+
+
+class _KeywordLM(_TiedLM):
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(input_ids)
+
+
+def test_the_outer_analysis_runs_a_submodule_on_keyword_inputs() -> None:
+    model = _Wrapper()
+    ids = {"input_ids": torch.zeros(2, 3, dtype=torch.long)}
+    plan = resolve_outer_plan(model, 2, "inner.blocks", ids, root="inner")
+    assert {n: e.style for n, e in plan.entries.items()} == {"inner.emb": "vocab", "inner.head": "colwise_gather"}
+    assert plan.tied == [("inner.emb.weight", "inner.head.weight")]
+    assert "side" not in plan.entries
+    # the whole module on a dict example_input_array: its forward gets the dict as keyword arguments
+    plan = resolve_outer_plan(model.inner, 2, "blocks", ids)
+    assert {n: e.style for n, e in plan.entries.items()} == {"emb": "vocab", "head": "colwise_gather"}

@@ -136,6 +136,8 @@ class _Runner:
         self.body, self.example = body, example
 
     def __call__(self) -> Any:
+        if isinstance(self.example, dict):  # keyword arguments, as Lightning's example_input_array dicts
+            return self.body(**self.example)
         args = self.example if isinstance(self.example, (tuple, list)) else (self.example,)
         return self.body(*args)
 
@@ -326,7 +328,7 @@ def analyze(
     Args:
         body: the model body; left unchanged (hooks removed, modes exited, flags and RNG restored).
         tp: tensor-parallel size (> 1).
-        example: input of the body (a tensor, or a tuple of positional arguments).
+        example: input of the body (a tensor, a tuple of positional arguments or a dict of keyword arguments).
         pins: explicit entries by body-relative name: "colwise", "rowwise", "replicate" or "other";
             they are taken as given and never appear in the result.
         display: maps a body-relative name to the name shown in messages.

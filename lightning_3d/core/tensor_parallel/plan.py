@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_3d.core.tensor_parallel.analyzer import (
     AnalysisError,
+    AutoPlan,
     analyze,
     candidates,
     divisors_text,
@@ -223,6 +224,8 @@ def _on_device(example: Any, body: nn.Module) -> Any:
         return example.to(param.device)
     if isinstance(example, (tuple, list)):
         return type(example)(_on_device(e, body) for e in example)
+    if isinstance(example, dict):
+        return {k: _on_device(v, body) for k, v in example.items()}
     return example
 
 
@@ -323,6 +326,7 @@ def resolve_outer_plan(
     *,
     explicit: Mapping[str, str | ParallelStyle] | None = None,
     auto: bool = True,
+    root: str = "",
 ) -> TPPlan:
     """The plan of the modules of ``module`` outside its block container (embeddings, LM head).
 
@@ -339,10 +343,13 @@ def resolve_outer_plan(
         module: the LightningModule (unsharded, possibly on the meta device); left unchanged.
         tp: tensor-parallel size (> 1).
         container: module-relative name of the block container.
-        example_input: ``module``'s ``example_input_array`` (one micro-batch's input); without one the outer
-            modules stay replicated (the notes say how to have them sharded).
+        example_input: the input of ``root``'s forward: ``module``'s ``example_input_array`` (one micro-batch's
+            input), or a Hugging Face model's ``dummy_inputs`` (``block_calls.trace_input``); without one the
+            outer modules stay replicated (the notes say how to have them sharded).
         explicit: ``{fnmatch pattern: style}`` on module-relative names (``split_explicit``'s outer part).
         auto: run the analysis (else only the explicit entries).
+        root: the submodule whose forward the analysis runs (``""``: ``module`` itself; else the Hugging Face
+            model holding the blocks); modules outside it stay replicated.
 
     Returns:
         Entries and notes keyed by module-relative names, for modules outside the container only.
@@ -364,6 +371,8 @@ def resolve_outer_plan(
         )
         return _merge(module, matched, None, dict.fromkeys(outer, why))
     pins = {f: "replicate" for f in found if inside(f)} | _pins(module, matched)
+    target, prefix = module.get_submodule(root), f"{root}." if root else ""
+    pins = {f[len(prefix) :]: kind for f, kind in pins.items() if f.startswith(prefix)}
     example = _on_device(example_input, module)
     # A weight tied across outer modules (the head sharing the token embedding's matrix) is analysed untied, and
     # kept sharded only when every module holding it shards it alike (the embedding and the head both on the
@@ -373,9 +382,10 @@ def resolve_outer_plan(
     for _ in range(len(groups) + 1):
         try:
             with _untied(module, groups):
-                result = analyze(module, tp, example, pins)
+                result = _prefixed(analyze(target, tp, example, pins), prefix)
         except (AnalysisError, ValueError) as error:
-            why = f"left replicated: the analysis of the whole forward on example_input_array failed ({error})"
+            what = f"{root}'s forward on its dummy_inputs" if root else "the whole forward on example_input_array"
+            why = f"left replicated: the analysis of {what} failed ({error})"
             return _merge(module, matched, None, dict.fromkeys(outer, why))
         plan = _merge(module, matched, result, result.notes)
         unlike = [g for g in groups if not _sharded_alike(module, plan, g)]
@@ -403,6 +413,21 @@ def resolve_outer_plan(
             others = ", ".join(n for n in names if n != f"{owner}.{pname}")
             plan.entries[owner] = PlanEntry(entry.style, entry.source, f"{entry.reason}; {pname} tied to {others}")
     return plan
+
+
+def _prefixed(result: AutoPlan, prefix: str) -> AutoPlan:
+    """``result`` of a submodule's analysis, its names made relative to the whole module."""
+    if not prefix:
+        return result
+
+    def name(fqn: str) -> str:
+        return f"{prefix}{fqn}" if fqn else prefix[:-1]
+
+    return AutoPlan(
+        {name(f): v for f, v in result.styles.items()},
+        {name(f): v for f, v in result.notes.items()},
+        {name(f): v for f, v in result.splits.items()},
+    )
 
 
 def _tie_groups(module: nn.Module, inside: Any) -> list[list[tuple[str, str]]]:
