@@ -40,6 +40,7 @@ LAYOUTS = {
         "gpt232",
         "llamameta64",
         "gpt2meta64",
+        "stablelm32",  # attention with its head counts set per rank (GQA), 20 steps
     ],
     # without data parallelism the tied weights are DTensors over tp alone, and Llama's vocabulary-sharded
     # embedding gets its gradient back replicated: the sum across the pipeline ends must take the same shard;
@@ -47,8 +48,9 @@ LAYOUTS = {
     # nanotiedmeta: built on the meta device, its head re-tied to the sharded embedding on the last stage;
     # opt: its final norm and output projection, registered before the blocks, go with the last stage (the
     # forward on the model's dummy inputs shows they run after the blocks); stablelm: no plan of its own, its
-    # blocks (called with the rotary tables and the mask) and its embedding and head analysed on its dummy inputs
-    (2, 2, 1): ["llamatied64", "rotary64", "rotary32", "nanotiedmeta64", "opt64", "stablelm64"],
+    # blocks (called with the rotary tables and the mask) and its embedding and head analysed on its dummy inputs;
+    # optmeta: the same analysis on the meta device
+    (2, 2, 1): ["llamatied64", "rotary64", "rotary32", "nanotiedmeta64", "opt64", "optmeta64", "stablelm64"],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
     (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264", "gpt2meta64", "plain64", "plain32"],
@@ -73,12 +75,23 @@ SHARDED = {
         "lm_head.weight",
     ),
     "gpt2": ("mlp.c_fc.", "mlp.c_proj.weight", "wte.weight", "lm_head.weight"),
-    # no plan of its own, no example: the automatic plan, run on the model's dummy_inputs. The attention stays
-    # replicated (OPT and StableLM reshape by their whole head count, `view(bsz, -1, self.num_heads, ...)`); OPT's
-    # head stays whole with the embedding it is tied to (the analysis pairs project_out with it row-parallel,
-    # unlike the embedding's vocabulary split), project_out gathers its output
-    "opt": ("fc1.", "fc2.weight", "project_out."),
-    "stablelm": ("gate_proj.", "up_proj.", "down_proj.weight", "embed_tokens.weight", "lm_head.weight"),
+    # no plan of its own, no example: the automatic plan, run on the model's dummy_inputs. The attention reshapes
+    # by its whole head count (`view(bsz, -1, self.num_heads, ...)`): sharded, with num_heads (StableLM: and
+    # num_key_value_heads, GQA 4/2) set to the rank's heads; OPT's head stays whole with the embedding it is tied to
+    # (the analysis pairs project_out with it row-parallel, unlike the embedding's vocabulary split), project_out
+    # gathers its output
+    "opt": ("q_proj.", "k_proj.", "v_proj.", "out_proj.weight", "fc1.", "fc2.weight", "project_out."),
+    "stablelm": (
+        "q_proj.",
+        "k_proj.",
+        "v_proj.",
+        "o_proj.weight",
+        "gate_proj.",
+        "up_proj.",
+        "down_proj.weight",
+        "embed_tokens.weight",
+        "lm_head.weight",
+    ),
     # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them; with its
     # example_input_array the embedding (vocabulary-parallel) and the head (all-gathered) outside the blocks too
     "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2.", "tok.weight", "out.weight"),

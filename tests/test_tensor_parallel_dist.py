@@ -4,8 +4,10 @@ The script (``scripts/tp_numerics.py``) builds each model, shards a deep copy wi
 ``parallelize_module(copy, mesh, plan.styles_for(...))`` and compares the output and every
 gradient with the unsharded model within 1e-10 (GPT-like with SDPA, nanoGPT-style manual attention
 with a padding index applied layer by layer, GQA, an MLP chain whose pairs cross Sequential layers,
-SwiGLU). It also shows that forcing a shard on attention with a hard-coded head count gives wrong
-numbers, which is why the analysis leaves it replicated.
+SwiGLU, attention that views by its own head-count attributes as OPT and StableLM do, with and without
+GQA: the attributes set to one rank's heads). It also shows that forcing a shard on attention with a
+head count the analysis cannot trace to an attribute gives wrong numbers, which is why the analysis
+leaves that one replicated.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from launch import run_ranks
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sharded_numerics_match_unsharded(tp: int) -> None:
     result = run_ranks("tp_numerics.py", tp, timeout=120)
-    for name in ("gpt", "gpt-manual-attn-padding-idx", "gpt-gqa", "mlp", "swiglu"):
+    names = ("gpt", "gpt-manual-attn-padding-idx", "gpt-gqa", "gpt-head-count-attrs", "gpt-gqa-head-count-attrs")
+    for name in (*names, "mlp", "swiglu"):
         assert f"{name}: tp={tp} ok" in result.output, result.tail()
     assert "hard-coded heads: auto plan left them replicated" in result.output, result.tail()
     assert "all tensor-parallel numerics ok" in result.output, result.tail()

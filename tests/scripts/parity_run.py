@@ -65,6 +65,7 @@ CASES = {
     "opt64": ("opt", "64-true", 2, None, 1, "init"),
     # no tensor-parallel plan of its own: the automatic one, on the model's dummy_inputs
     "stablelm64": ("stablelm", "64-true", 2, None, 1, "init"),
+    "stablelm32": ("stablelm", "32-true", 20, 0.5, 1, "init"),
     # blocks called with the rotary tables besides the hidden states (torchtitan / litgpt style)
     "rotary64": ("rotary", "64-true", 2, None, 1, "init"),
     "rotary32": ("rotary", "32-true", 20, 0.5, 1, "init"),
@@ -77,6 +78,9 @@ CASES = {
     "gpt2meta64": ("gpt2", "64-true", 2, None, 1, "configure"),
     # the automatic plan's vocabulary-sharded embedding with the head tied to it, materialised stage by stage
     "nanotiedmeta64": ("nanotied", "64-true", 2, None, 1, "configure"),
+    # attention set to the rank's heads (num_heads), analysed on the meta device on the model's dummy_inputs
+    "optmeta64": ("opt", "64-true", 2, None, 1, "configure"),
+    "stablelmmeta64": ("stablelm", "64-true", 2, None, 1, "configure"),
 }
 COUNTER: CollectiveCounter | None = None
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]

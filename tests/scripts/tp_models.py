@@ -32,7 +32,7 @@ class Attention(nn.Module):
     """Separate q/k/v/out projections, causal SDPA; GQA when ``kv_heads < heads``."""
 
     def __init__(
-        self, dim: int, heads: int, kv_heads: int | None = None, manual: bool = False, hard_coded: bool = False
+        self, dim: int, heads: int, kv_heads: int | None = None, manual: bool = False, hard_coded: str = ""
     ) -> None:
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads or heads
@@ -42,11 +42,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, self.kv_heads * self.head_dim)
         self.out_proj = nn.Linear(dim, dim)
         self.manual, self.hard_coded = manual, hard_coded
+        self.layout = (heads, self.kv_heads)  # "literal": counts the analysis cannot trace to a head-count attribute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.size()
-        if self.hard_coded:  # the bug the simulation must catch: global head count in the view
-            q, k, v = (p(x).view(B, T, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.hard_coded:  # the view takes the whole head counts: from attributes ("attr", OPT-like) or not
+            heads, kv_heads = (self.heads, self.kv_heads) if self.hard_coded == "attr" else self.layout
+            q = self.q_proj(x).view(B, T, heads, -1).transpose(1, 2)
+            k = self.k_proj(x).view(B, T, kv_heads, -1).transpose(1, 2)
+            v = self.v_proj(x).view(B, T, kv_heads, -1).transpose(1, 2)
         else:
             q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
             k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -138,11 +142,14 @@ def gpt(
     manual: bool = False,
     padding_idx: int | None = None,
     fused: bool = False,
+    hard_coded: str = "",
 ) -> nn.Sequential:
     """``Sequential(Embed, Block * layers, Head)``."""
 
     def attn() -> nn.Module:
-        return FusedAttention(dim, heads) if fused else Attention(dim, heads, kv_heads, manual=manual)
+        if fused:
+            return FusedAttention(dim, heads)
+        return Attention(dim, heads, kv_heads, manual=manual, hard_coded=hard_coded)
 
     blocks = [Block(dim, heads, hidden, attn=attn()) for _ in range(layers)]
     return nn.Sequential(Embed(vocab, block, dim, padding_idx), *blocks, Head(dim, vocab))

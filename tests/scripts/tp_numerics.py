@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp_models import Attention, Block, Embed, gpt, mlp_chain, swiglu_model
 
 from lightning_3d.core.tensor_parallel import local_numel, resolve_plan
+from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts
 
 TOL = 1e-10
 
@@ -63,6 +64,11 @@ def check(
                 parallelize_module(layer, mesh, styles)
     else:
         parallelize_module(model, mesh, plan.styles_for(""))
+    counted = {f: e.style for f, e in plan.entries.items() if isinstance(e.style, LocalHeadCounts)}
+    assert bool(counted) == ("head-count" in name), f"{name}: head counts set on {list(counted)}"
+    for fqn, style in counted.items():
+        held = {a: getattr(model.get_submodule(fqn), a) for a in style.counts}
+        assert held == style.local_counts(tp), f"{name}: {fqn} holds {held}, not one rank's counts"
 
     out_ref = ref(x)
     loss_fn(out_ref, target).backward()
@@ -91,9 +97,11 @@ def check(
 
 
 def check_hard_coded_heads_is_wrong(tokens: torch.Tensor, mesh, tp: int) -> None:  # type: ignore[no-untyped-def]
-    """Why the analysis refuses ``view(B, T, n_head, -1)``: forced shardings give silently wrong numbers."""
+    """Why the analysis refuses ``view(B, T, 4, -1)`` with a count it cannot trace to a head-count attribute:
+    forced shardings give silently wrong numbers."""
     torch.manual_seed(0)
-    ref = nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, attn=Attention(16, 4, hard_coded=True))).double()
+    attn = Attention(16, 4, hard_coded="literal")
+    ref = nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, attn=attn)).double()
     model = copy.deepcopy(ref)
     auto = resolve_plan(model, tp)
     assert "1.attn.q_proj" in auto.notes and "1.attn.q_proj" not in auto.entries, "hard-coded heads were sharded"
@@ -128,6 +136,17 @@ def main() -> None:
             True,
         ),
         ("gpt-gqa", lambda: gpt(heads=8, kv_heads=4, layers=1), tokens, targets, lm_loss, 9, False),
+        # attention that views by its own head-count attributes (OPT, StableLM): those set to the rank's share
+        ("gpt-head-count-attrs", lambda: gpt(heads=4, layers=2, hard_coded="attr"), tokens, targets, lm_loss, 15, True),
+        (
+            "gpt-gqa-head-count-attrs",
+            lambda: gpt(heads=8, kv_heads=4, layers=1, hard_coded="attr"),
+            tokens,
+            targets,
+            lm_loss,
+            9,
+            False,
+        ),
         ("mlp", lambda: mlp_chain((8, 16, 16, 8)), feats, feat_target, mse, 3, True),
         ("swiglu", lambda: swiglu_model(layers=2), tokens, targets, lm_loss, 17, False),
     ]

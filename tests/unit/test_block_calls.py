@@ -202,7 +202,10 @@ def test_a_hugging_face_model_without_a_plan_or_an_example_is_analysed_on_its_du
     styles = _styles(plan)
     assert styles["0.mlp.gate_proj"] == styles["0.mlp.up_proj"] == "colwise"
     assert styles["0.mlp.down_proj"] == "rowwise"
-    # its attention reshapes by its whole head count (`view(bsz, q_len, self.num_heads, self.head_dim)`)
-    assert "0.self_attn.q_proj" not in styles and "`view`" in plan.tp_plan.notes["0.self_attn.q_proj"]
+    # its attention reshapes by its whole head counts (`view(bsz, q_len, self.num_heads, self.head_dim)`): sharded,
+    # with those counts set to one rank's heads
+    assert styles["0.self_attn.q_proj"] == styles["0.self_attn.k_proj"] == "colwise"
+    assert styles["0.self_attn.o_proj"] == "rowwise"
+    assert plan.tp_plan.entries["0.self_attn"].style.counts == {"num_heads": 4, "num_key_value_heads": 2}
     outer = {name: entry.style for name, entry in plan.outer_plan.entries.items()}
     assert outer == {"model.model.embed_tokens": "vocab", "model.lm_head": "colwise_gather"}

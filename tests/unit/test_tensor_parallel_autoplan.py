@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_3d.core.tensor_parallel import resolve_plan
+from lightning_3d.core.tensor_parallel import describe_plan, resolve_plan
+from lightning_3d.core.tensor_parallel.analyzer import head_counts
 from lightning_3d.core.tensor_parallel.shapes import Refuse, map_getitem, map_view
+from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts, style_kind
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tp_models import Attention, Block, Embed, Head, InOut, gpt, mlp_chain, swiglu_model
@@ -150,12 +152,89 @@ def test_rotary_embedding_keeps_attention_sharded() -> None:
 
 
 def test_hard_coded_head_count_is_caught_by_the_local_shape_simulation() -> None:
-    body = nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, attn=Attention(16, 4, hard_coded=True)), Head(16, 32))
+    # `view(B, T, 4, -1)` with counts that are no head-count attribute of the module: nothing to set per rank
+    body = nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, attn=Attention(16, 4, hard_coded="literal")), Head(16, 32))
     plan = resolve_plan(body, 2)
-    for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
-        assert f"1.attn.{name}" not in plan.entries
+    for name in ("", ".q_proj", ".k_proj", ".v_proj", ".out_proj"):
+        assert f"1.attn{name}" not in plan.entries
     assert "hard-coded number of heads" in plan.notes["1.attn.q_proj"] and "-1" in plan.notes["1.attn.q_proj"]
     assert styles(plan)["1.mlp.fc"] == "colwise", "the MLP must not be blamed"
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "tp"), [(4, 4, 2), (4, 4, 4), (8, 4, 2), (8, 2, 2)])
+def test_attention_viewing_by_its_head_count_attributes_gets_them_per_rank(heads: int, kv_heads: int, tp: int) -> None:
+    # OPT's `view(bsz, -1, self.num_heads, self.head_dim)`, StableLM's `view(bsz, q_len, self.num_heads, ...)`
+    body = gpt(dim=16, heads=heads, kv_heads=kv_heads, layers=2, hard_coded="attr")
+    plan = resolve_plan(body, tp)
+    expected = gpt_expected(2)
+    for i in (1, 2):
+        expected = {**expected, f"{i}.attn": "heads"}
+    got = {k: style_kind(e.style) for k, e in plan.entries.items()}
+    assert got == {k: expected[k] for k in got} and got.keys() == expected.keys(), plan.notes
+    style = plan.entries["1.attn"].style
+    assert isinstance(style, LocalHeadCounts) and style.counts == {"heads": heads, "kv_heads": kv_heads}
+    assert style.local_counts(tp) == {"heads": heads // tp, "kv_heads": kv_heads // tp}
+    assert plan.entries["1.attn"].reason.startswith(f"heads {heads} -> {heads // tp}, kv_heads {kv_heads} -> ")
+    attn = body[1].attn
+    assert (attn.heads, attn.kv_heads) == (heads, kv_heads), "the analysis must restore the model's attributes"
+    table = describe_plan(body, plan, tp)
+    assert "body.1.attn  " in table and " heads " in table and f"{len(expected) - 2} modules sharded" in table
+
+
+class _ReshapeByInput(nn.Module):
+    """nanoGPT-like: the head size comes from the input's full width, so a per-rank head count cannot fix it."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.n_head = heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = (p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for p in
+                   (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_head_counts_that_do_not_fix_the_local_shapes_leave_the_attention_replicated() -> None:
+    body = nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, attn=_ReshapeByInput(16, 4)), Head(16, 32))
+    plan = resolve_plan(body, 2)
+    assert not {"1.attn", "1.attn.q_proj", "1.attn.out_proj"} & plan.entries.keys()
+    assert "1.attn.q_proj" in plan.notes and body[1].attn.n_head == 4
+    assert styles(plan)["1.mlp.fc"] == "colwise"
+
+
+def test_head_count_attributes_are_found_by_name_and_value() -> None:
+    body = gpt(dim=16, heads=4, layers=1, hard_coded="attr")
+    attn = body[1].attn
+    attn.head_dim, attn.num_heads_flag, attn.n_heads_scale = 4, True, 4  # a size, a bool, a scale: never counts
+    members = [f"1.attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    assert head_counts(body, members, {4}, 2) == {"1.attn": {"heads": 4, "kv_heads": 4}}
+    assert head_counts(body, members, {8}, 2) == {}, "a value that is not one of the group's head counts"
+    assert head_counts(body, members, {4}, 8) == {}, "a count tp does not divide"
+
+
+class _Mesh:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def test_local_head_counts_style_sets_checks_and_is_idempotent() -> None:
+    attn = Attention(16, 4, kv_heads=2, hard_coded="attr")
+    style = LocalHeadCounts({"heads": 4, "kv_heads": 2})
+    assert style_kind(style) == "heads" and "kv_heads" in repr(style)
+    style._apply(attn, _Mesh(2))  # type: ignore[arg-type]
+    assert (attn.heads, attn.kv_heads) == (2, 1)
+    style._apply(attn, _Mesh(2))  # type: ignore[arg-type]  # a second parallelize_module: unchanged
+    assert (attn.heads, attn.kv_heads) == (2, 1)
+    with pytest.raises(ValueError, match="not divisible by tp=4"):
+        LocalHeadCounts({"kv_heads": 2})._apply(Attention(16, 4, kv_heads=2), _Mesh(4))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Attention\.heads is 8, expected 4"):
+        LocalHeadCounts({"heads": 4})._apply(Attention(16, 8), _Mesh(2))  # type: ignore[arg-type]
 
 
 def test_heads_not_divisible_raises_with_working_tp_values() -> None:

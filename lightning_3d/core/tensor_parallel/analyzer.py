@@ -7,13 +7,17 @@ along its input features becomes row-wise and joins the group of the Linears it 
 (q/k/v -> out through attention, fc -> proj through an activation, w1 * w3 -> w2). A group any of
 whose tensors meets an operation that would need the full activation is left replicated, the run
 is repeated without it (its row-wise Linear may pair with a later one instead), and finally
-:mod:`simulate` checks the chosen plan with the local shapes of one rank.
+:mod:`simulate` checks the chosen plan with the local shapes of one rank. An attention group that fails
+that check because its module reshapes by its own head count (``view(bsz, -1, self.num_heads, ...)``) is
+checked once more with those counts divided by tp (:func:`head_counts`); if the local shapes then
+match, the plan gives the module a :class:`~lightning_3d.core.tensor_parallel.styles.LocalHeadCounts`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -24,6 +28,7 @@ from torch import nn
 from lightning_3d.core.tensor_parallel.flow import FlowMode, FlowState
 from lightning_3d.core.tensor_parallel.rules import Tag, tensors_in
 from lightning_3d.core.tensor_parallel.simulate import simulate
+from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts
 
 FINAL = "final:"  # marks, in the escaped set, the last module called in the forward pass
 
@@ -34,9 +39,10 @@ class AnalysisError(RuntimeError):
 
 @dataclass
 class AutoPlan:
-    """Result of the analysis: ``styles[fqn] = (style name, reason)`` and ``notes[fqn] = reason``."""
+    """Result of the analysis: ``styles[fqn] = (style, reason)`` and ``notes[fqn] = reason``; a style is a name,
+    or a :class:`LocalHeadCounts` for an attention module that reshapes by its own head counts."""
 
-    styles: dict[str, tuple[str, str]] = field(default_factory=dict)
+    styles: dict[str, tuple[str | LocalHeadCounts, str]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     splits: dict[str, set[int]] = field(default_factory=dict)
 
@@ -320,6 +326,62 @@ def _check_pair(g: _Group, tp: int, modules: dict[str, nn.Module], st: FlowState
     return desc
 
 
+def _is_count_name(name: str) -> bool:
+    low = name.lower()
+    return "head" in low and not any(word in low for word in ("dim", "size", "scale", "width"))
+
+
+def head_counts(body: nn.Module, members: list[str], heads: set[int], tp: int) -> dict[str, dict[str, int]]:
+    """Integer head-count attributes of the modules around an attention group, by module name.
+
+    Looked for on the modules from the group's Linears up to their nearest common ancestor (the attention
+    module): attributes named like a head count (``num_heads``, ``n_head``, ``num_key_value_heads``; not
+    ``head_dim``) whose value is one of the group's head counts ``heads`` (the numbers of parts its projections'
+    outputs are viewed as) and divisible by ``tp``.
+
+    Returns:
+        ``{module name: {attribute: full count}}``; empty when there is none.
+    """
+    parts = [m.split(".")[:-1] for m in members]
+    common = 0
+    while all(len(p) > common for p in parts) and len({p[common] for p in parts}) == 1:
+        common += 1
+    names = {".".join(p[:k]) for p in parts for k in range(common, len(p) + 1)}
+    found: dict[str, dict[str, int]] = {}
+    for name in sorted(names):
+        mod = body.get_submodule(name)
+        for attr, value in vars(mod).items():
+            if (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and _is_count_name(attr)
+                and value in heads
+                and value % tp == 0
+            ):
+                found.setdefault(name, {})[attr] = value
+    return found
+
+
+@contextmanager
+def _local_counts(body: nn.Module, counts: Mapping[str, Mapping[str, int]], tp: int) -> Iterator[None]:
+    """The head counts of one rank in place while the simulation runs; restored on exit."""
+    saved: list[tuple[nn.Module, str, Any]] = []
+    try:
+        for name, attrs in counts.items():
+            mod = body.get_submodule(name)
+            for attr, full in attrs.items():
+                saved.append((mod, attr, getattr(mod, attr)))
+                setattr(mod, attr, full // tp)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+
+
+def _counts_text(counts: Mapping[str, Mapping[str, int]], tp: int) -> str:
+    return ", ".join(f"{attr} {n} -> {n // tp}" for attrs in counts.values() for attr, n in attrs.items())
+
+
 def analyze(
     body: nn.Module, tp: int, example: Any, pins: Mapping[str, str], display: Callable[[str], str] = str
 ) -> AutoPlan:
@@ -344,7 +406,9 @@ def analyze(
     forced = {f for f in modules if pins.get(f) == "replicate"}
     why: dict[str, str] = {}
     runner = _Runner(body, example)
-    for _ in range(2 * len(modules) + 2):
+    counts: dict[frozenset[str], dict[str, dict[str, int]]] = {}  # attention group -> its modules' head counts
+    tried: set[frozenset[str]] = set()
+    for _ in range(3 * len(modules) + 2):
         st, roles, escaped = _trace(runner, modules, forced, pins)
         new_forced = {f for f in st.direct if f not in pins and f not in ineligible}
         for f in new_forced:
@@ -389,13 +453,32 @@ def analyze(
         if simulated:
             col = {m for g in simulated for m in g.colwise}
             row = {m for g in simulated for m in g.rowwise}
-            failure = runner.context_run(partial(simulate, runner, st, tp, modules, col, row))
+            local = {n: a for g in simulated for n, a in counts.get(frozenset(g.members), {}).items()}
+            with _local_counts(body, local, tp):
+                failure = runner.context_run(partial(simulate, runner, st, tp, modules, col, row))
             if failure is not None:
-                blamed = [g for g in simulated if set(g.members) & failure.srcs] or simulated
-                for g in blamed:
+                named = [g for g in simulated if set(g.members) & failure.srcs]
+                for g in named or simulated:
+                    key = frozenset(g.members)
+                    # an attention module that reshapes by its own head counts: try them divided by tp, once
+                    if named and g.attention and key not in tried:
+                        tried.add(key)
+                        heads = {n for m in g.colwise for n in st.splits.get(m, ())}
+                        found = head_counts(body, g.members, heads, tp)
+                        if found and not any(n in pins for n in found):
+                            counts[key] = found
+                            continue
+                    counts.pop(key, None)
                     why.update({m: str(failure) for m in g.members})
                     forced |= set(g.colwise)
                 continue
+            for g in simulated:
+                for name, attrs in counts.get(frozenset(g.members), {}).items():
+                    desc = plan.styles[g.members[0]][1]
+                    plan.styles[name] = (
+                        LocalHeadCounts(attrs),
+                        f"{_counts_text({name: attrs}, tp)} per rank: {desc}",
+                    )
         _embeddings(plan, {f: m for f, m in modules.items() if f not in ineligible}, roles, pins, tp, why)
         for fqn in list(modules) + list(ineligible):
             if fqn not in plan.styles and fqn not in pins:

@@ -12,6 +12,8 @@ import weakref
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -94,6 +96,53 @@ class SharedInputColwiseParallel(ColwiseParallelWithInputHook):
         return shared
 
 
+class LocalHeadCounts(ParallelStyle):
+    """Sets a module's head counts to the heads one tensor-parallel rank holds (``num_heads`` 8 -> 4 at tp=2).
+
+    An attention module that reshapes by its own head count (``q.view(bsz, -1, self.num_heads, self.head_dim)``,
+    OPT; ``view(bsz, q_len, self.num_heads, ...)``, StableLM) would, with its q/k/v projections column-parallel,
+    fail or silently mix tokens into heads. On each rank the module then holds ``count / tp`` heads, so the
+    attribute says so. Only the module's Python attributes change; its parameters and state dict do not. Applying
+    it again to the same module (a second ``parallelize_module``) leaves the counts as they are.
+
+    Args:
+        counts: attribute name -> the full (model-wide) count, e.g. ``{"num_heads": 8, "num_key_value_heads": 2}``.
+
+    Example:
+        >>> parallelize_module(block, tp_mesh, {"self_attn": LocalHeadCounts({"num_heads": 8}), ...})  # doctest: +SKIP
+    """
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        super().__init__()
+        self.counts = dict(counts)
+
+    def local_counts(self, tp: int) -> dict[str, int]:
+        """The counts one of ``tp`` ranks holds; raises ValueError when ``tp`` does not divide one."""
+        bad = {name: n for name, n in self.counts.items() if n % tp}
+        if bad:
+            raise ValueError(f"head counts {bad} are not divisible by tp={tp}")
+        return {name: n // tp for name, n in self.counts.items()}
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        done = getattr(module, _LOCAL_COUNTS, None)
+        local = self.local_counts(device_mesh.size())
+        if done == local:
+            return module
+        for name, full in self.counts.items():
+            if getattr(module, name) != full:
+                raise ValueError(f"{type(module).__name__}.{name} is {getattr(module, name)}, expected {full}")
+        for name, n in local.items():
+            setattr(module, name, n)
+        setattr(module, _LOCAL_COUNTS, local)
+        return module
+
+    def __repr__(self) -> str:
+        return f"LocalHeadCounts({self.counts})"
+
+
+_LOCAL_COUNTS = "_lightning_3d_local_counts"
+
+
 def make_style(style: str | ParallelStyle) -> ParallelStyle | None:
     """A fresh torch ``ParallelStyle`` for a style name (None for ``replicate``); objects pass through."""
     if isinstance(style, ParallelStyle):
@@ -118,10 +167,12 @@ def style_kind(style: str | ParallelStyle) -> str:
 
     ``ColwiseParallel`` -> "colwise" (or "colwise_gather" with a replicated output),
     ``RowwiseParallel`` -> "rowwise" (or "vocab" with a replicated input), ``SequenceParallel`` ->
-    "sequence", any other object -> "custom".
+    "sequence", :class:`LocalHeadCounts` -> "heads" (no parameter sharded), any other object -> "custom".
     """
     if isinstance(style, str):
         return style
+    if isinstance(style, LocalHeadCounts):
+        return "heads"
     if isinstance(style, ColwiseParallel):
         return "colwise_gather" if style.output_layouts == (Replicate(),) else "colwise"
     if isinstance(style, RowwiseParallel):
@@ -132,7 +183,9 @@ def style_kind(style: str | ParallelStyle) -> str:
 
 
 def style_label(style: str | ParallelStyle) -> str:
-    """Short text for tables: the name, or the class name of a custom object."""
+    """Short text for tables: the name, ``"heads"`` for :class:`LocalHeadCounts`, or a custom object's class name."""
+    if isinstance(style, LocalHeadCounts):
+        return "heads"
     return style if isinstance(style, str) else type(style).__name__
 
 
