@@ -4,10 +4,11 @@ The script (``scripts/tp_numerics.py``) builds each model, shards a deep copy wi
 ``parallelize_module(copy, mesh, plan.styles_for(...))`` and compares the output and every
 gradient with the unsharded model within 1e-10 (GPT-like with SDPA, nanoGPT-style manual attention
 with a padding index applied layer by layer, GQA, an MLP chain whose pairs cross Sequential layers,
-SwiGLU, attention that views by its own head-count attributes as OPT and StableLM do, with and without
-GQA: the attributes set to one rank's heads). It also shows that forcing a shard on attention with a
-head count the analysis cannot trace to an attribute gives wrong numbers, which is why the analysis
-leaves that one replicated.
+SwiGLU, and attention that views by its own head-count attributes as OPT and StableLM do, with and
+without GQA, under the automatic plan and under an explicit one: the attributes set to one rank's
+heads). It also shows that forcing a shard on attention with a head count the analysis cannot trace
+to an attribute gives wrong numbers, which is why the analysis leaves that one replicated (and warns
+when an explicit plan shards it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from launch import run_ranks
 def test_sharded_numerics_match_unsharded(tp: int) -> None:
     result = run_ranks("tp_numerics.py", tp, timeout=120)
     names = ("gpt", "gpt-manual-attn-padding-idx", "gpt-gqa", "gpt-head-count-attrs", "gpt-gqa-head-count-attrs")
-    for name in (*names, "mlp", "swiglu"):
+    for name in (*names, "mlp", "swiglu", "explicit-head-count-attrs"):
         assert f"{name}: tp={tp} ok" in result.output, result.tail()
     assert "hard-coded heads: auto plan left them replicated" in result.output, result.tail()
     assert "all tensor-parallel numerics ok" in result.output, result.tail()

@@ -13,6 +13,7 @@ import copy
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,7 @@ from lightning_3d.core.tensor_parallel import local_numel, resolve_plan
 from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts
 
 TOL = 1e-10
+ATTENTION_PAIR = {"*.attn.[qkv]_proj": "colwise", "*.attn.out_proj": "rowwise"}
 
 
 def lm_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -50,11 +52,12 @@ def check(
     per_layer: bool,
     mesh,
     tp: int,
+    explicit: dict[str, str] | None = None,
 ) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     ref = build().double()
     model = copy.deepcopy(ref)
-    plan = resolve_plan(model, tp)
+    plan = resolve_plan(model, tp, explicit=explicit)
     sharded = [f for f, e in plan.entries.items() if e.style != "replicate"]
     assert len(sharded) >= min_sharded, f"{name}: only {sharded} sharded; notes: {plan.notes}"
     if per_layer:  # the way a pipeline stage applies it: one top-level layer at a time
@@ -105,7 +108,10 @@ def check_hard_coded_heads_is_wrong(tokens: torch.Tensor, mesh, tp: int) -> None
     model = copy.deepcopy(ref)
     auto = resolve_plan(model, tp)
     assert "1.attn.q_proj" in auto.notes and "1.attn.q_proj" not in auto.entries, "hard-coded heads were sharded"
-    forced = resolve_plan(model, tp, explicit={"*.attn.[qkv]_proj": "colwise", "*.attn.out_proj": "rowwise"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forced = resolve_plan(model, tp, explicit=ATTENTION_PAIR)
+    assert any("gives wrong numbers" in str(w.message) for w in caught), "no warning for an unfit explicit pair"
     parallelize_module(model, mesh, forced.styles_for(""))
     diff = (model(tokens) - ref(tokens)).abs().max().item()
     assert diff > 1e-6, f"forcing a shard on hard-coded heads should change the output, diff {diff}"
@@ -152,6 +158,9 @@ def main() -> None:
     ]
     for name, build, x, target, loss_fn, n, per_layer in cases:
         check(name, build, x, target, loss_fn, n, per_layer, mesh, tp)
+    # the user's own plan for such attention: its head counts are set per rank as under the automatic plan
+    attrs = lambda: gpt(heads=8, kv_heads=4, layers=1, hard_coded="attr")  # noqa: E731
+    check("explicit-head-count-attrs", attrs, tokens, targets, lm_loss, 5, False, mesh, tp, explicit=ATTENTION_PAIR)
     check_hard_coded_heads_is_wrong(tokens, mesh, tp)
     dist.barrier()
     if dist.get_rank() == 0:

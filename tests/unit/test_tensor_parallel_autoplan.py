@@ -387,3 +387,21 @@ def test_view_and_index_rules_refuse_what_breaks_contiguous_blocks() -> None:
     assert map_getitem((0, None), (4, 16), 1) == 1
     with pytest.raises(Refuse, match="split into parts"):
         map_getitem((slice(None), slice(0, 8)), (2, 16), 1)
+
+
+PAIR = {"*.attn.[qkv]_proj": "colwise", "*.attn.out_proj": "rowwise"}
+
+
+def test_an_explicit_attention_plan_gets_the_head_counts_too() -> None:
+    body = gpt(dim=16, heads=4, kv_heads=2, layers=1, hard_coded="attr")
+    plan = resolve_plan(body, 2, explicit=PAIR)
+    assert plan.entries["1.attn.q_proj"].source == "explicit"
+    assert plan.entries["1.attn"].style.counts == {"heads": 4, "kv_heads": 2}  # type: ignore[union-attr]
+
+
+def test_an_explicit_attention_plan_that_gives_wrong_shapes_is_kept_with_a_warning() -> None:
+    body = gpt(dim=16, heads=4, layers=1, hard_coded="literal")
+    with pytest.warns(UserWarning, match=r"explicit tensor-parallel plan shards body\.1\.attn\.k_proj/.*wrong numbers"):
+        plan = resolve_plan(body, 2, explicit=PAIR)
+    assert styles(plan)["1.attn.q_proj"] == "colwise" and "1.attn" not in plan.entries
+    assert styles(plan)["1.mlp.fc"] == "colwise", "the analysis goes on for the rest"

@@ -45,6 +45,7 @@ class AutoPlan:
     styles: dict[str, tuple[str | LocalHeadCounts, str]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     splits: dict[str, set[int]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -408,6 +409,7 @@ def analyze(
     runner = _Runner(body, example)
     counts: dict[frozenset[str], dict[str, dict[str, int]]] = {}  # attention group -> its modules' head counts
     tried: set[frozenset[str]] = set()
+    unfit: dict[frozenset[str], str] = {}  # pairs of the user's plan that fail the local-shape check
     for _ in range(3 * len(modules) + 2):
         st, roles, escaped = _trace(runner, modules, forced, pins)
         new_forced = {f for f in st.direct if f not in pins and f not in ineligible}
@@ -429,12 +431,15 @@ def analyze(
             continue
         plan = AutoPlan(splits=st.splits)
         simulated: list[_Group] = []
+        descs: dict[frozenset[str], str] = {}
         for g in (g for g in groups if not g.reason):
             auto = [m for m in g.members if m not in pins]
             if g.colwise and g.rowwise:
-                desc = _check_pair(g, tp, modules, st, display)
+                desc = descs[frozenset(g.members)] = _check_pair(g, tp, modules, st, display)
                 plan.styles.update({m: ("colwise" if m in g.colwise else "rowwise", desc) for m in auto})
-                if len(auto) == len(g.members):
+                # a pair the user's plan shards (in part) is checked too: it is theirs, but wrong numbers are not
+                kinds = {pins.get(m) for m in g.members}
+                if frozenset(g.members) not in unfit and kinds <= {None, "colwise", "rowwise"}:
                     simulated.append(g)
             elif len(g.colwise) == 1 and g.escaped and auto:
                 out = int(modules[auto[0]].out_features)
@@ -469,16 +474,24 @@ def analyze(
                             counts[key] = found
                             continue
                     counts.pop(key, None)
+                    if any(m in pins for m in g.members):  # the user's pair: kept as given, with a warning
+                        unfit[key] = str(failure)
+                        continue
                     why.update({m: str(failure) for m in g.members})
                     forced |= set(g.colwise)
                 continue
             for g in simulated:
                 for name, attrs in counts.get(frozenset(g.members), {}).items():
-                    desc = plan.styles[g.members[0]][1]
+                    desc = descs[frozenset(g.members)]
                     plan.styles[name] = (
                         LocalHeadCounts(attrs),
                         f"{_counts_text({name: attrs}, tp)} per rank: {desc}",
                     )
+        plan.warnings = [
+            f"the explicit tensor-parallel plan shards {'/'.join(display(m) for m in sorted(key))}, but {reason}; "
+            "this gives wrong numbers or fails: keep them replicated or change the model code"
+            for key, reason in unfit.items()
+        ]
         _embeddings(plan, {f: m for f, m in modules.items() if f not in ineligible}, roles, pins, tp, why)
         for fqn in list(modules) + list(ineligible):
             if fqn not in plan.styles and fqn not in pins:

@@ -315,6 +315,8 @@ def resolve_plan(
             _check_explicit(body, matched, tp, body_prefix, {})
             return _merge(body, matched, None, notes)
     _check_explicit(body, matched, tp, body_prefix, result.splits if result else {})
+    for message in result.warnings if result else []:
+        warnings.warn(f"{message}.", stacklevel=2)
     return _merge(body, matched, result, result.notes if result else {})
 
 
