@@ -359,10 +359,13 @@ MODELS = {
     "gpt2": lambda **kw: HFCausalLM("gpt2", **kw),
     "opt": lambda **kw: HFCausalLM("opt", tied=True, **kw),  # as OPT's checkpoints: the head tied to the embedding
     "stablelm": lambda **kw: HFCausalLM("stablelm", **kw),  # no tensor-parallel plan of its own
+    # its plan leaves out the MLP's learned activation (xIELU's alpha_p / alpha_n), which acts on sharded features
+    "apertus": lambda **kw: HFCausalLM("apertus", **kw),
     "rotary": RotaryGPT,
     "plain": PlainMLP,
 }
-TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "rotary"}
+TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
+TOKEN_MODELS.add("rotary")
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

@@ -18,7 +18,7 @@ from conftest import copy_inits
 from launch import run_lightning
 from parity_check import check_replicas, compare, load
 
-HF = ("llama", "qwen3", "gpt2", "opt", "stablelm")
+HF = ("llama", "qwen3", "gpt2", "opt", "stablelm", "apertus")
 
 
 def precision_of(case: str) -> str:
@@ -49,8 +49,17 @@ LAYOUTS = {
     # opt: its final norm and output projection, registered before the blocks, go with the last stage (the
     # forward on the model's dummy inputs shows they run after the blocks); stablelm: no plan of its own, its
     # blocks (called with the rotary tables and the mask) and its embedding and head analysed on its dummy inputs;
-    # optmeta: the same analysis on the meta device
-    (2, 2, 1): ["llamatied64", "rotary64", "rotary32", "nanotiedmeta64", "opt64", "optmeta64", "stablelm64"],
+    # optmeta: the same analysis on the meta device; apertus: its plan leaves out the MLP's learned activation
+    (2, 2, 1): [
+        "llamatied64",
+        "rotary64",
+        "rotary32",
+        "nanotiedmeta64",
+        "opt64",
+        "optmeta64",
+        "stablelm64",
+        "apertus64",
+    ],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
     (2, 1, 2): ["nano64", "llama32", "qwen364", "gpt264", "gpt2meta64", "plain64", "plain32"],
@@ -87,6 +96,17 @@ SHARDED = {
         "v_proj.",
         "o_proj.weight",
         "gate_proj.",
+        "up_proj.",
+        "down_proj.weight",
+        "embed_tokens.weight",
+        "lm_head.weight",
+    ),
+    # its own plan (q/k norms with their gradient summed over tp) and the learned activation between up and down
+    "apertus": (
+        "q_proj.",
+        "k_proj.",
+        "v_proj.",
+        "o_proj.weight",
         "up_proj.",
         "down_proj.weight",
         "embed_tokens.weight",

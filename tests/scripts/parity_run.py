@@ -66,6 +66,8 @@ CASES = {
     # no tensor-parallel plan of its own: the automatic one, on the model's dummy_inputs
     "stablelm64": ("stablelm", "64-true", 2, None, 1, "init"),
     "stablelm32": ("stablelm", "32-true", 20, 0.5, 1, "init"),
+    # a learned activation inside the tensor-parallel MLP: its gradient summed over tp
+    "apertus64": ("apertus", "64-true", 2, None, 1, "init"),
     # blocks called with the rotary tables besides the hidden states (torchtitan / litgpt style)
     "rotary64": ("rotary", "64-true", 2, None, 1, "init"),
     "rotary32": ("rotary", "32-true", 20, 0.5, 1, "init"),

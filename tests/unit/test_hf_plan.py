@@ -116,6 +116,21 @@ def test_qwen3_norms_get_grad_allreduce_and_tied_embedding_is_recorded() -> None
     assert plan.tied == [("model.model.embed_tokens.weight", "model.lm_head.weight")]
 
 
+def test_a_learned_activation_between_the_mlp_pair_gets_its_gradient_summed() -> None:
+    # Apertus' plan shards up_proj / down_proj but leaves out act_fn (xIELU, learned alpha_p / alpha_n), which acts on
+    # the rank's share of the hidden features: without the sum its gradient would be a partial one
+    plan = hf_tp_plan(Root(tiny("apertus", head_dim=4)), tp=2)
+    assert plan is not None
+    got = styles(plan)
+    for i in range(2):
+        assert got[f"model.model.layers.{i}.mlp.act_fn"] == "replicated_with_grad_allreduce"
+        assert got[f"model.model.layers.{i}.mlp.up_proj"] == "colwise"
+        assert "learned activation" in plan.entries[f"model.model.layers.{i}.mlp.act_fn"].source
+    assert isinstance(plan.styles["model.model.layers.0.mlp.act_fn"], ReplicatedGradAllReduce)
+    # an activation without parameters (Llama's SiLU) is left alone
+    assert not any(name.endswith("act_fn") for name in styles(hf_tp_plan(Root(tiny("llama")), tp=2)))
+
+
 def test_gpt2_gets_a_conv1d_plan_with_attention_replicated_and_noted() -> None:
     plan = hf_tp_plan(Root(tiny("gpt2")), tp=2)
     assert plan is not None

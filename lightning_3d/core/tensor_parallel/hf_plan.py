@@ -510,6 +510,7 @@ def hf_tp_plan(root: nn.Module, tp: int) -> HFPlan | None:
             entries, notes = _conv1d_plan(model, tp, who)
             if not entries:
                 continue
+        entries = _with_learned_activations(model, entries, who)
         _check_modules(model, entries, who)
         check_divisible(model, entries, tp, f"{who}{f' ({prefix})' if prefix else ''}")
         plan.models[prefix] = who
@@ -523,6 +524,39 @@ def hf_tp_plan(root: nn.Module, tp: int) -> HFPlan | None:
         return None
     _resolve_ties(root, plan)
     return plan
+
+
+_ACTIVATION_NAMES = frozenset(["act", "act_fn", "activation", "activation_fn", "act_func"])
+
+
+def _with_learned_activations(model: nn.Module, entries: dict[str, HFEntry], who: str) -> dict[str, HFEntry]:
+    """``entries`` plus ``replicated_with_grad_allreduce`` for each activation with learned parameters that sits
+    between a column-parallel and a row-parallel Linear of one MLP and that the plan leaves out.
+
+    Such an activation (Apertus' xIELU, ``alpha_p`` / ``alpha_n``) acts on the rank's share of the hidden features,
+    so its parameters' gradient on each rank is a partial sum: without the all-reduce over tp it would be silently
+    wrong. An activation is a module defined in ``transformers.activations`` or registered under an activation's
+    name (``act_fn``, ``act``, ``activation``); its siblings must include a ``colwise`` and a ``rowwise`` Linear.
+    """
+    modules = dict(model.named_modules())
+    added: dict[str, HFEntry] = {}
+    for name, mod in modules.items():
+        parent, _, leaf = name.rpartition(".")
+        if not name or name in entries or not any(p.requires_grad for p in mod.parameters()):
+            continue
+        if type(mod).__module__ != "transformers.activations" and leaf not in _ACTIVATION_NAMES:
+            continue
+        siblings = {entries[n].style for n in entries if n.rpartition(".")[0] == parent}
+        if {"colwise", "rowwise"} <= siblings and not any(n.startswith(f"{name}.") for n in entries):
+            added[name] = HFEntry(
+                "replicated_with_grad_allreduce",
+                f"lightning_3d: a learned activation between {who}'s column- and row-parallel MLP Linears (its "
+                "gradient summed over tp; the model's plan leaves it out)",
+            )
+    if not added:
+        return entries
+    order = {n: i for i, n in enumerate(modules)}
+    return dict(sorted({**entries, **added}.items(), key=lambda kv: order[kv[0]]))
 
 
 def _join(prefix: str, name: str) -> str:
