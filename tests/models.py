@@ -299,6 +299,25 @@ def hf_config(arch: str, vocab: int = 32, layers: int = 4, tied: bool = False):
             tie_word_embeddings=tied,
             **common,
         )
+    if arch == "gptj":
+        # its rotary table is a non-persistent buffer computed in the default dtype: built on the meta device, it is
+        # computed again at materialisation, which must happen in the precision's dtype (64-true: float64)
+        return AutoConfig.for_model(
+            "gptj",
+            n_layer=layers,
+            n_embd=16,
+            n_head=4,
+            rotary_dim=4,
+            n_inner=32,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=tied,
+            **common,
+        )
     return AutoConfig.for_model(
         arch,
         num_hidden_layers=layers,
@@ -361,11 +380,12 @@ MODELS = {
     "stablelm": lambda **kw: HFCausalLM("stablelm", **kw),  # no tensor-parallel plan of its own
     # its plan leaves out the MLP's learned activation (xIELU's alpha_p / alpha_n), which acts on sharded features
     "apertus": lambda **kw: HFCausalLM("apertus", **kw),
+    "gptj": lambda **kw: HFCausalLM("gptj", **kw),
     "rotary": RotaryGPT,
     "plain": PlainMLP,
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
-TOKEN_MODELS.add("rotary")
+TOKEN_MODELS |= {"gptj", "rotary"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

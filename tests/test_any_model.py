@@ -18,7 +18,7 @@ from conftest import copy_inits
 from launch import run_lightning
 from parity_check import check_replicas, compare, load
 
-HF = ("llama", "qwen3", "gpt2", "opt", "stablelm", "apertus")
+HF = ("llama", "qwen3", "gpt2", "opt", "stablelm", "apertus", "gptj")
 
 
 def precision_of(case: str) -> str:
@@ -49,7 +49,8 @@ LAYOUTS = {
     # opt: its final norm and output projection, registered before the blocks, go with the last stage (the
     # forward on the model's dummy inputs shows they run after the blocks); stablelm: no plan of its own, its
     # blocks (called with the rotary tables and the mask) and its embedding and head analysed on its dummy inputs;
-    # optmeta: the same analysis on the meta device; apertus: its plan leaves out the MLP's learned activation
+    # optmeta: the same analysis on the meta device; apertus: its plan leaves out the MLP's learned activation;
+    # gptjmeta: its rotary table, a non-persistent buffer, computed again in float64 when materialised
     (2, 2, 1): [
         "llamatied64",
         "rotary64",
@@ -59,6 +60,7 @@ LAYOUTS = {
         "optmeta64",
         "stablelm64",
         "apertus64",
+        "gptjmeta64",
     ],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
@@ -112,6 +114,8 @@ SHARDED = {
         "embed_tokens.weight",
         "lm_head.weight",
     ),
+    # its own plan: attention, MLP (fc_in / fc_out), the embedding on the vocabulary, the head (with its bias) gathered
+    "gptj": ("q_proj.", "k_proj.", "v_proj.", "out_proj.weight", "fc_in.", "fc_out.weight", "wte.weight", "lm_head."),
     # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them; with its
     # example_input_array the embedding (vocabulary-parallel) and the head (all-gathered) outside the blocks too
     "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2.", "tok.weight", "out.weight"),

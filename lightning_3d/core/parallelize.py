@@ -480,7 +480,8 @@ def build_stages(
         layer = torch_compat.child_modules(body.module)[name]
         assert layer is not None
         if deferred is None and model.is_meta:
-            materialize(layer, device, seed, prefix=f"{body.fqn}.{name}")
+            with precision.tensor_init_context():  # values computed as Lightning would make them (64-true: float64)
+                materialize(layer, device, seed, prefix=f"{body.fqn}.{name}")
         elif deferred is None:
             layer.to(device)
         styles = _held_styles(layer, model.tp_plan.styles_for(name)) if tp > 1 else {}
@@ -513,7 +514,8 @@ def build_stages(
         stages.append(StageSpec(s, wrapped))
     if deferred is not None:
         deferred.allocate([s.module for s in stages], device)
-        deferred.fill(device, seed)
+        with precision.tensor_init_context():
+            deferred.fill(device, seed)
         module.to(device)
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
 
@@ -593,7 +595,8 @@ def _build_split_stages(
         sub = module.get_submodule(name)
         if deferred is None and model.is_meta:  # (with deferred: on meta until its shards are allocated)
             retie(module, kept_ties, name)  # a head tied to an embedding materialised before it
-            materialize(sub, device, seed, prefix=name, initializers=initializers)
+            with precision.tensor_init_context():  # values computed as Lightning would make them (64-true: float64)
+                materialize(sub, device, seed, prefix=name, initializers=initializers)
         elif deferred is None:
             sub.to(device)
         styles: dict[str, Any] = {}
@@ -609,7 +612,8 @@ def _build_split_stages(
             parallelize_module(sub, mesh["tp"], styles)
     if model.is_meta and has_meta_tensors(module):  # modules on every stage: rotary tables, parameter-free
         exclude = deferred.modules if deferred is not None else ()
-        materialize(module, device, seed, prefix="", initializers=initializers, exclude=exclude)
+        with precision.tensor_init_context():
+            materialize(module, device, seed, prefix="", initializers=initializers, exclude=exclude)
     if deferred is None:
         module.to(device)
     if not model.is_meta:
@@ -633,7 +637,8 @@ def _build_split_stages(
         stages.append(StageSpec(s, wrapped))
     if deferred is not None:
         deferred.allocate([s.module for s in stages], device)
-        deferred.fill(device, seed)
+        with precision.tensor_init_context():
+            deferred.fill(device, seed)
         module.to(device)
     # after tensor and data parallelism have put their parameter objects in place
     # (under a V schedule at dp = tp = 1 the first and the last stage share a rank and a tied weight is one tensor:

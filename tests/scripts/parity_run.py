@@ -83,6 +83,8 @@ CASES = {
     # attention set to the rank's heads (num_heads), analysed on the meta device on the model's dummy_inputs
     "optmeta64": ("opt", "64-true", 2, None, 1, "configure"),
     "stablelmmeta64": ("stablelm", "64-true", 2, None, 1, "configure"),
+    # its rotary table (a non-persistent buffer) computed again on materialisation, in float64 as Lightning would
+    "gptjmeta64": ("gptj", "64-true", 2, None, 1, "configure"),
 }
 COUNTER: CollectiveCounter | None = None
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]
