@@ -299,6 +299,25 @@ def hf_config(arch: str, vocab: int = 32, layers: int = 4, tied: bool = False):
             tie_word_embeddings=tied,
             **common,
         )
+    if arch == "falcon":
+        # Falcon's Linears are a subclass with a forward of its own (input @ weight.T + bias); the new decoder
+        # architecture packs each key/value group's queries, key and value in one fused projection
+        return AutoConfig.for_model(
+            "falcon",
+            num_hidden_layers=layers,
+            hidden_size=16,
+            ffn_hidden_size=32,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            max_position_embeddings=16,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=tied,
+            **common,
+        )
     if arch == "gptj":
         # its rotary table is a non-persistent buffer computed in the default dtype: built on the meta device, it is
         # computed again at materialisation, which must happen in the precision's dtype (64-true: float64)
@@ -381,11 +400,12 @@ MODELS = {
     # its plan leaves out the MLP's learned activation (xIELU's alpha_p / alpha_n), which acts on sharded features
     "apertus": lambda **kw: HFCausalLM("apertus", **kw),
     "gptj": lambda **kw: HFCausalLM("gptj", **kw),
+    "falcon": lambda **kw: HFCausalLM("falcon", **kw),  # no plan of its own; Linear subclasses; grouped fused qkv
     "rotary": RotaryGPT,
     "plain": PlainMLP,
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
-TOKEN_MODELS |= {"gptj", "rotary"}
+TOKEN_MODELS |= {"gptj", "falcon", "rotary"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

@@ -18,7 +18,7 @@ from conftest import copy_inits
 from launch import run_lightning
 from parity_check import check_replicas, compare, load
 
-HF = ("llama", "qwen3", "gpt2", "opt", "stablelm", "apertus", "gptj")
+HF = ("llama", "qwen3", "gpt2", "opt", "stablelm", "apertus", "gptj", "falcon")
 
 
 def precision_of(case: str) -> str:
@@ -50,7 +50,8 @@ LAYOUTS = {
     # forward on the model's dummy inputs shows they run after the blocks); stablelm: no plan of its own, its
     # blocks (called with the rotary tables and the mask) and its embedding and head analysed on its dummy inputs;
     # optmeta: the same analysis on the meta device; apertus: its plan leaves out the MLP's learned activation;
-    # gptjmeta: its rotary table, a non-persistent buffer, computed again in float64 when materialised
+    # gptjmeta: its rotary table, a non-persistent buffer, computed again in float64 when materialised; falcon: its
+    # Linear subclasses sharded as Linears, the fused q/k/v split by key/value group (num_kv_heads set per rank)
     (2, 2, 1): [
         "llamatied64",
         "rotary64",
@@ -61,6 +62,7 @@ LAYOUTS = {
         "stablelm64",
         "apertus64",
         "gptjmeta64",
+        "falcon64",
     ],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
@@ -116,6 +118,15 @@ SHARDED = {
     ),
     # its own plan: attention, MLP (fc_in / fc_out), the embedding on the vocabulary, the head (with its bias) gathered
     "gptj": ("q_proj.", "k_proj.", "v_proj.", "out_proj.weight", "fc_in.", "fc_out.weight", "wte.weight", "lm_head."),
+    # the automatic plan: attention (fused q/k/v by key/value group) and MLP, embedding and head (dummy inputs)
+    "falcon": (
+        "query_key_value.",
+        "self_attention.dense.weight",
+        "dense_h_to_4h.",
+        "dense_4h_to_h.weight",
+        "word_embeddings.weight",
+        "lm_head.weight",
+    ),
     # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them; with its
     # example_input_array the embedding (vocabulary-parallel) and the head (all-gathered) outside the blocks too
     "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2.", "tok.weight", "out.weight"),

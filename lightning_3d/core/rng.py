@@ -35,6 +35,8 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from .tensor_parallel.styles import inner_style
+
 _MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): spreads nearby (seed, index) pairs apart
 
 
@@ -199,6 +201,7 @@ def region_stream(index: int) -> str:
 
 def opens_region(style: ParallelStyle | None) -> bool:
     """A column-parallel style whose output stays a local shard (features or heads split over tp ranks)."""
+    style = inner_style(style)
     return (
         isinstance(style, ColwiseParallel)
         and bool(style.use_local_output)
@@ -208,4 +211,5 @@ def opens_region(style: ParallelStyle | None) -> bool:
 
 def closes_region(style: ParallelStyle | None) -> bool:
     """A row-parallel style reading a feature-sharded input (the partner of a column-parallel module)."""
+    style = inner_style(style)
     return isinstance(style, RowwiseParallel) and tuple(style.input_layouts) == (Shard(-1),)

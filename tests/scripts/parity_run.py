@@ -85,6 +85,8 @@ CASES = {
     "stablelmmeta64": ("stablelm", "64-true", 2, None, 1, "configure"),
     # its rotary table (a non-persistent buffer) computed again on materialisation, in float64 as Lightning would
     "gptjmeta64": ("gptj", "64-true", 2, None, 1, "configure"),
+    # Linear subclasses that compute what nn.Linear does; each key/value group's q, k, v fused in one projection
+    "falcon64": ("falcon", "64-true", 2, None, 1, "init"),
 }
 COUNTER: CollectiveCounter | None = None
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]

@@ -108,16 +108,27 @@ class Block(nn.Module):
     """Pre-norm transformer block with residuals."""
 
     def __init__(
-        self, dim: int, heads: int, hidden: int, attn: nn.Module | None = None, mlp: nn.Module | None = None
+        self,
+        dim: int,
+        heads: int,
+        hidden: int,
+        attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+        inplace: bool = False,
     ) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(dim)
         self.attn = attn if attn is not None else Attention(dim, heads)
         self.ln_2 = nn.LayerNorm(dim)
         self.mlp = mlp if mlp is not None else MLP(dim, hidden)
+        self.inplace = inplace
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
+        if self.inplace:  # Falcon's `mlp_output += attention_output`: the row-parallel output modified in place
+            out = self.mlp(self.ln_2(x))
+            out += x
+            return out
         return x + self.mlp(self.ln_2(x))
 
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_models import Attention, Block, Embed, gpt, mlp_chain, swiglu_model
+from tp_models import Attention, Block, Embed, Head, gpt, mlp_chain, swiglu_model
 
 from lightning_3d.core.tensor_parallel import local_numel, resolve_plan
 from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts
@@ -67,6 +67,7 @@ def check(
                 parallelize_module(layer, mesh, styles)
     else:
         parallelize_module(model, mesh, plan.styles_for(""))
+    assert bool(plan.copied) == ("inplace" in name), f"{name}: outputs copied for {plan.copied}"
     counted = {f: e.style for f, e in plan.entries.items() if isinstance(e.style, LocalHeadCounts)}
     assert bool(counted) == ("head-count" in name), f"{name}: head counts set on {list(counted)}"
     for fqn, style in counted.items():
@@ -158,6 +159,9 @@ def main() -> None:
     ]
     for name, build, x, target, loss_fn, n, per_layer in cases:
         check(name, build, x, target, loss_fn, n, per_layer, mesh, tp)
+    # a row-parallel output the block modifies in place (`out += x`): the plan copies that output
+    inplace = lambda: nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, inplace=True), Head(16, 32))  # noqa: E731
+    check("gpt-inplace-residual", inplace, tokens, targets, lm_loss, 9, False, mesh, tp)
     # the user's own plan for such attention: its head counts are set per rank as under the automatic plan
     attrs = lambda: gpt(heads=8, kv_heads=4, layers=1, hard_coded="attr")  # noqa: E731
     check("explicit-head-count-attrs", attrs, tokens, targets, lm_loss, 5, False, mesh, tp, explicit=ATTENTION_PAIR)

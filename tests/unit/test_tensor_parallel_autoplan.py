@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_3d.core.rng import closes_region, opens_region
 from lightning_3d.core.tensor_parallel import describe_plan, resolve_plan
-from lightning_3d.core.tensor_parallel.analyzer import head_counts
+from lightning_3d.core.tensor_parallel.analyzer import acts_as_linear, head_counts
 from lightning_3d.core.tensor_parallel.shapes import Refuse, map_getitem, map_view
-from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts, style_kind
+from lightning_3d.core.tensor_parallel.styles import CopiedOutput, LocalHeadCounts, style_kind
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 from tp_models import Attention, Block, Embed, Head, InOut, gpt, mlp_chain, swiglu_model
@@ -405,3 +406,46 @@ def test_an_explicit_attention_plan_that_gives_wrong_shapes_is_kept_with_a_warni
         plan = resolve_plan(body, 2, explicit=PAIR)
     assert styles(plan)["1.attn.q_proj"] == "colwise" and "1.attn" not in plan.entries
     assert styles(plan)["1.mlp.fc"] == "colwise", "the analysis goes on for the rest"
+
+
+class _MatmulLinear(nn.Linear):
+    """Falcon's FalconLinear: the same function as nn.Linear, written out."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = input @ self.weight.T
+        return out if self.bias is None else out + self.bias
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(input)
+
+
+class _Broken(nn.Linear):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no")
+
+
+def test_a_linear_subclass_computing_what_linear_does_is_planned_as_one() -> None:
+    assert acts_as_linear(_MatmulLinear(4, 6)) and acts_as_linear(_MatmulLinear(4, 6, bias=False))
+    assert not acts_as_linear(_ScaledLinear(4, 6)) and not acts_as_linear(_Broken(4, 6))
+    assert not acts_as_linear(nn.Embedding(4, 6))
+    with torch.device("meta"):
+        assert acts_as_linear(_MatmulLinear(4, 6)), "the probe runs on the CPU whatever the module's device"
+    mlp = nn.Sequential(_MatmulLinear(8, 16), nn.ReLU(), _MatmulLinear(16, 8))
+    assert styles(resolve_plan(mlp, 2, example_input=torch.zeros(1, 8))) == {"0": "colwise", "2": "rowwise"}
+    other = resolve_plan(nn.Sequential(_ScaledLinear(8, 16), nn.ReLU(), nn.Linear(16, 8)), 2)
+    assert "with its own forward" in other.notes["0"]
+
+
+def test_an_output_modified_in_place_is_copied() -> None:
+    body = nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, inplace=True), Head(16, 32))
+    plan = resolve_plan(body, 2)
+    assert plan.copied == {"1.mlp.proj"}, "the row-parallel output the block adds its residual into"
+    assert styles(plan)["1.mlp.proj"] == "rowwise" and "output copied (modified in place by `add`" in (
+        plan.entries["1.mlp.proj"].reason
+    )
+    made = plan.styles_for("1")
+    assert isinstance(made["mlp.proj"], CopiedOutput) and closes_region(made["mlp.proj"])
+    assert not isinstance(made["mlp.fc"], CopiedOutput) and opens_region(made["mlp.fc"])
+    assert resolve_plan(gpt(layers=1), 2).copied == set()

@@ -46,6 +46,7 @@ class AutoPlan:
     notes: dict[str, str] = field(default_factory=dict)
     splits: dict[str, set[int]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    inplace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,13 +128,41 @@ def candidates(body: nn.Module) -> tuple[dict[str, nn.Module], dict[str, str]]:
         tied = [o for p in mod.parameters(recurse=False) for o in owners[id(p)] if o.rsplit(".", 1)[0] != fqn]
         if tied:
             notes[fqn] = f"its weight is shared with {', '.join(tied)} (tied weights): sharding would untie them"
-        elif type(mod).forward is not base.forward or next(mod.children(), None) is not None:
+        elif next(mod.children(), None) is not None or not (type(mod).forward is base.forward or acts_as_linear(mod)):
             notes[fqn] = f"a {type(mod).__name__} with its own forward: give an explicit plan if it can be sharded"
         elif isinstance(mod, nn.Embedding) and (mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq):
             notes[fqn] = "an Embedding with max_norm, sparse or scale_grad_by_freq is not vocabulary-sharded"
         else:
             found[fqn] = mod
     return found, notes
+
+
+def acts_as_linear(mod: nn.Module) -> bool:
+    """Whether a subclass of ``nn.Linear`` with a forward of its own computes what ``nn.Linear`` does.
+
+    Falcon's ``FalconLinear`` writes ``input @ self.weight.T + self.bias``: the same function, so the same styles
+    shard it. The forward is run once on a small probe (a copy of the module's attributes with a random 3 x 5 float64
+    weight and bias, on the CPU) and compared with ``F.linear``; anything else (a different result, an error, another
+    output) keeps the module out of the plan.
+    """
+    if not isinstance(mod, nn.Linear) or isinstance(mod, nn.Embedding):
+        return False
+    probe = nn.Module.__new__(type(mod))
+    probe.__dict__ = dict(vars(mod))
+    g = torch.Generator().manual_seed(0)
+    cpu = {"generator": g, "dtype": torch.float64, "device": "cpu"}  # whatever the default device (meta included)
+    weight = torch.randn(3, 5, **cpu)  # type: ignore[arg-type]
+    bias = torch.randn(3, **cpu) if mod.bias is not None else None  # type: ignore[arg-type]
+    probe._parameters = {"weight": nn.Parameter(weight), "bias": None if bias is None else nn.Parameter(bias)}
+    probe._modules, probe.in_features, probe.out_features = {}, 5, 3
+    x = torch.randn(2, 4, 5, **cpu)  # type: ignore[arg-type]
+    try:
+        with torch.no_grad():
+            out = type(mod).forward(probe, x)
+    except Exception:  # any failure means "not a plain Linear"
+        return False
+    expected = torch.nn.functional.linear(x, weight, bias)
+    return isinstance(out, torch.Tensor) and out.shape == expected.shape and torch.allclose(out, expected, 1e-12, 1e-12)
 
 
 class _Runner:
@@ -192,6 +221,8 @@ def _trace(
             roles.setdefault(fqn, set()).add(role)
             calls.append(fqn)
             st.set_tag(out, new, grad)
+            if isinstance(out, torch.Tensor):
+                st.outputs[id(out)] = fqn
             st.events.append((f"module:{fqn}", [tuple(out.shape)], [new]))
             st.passthrough -= 1
 
@@ -429,7 +460,7 @@ def analyze(
         if new_forced:
             forced |= new_forced
             continue
-        plan = AutoPlan(splits=st.splits)
+        plan = AutoPlan(splits=st.splits, inplace=st.inplace)
         simulated: list[_Group] = []
         descs: dict[frozenset[str], str] = {}
         for g in (g for g in groups if not g.reason):

@@ -54,6 +54,8 @@ class FlowState:
     events: list[tuple[str, list[tuple[int, ...]], list[Tag | None]]] = field(default_factory=list)
     watch: dict[int, str] = field(default_factory=dict)
     direct: dict[str, str] = field(default_factory=dict)
+    outputs: dict[int, str] = field(default_factory=dict)
+    inplace: dict[str, str] = field(default_factory=dict)
     passthrough: int = 0
     _keep: list[torch.Tensor] = field(default_factory=list)
 
@@ -111,8 +113,12 @@ class FlowState:
 
     def on_op(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Update tags after ``out = func(*args, **kwargs)``."""
-        name, _ = op_name(func)
+        name, in_place = op_name(func)
         ins = tensors_in((args, kwargs))
+        if (in_place or name == "setitem") and args and isinstance(args[0], torch.Tensor):
+            module = self.outputs.get(id(args[0]))  # a candidate module's output, modified in place (`out += x`)
+            if module is not None:
+                self.inplace.setdefault(module, f"`{name}` at {user_location()}")
         for t in ins:  # a candidate's parameter used outside its own forward (reading its shape is fine)
             owner = self.watch.get(id(t))
             if owner is not None and owner not in self.direct and name not in BENIGN:

@@ -30,6 +30,7 @@ from lightning_3d.core.tensor_parallel.hf_plan import make_hf_style
 from lightning_3d.core.tensor_parallel.hf_styles import TiedParams
 from lightning_3d.core.tensor_parallel.styles import (
     STYLE_NAMES,
+    CopiedOutput,
     check_style,
     local_numel_of,
     make_style,
@@ -67,6 +68,7 @@ class TPPlan:
     notes: dict[str, str] = field(default_factory=dict)
     tied: list[tuple[str, ...]] = field(default_factory=list)
     ties: TiedParams = field(default_factory=TiedParams, repr=False, compare=False)
+    copied: set[str] = field(default_factory=set)  # modules whose output the forward modifies in place
 
     def styles_for(self, prefix: str) -> dict[str, ParallelStyle]:
         """``parallelize_module`` plan for the submodule at body-relative ``prefix``.
@@ -91,7 +93,7 @@ class TPPlan:
                 continue
             style = _tie_aware(entry.style, self.ties) if fqn in tied_owners else make_style(entry.style)
             if style is not None:
-                out[key] = style
+                out[key] = CopiedOutput(style) if fqn in self.copied else style
         return out
 
 
@@ -406,6 +408,7 @@ def resolve_outer_plan(
                 "Linear 'colwise' or 'colwise_gather'), or leave them to the analysis."
             )
     plan.entries = {f: e for f, e in plan.entries.items() if not inside(f)}
+    plan.copied = {f for f in plan.copied if not inside(f)}
     plan.notes = {f: n for f, n in plan.notes.items() if not inside(f)}
     for group in groups:
         names = tuple(f"{owner}.{pname}" for owner, pname in group)
@@ -429,6 +432,8 @@ def _prefixed(result: AutoPlan, prefix: str) -> AutoPlan:
         {name(f): v for f, v in result.styles.items()},
         {name(f): v for f, v in result.notes.items()},
         {name(f): v for f, v in result.splits.items()},
+        list(result.warnings),
+        {name(f): v for f, v in result.inplace.items()},
     )
 
 
@@ -481,6 +486,7 @@ def _merge(
     body: nn.Module, matched: Mapping[str, tuple[str | ParallelStyle, str]], result: Any, notes: dict[str, str]
 ) -> TPPlan:
     plan = TPPlan()
+    inplace = result.inplace if result is not None else {}
     for fqn, _ in body.named_modules(remove_duplicate=False):
         if fqn in matched:
             style, pattern = matched[fqn]
@@ -490,7 +496,15 @@ def _merge(
             plan.entries[fqn] = PlanEntry(style, "auto", reason)
         elif fqn in notes:
             plan.notes[fqn] = notes[fqn]
+        entry = plan.entries.get(fqn)
+        if entry is not None and fqn in inplace and style_kind(entry.style) in _SHARDED_KINDS:
+            plan.copied.add(fqn)
+            reason = f"{entry.reason}; output copied (modified in place by {inplace[fqn]})"
+            plan.entries[fqn] = PlanEntry(entry.style, entry.source, reason)
     return plan
+
+
+_SHARDED_KINDS = frozenset(["colwise", "rowwise", "colwise_gather", "vocab"])
 
 
 def local_numel(param_fqn: str, full_shape: tuple[int, ...], plan: TPPlan, tp: int) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
+    parallelize_module,
 )
 
 from ..torch_compat import ColwiseParallelWithInputHook, tensor_version
@@ -141,6 +142,41 @@ class LocalHeadCounts(ParallelStyle):
 
 
 _LOCAL_COUNTS = "_lightning_3d_local_counts"
+
+
+class CopiedOutput(ParallelStyle):
+    """``style``, with the module's output copied into a tensor of its own.
+
+    A tensor-parallel module returns its local output through DTensor's ``to_local`` (an autograd view), and autograd
+    refuses an in-place operation on such a view (Falcon's ``mlp_output += attention_output``: *"Output 0 of
+    _ToTorchTensor is a view and is being modified inplace"*). The plan wraps the styles of modules whose output the
+    forward modifies in place (found by the analysis) in this one; the copy costs one activation's memory traffic.
+
+    Args:
+        style: the style that shards the module.
+    """
+
+    def __init__(self, style: ParallelStyle) -> None:
+        super().__init__()
+        self.style = style
+        self.src_data_rank = style.src_data_rank
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = parallelize_module(module, device_mesh, self.style)
+        module.register_forward_hook(_copy_output)
+        return module
+
+    def __repr__(self) -> str:
+        return f"CopiedOutput({self.style!r})"
+
+
+def _copy_output(module: nn.Module, args: Any, output: Any) -> Any:
+    return output.clone() if isinstance(output, torch.Tensor) and not isinstance(output, DTensor) else output
+
+
+def inner_style(style: Any) -> Any:
+    """The style a :class:`CopiedOutput` wraps (any other style as it is)."""
+    return style.style if isinstance(style, CopiedOutput) else style
 
 
 def make_style(style: str | ParallelStyle) -> ParallelStyle | None:
