@@ -401,11 +401,13 @@ MODELS = {
     "apertus": lambda **kw: HFCausalLM("apertus", **kw),
     "gptj": lambda **kw: HFCausalLM("gptj", **kw),
     "falcon": lambda **kw: HFCausalLM("falcon", **kw),  # no plan of its own; Linear subclasses; grouped fused qkv
+    # a plan of its own for the embedding and the head only: the blocks get the automatic plan
+    "hunyuan": lambda **kw: HFCausalLM("hunyuan_v1_dense", **kw),
     "rotary": RotaryGPT,
     "plain": PlainMLP,
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
-TOKEN_MODELS |= {"gptj", "falcon", "rotary"}
+TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

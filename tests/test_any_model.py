@@ -18,7 +18,7 @@ from conftest import copy_inits
 from launch import run_lightning
 from parity_check import check_replicas, compare, load
 
-HF = ("llama", "qwen3", "gpt2", "opt", "stablelm", "apertus", "gptj", "falcon")
+HF = ("llama", "qwen3", "gpt2", "opt", "stablelm", "apertus", "gptj", "falcon", "hunyuan")
 
 
 def precision_of(case: str) -> str:
@@ -51,7 +51,8 @@ LAYOUTS = {
     # blocks (called with the rotary tables and the mask) and its embedding and head analysed on its dummy inputs;
     # optmeta: the same analysis on the meta device; apertus: its plan leaves out the MLP's learned activation;
     # gptjmeta: its rotary table, a non-persistent buffer, computed again in float64 when materialised; falcon: its
-    # Linear subclasses sharded as Linears, the fused q/k/v split by key/value group (num_kv_heads set per rank)
+    # Linear subclasses sharded as Linears, the fused q/k/v split by key/value group (num_kv_heads set per rank);
+    # hunyuan: its own plan names only the embedding and the head (kept), the blocks get the automatic plan
     (2, 2, 1): [
         "llamatied64",
         "rotary64",
@@ -63,6 +64,7 @@ LAYOUTS = {
         "apertus64",
         "gptjmeta64",
         "falcon64",
+        "hunyuan64",
     ],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
@@ -127,6 +129,9 @@ SHARDED = {
         "word_embeddings.weight",
         "lm_head.weight",
     ),
+    # the automatic plan of the blocks: the MLP (its attention normalises q and k per head with learned weights:
+    # replicated); the embedding and the head from its own plan
+    "hunyuan": ("gate_proj.", "up_proj.", "down_proj.weight", "embed_tokens.weight", "lm_head.weight"),
     # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them; with its
     # example_input_array the embedding (vocabulary-parallel) and the head (all-gathered) outside the blocks too
     "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2.", "tok.weight", "out.weight"),

@@ -253,6 +253,13 @@ def _plan_split_model(
     tp_plan = tpmod.TPPlan()
     # A Hugging Face model's own plan when the user gives none (it checks heads / kv heads against tp)
     hf_plan = hf_tp_plan(module, tp) if tp > 1 and explicit is None else None
+    declared_outer: dict[str, str] | None = None
+    if hf_plan is not None and container is not None and tp_autoplan:
+        # a plan that names only the embeddings and the head (HunYuan, LFM2, GPT-OSS): its entries kept as the outer
+        # plan's, the blocks analysed as those of a model without a plan
+        declared_outer = _outer_only(hf_plan, container.fqn)
+        if declared_outer is not None:
+            hf_plan = None
     tp_root = None
     if hf_plan is None and container is None and (tp > 1 or explicit):
         # pp = 1 and no block container: the whole module, run on its example_input_array (else on an input made
@@ -283,6 +290,7 @@ def _plan_split_model(
             hint=hint,
         )
     outer_plan = None
+    outer_explicit = outer_explicit or declared_outer
     if hf_plan is None and container is not None and tp > 1 and (tp_autoplan or outer_explicit):
         root, example = trace_input(module, container.fqn, module.example_input_array) or ("", None)
         outer_plan = tpmod.resolve_outer_plan(
@@ -518,6 +526,21 @@ def build_stages(
             deferred.fill(device, seed)
         module.to(device)
     return BuiltStages(stages, compiled=compiled, checkpointed=checkpointed)
+
+
+# Hugging Face styles of embeddings and heads, as the automatic plan's names for the same layouts
+_OUTER_STYLES = {"embedding_rowwise": "vocab", "colwise_gather_output": "colwise_gather"}
+
+
+def _outer_only(hf_plan: HFPlan, container: str) -> dict[str, str] | None:
+    """A Hugging Face plan that names no module in the blocks, only embeddings and heads, as ``{exact name: style
+    name}`` for :func:`~lightning_3d.core.tensor_parallel.resolve_outer_plan`; None for any other plan."""
+    names = list(hf_plan.entries)
+    if any(n == container or n.startswith(container + ".") for n in names):
+        return None
+    if not names or any(hf_plan.entries[n].style not in _OUTER_STYLES for n in names):
+        return None
+    return {n: _OUTER_STYLES[hf_plan.entries[n].style] for n in names}  # module names hold no glob characters
 
 
 def _held_styles(layer: nn.Module, styles: dict[str, Any]) -> dict[str, Any]:

@@ -87,6 +87,8 @@ CASES = {
     "gptjmeta64": ("gptj", "64-true", 2, None, 1, "configure"),
     # Linear subclasses that compute what nn.Linear does; each key/value group's q, k, v fused in one projection
     "falcon64": ("falcon", "64-true", 2, None, 1, "init"),
+    # its own plan names the embedding and the head only: those kept, the blocks analysed
+    "hunyuan64": ("hunyuan", "64-true", 2, None, 1, "init"),
 }
 COUNTER: CollectiveCounter | None = None
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]

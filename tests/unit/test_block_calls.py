@@ -209,3 +209,18 @@ def test_a_hugging_face_model_without_a_plan_or_an_example_is_analysed_on_its_du
     assert plan.tp_plan.entries["0.self_attn"].style.counts == {"num_heads": 4, "num_key_value_heads": 2}
     outer = {name: entry.style for name, entry in plan.outer_plan.entries.items()}
     assert outer == {"model.model.embed_tokens": "vocab", "model.lm_head": "colwise_gather"}
+
+
+def test_a_hugging_face_plan_of_the_embedding_and_head_only_keeps_those_and_analyses_the_blocks():
+    # HunYuan's plan (like LFM2's and GPT-OSS's) names model.embed_tokens and lm_head only: its blocks get the
+    # automatic plan, as a model without a plan does, and the two named modules keep the plan's layouts
+    pytest.importorskip("transformers")
+    from models import HFCausalLM
+
+    plan = plan_model(HFCausalLM("hunyuan_v1_dense", build="init"), tp=2, pp=2)
+    assert plan.hf_plan is None
+    styles = _styles(plan)
+    assert styles["0.mlp.gate_proj"] == styles["0.mlp.up_proj"] == "colwise" and styles["0.mlp.down_proj"] == "rowwise"
+    assert "0.self_attn.q_proj" in plan.tp_plan.notes  # q/k normalised per head with learned weights: replicated
+    outer = {name: (entry.style, entry.source) for name, entry in plan.outer_plan.entries.items()}
+    assert outer == {"model.model.embed_tokens": ("vocab", "explicit"), "model.lm_head": ("colwise_gather", "explicit")}
