@@ -261,94 +261,50 @@ class RotaryGPT(_Base):
     validation_step = TinyGPT.validation_step
 
 
+_GPT_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+# Each family's tiny settings: the name of its layer count and the rest; others get the shared tiny decoder.
+_HF_CONFIGS: dict[str, tuple[str, dict]] = {
+    "gpt2": ("n_layer", {"n_embd": 16, "n_head": 2, "n_positions": 16, **_GPT_NO_DROPOUT}),
+    # OPT's decoder registers its final norm and output projection before its layers and calls them after;
+    # project_in / project_out map the 8-wide embeddings to the 16-wide layers; no biases (an attention key
+    # bias gets a zero gradient, which Adam turns into steps of round-off)
+    "opt": (
+        "num_hidden_layers",
+        {"hidden_size": 16, "ffn_dim": 32, "word_embed_proj_dim": 8, "num_attention_heads": 4,
+         "max_position_embeddings": 16, "enable_bias": False, "dropout": 0.0, "pad_token_id": 1, "bos_token_id": 2,
+         "eos_token_id": 2},
+    ),
+    # Falcon's Linears are a subclass with a forward of its own (input @ weight.T + bias); the new decoder
+    # architecture packs each key/value group's queries, key and value in one fused projection
+    "falcon": (
+        "num_hidden_layers",
+        {"hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 4, "num_kv_heads": 2,
+         "new_decoder_architecture": True, "max_position_embeddings": 16, "hidden_dropout": 0.0,
+         "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0},
+    ),
+    # its rotary table is a non-persistent buffer computed in the default dtype: built on the meta device, it is
+    # computed again at materialisation, which must happen in the precision's dtype (64-true: float64)
+    "gptj": (
+        "n_layer",
+        {"n_embd": 16, "n_head": 4, "rotary_dim": 4, "n_inner": 32, "n_positions": 16, "bos_token_id": 0,
+         "eos_token_id": 0, **_GPT_NO_DROPOUT},
+    ),
+}  # fmt: skip
+_TINY_DECODER = (
+    "num_hidden_layers",
+    {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+     "max_position_embeddings": 16},
+)  # fmt: skip
+
+
 def hf_config(arch: str, vocab: int = 32, layers: int = 4, tied: bool = False):
     """A tiny Hugging Face config of a causal LM family, dropout off and no KV cache (built offline); ``tied``: the
     LM head tied to the input embedding (GPT-2 always ties them)."""
     from transformers import AutoConfig
 
-    common = {"vocab_size": vocab, "use_cache": False}
-    if arch == "gpt2":
-        return AutoConfig.for_model(
-            "gpt2",
-            n_layer=layers,
-            n_embd=16,
-            n_head=2,
-            n_positions=16,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            **common,
-        )
-    if arch == "opt":
-        # OPT's decoder registers its final norm and output projection before its layers and calls them after;
-        # project_in / project_out map the 8-wide embeddings to the 16-wide layers; no biases (an attention key
-        # bias gets a zero gradient, which Adam turns into steps of round-off)
-        return AutoConfig.for_model(
-            "opt",
-            num_hidden_layers=layers,
-            hidden_size=16,
-            ffn_dim=32,
-            word_embed_proj_dim=8,
-            num_attention_heads=4,
-            max_position_embeddings=16,
-            enable_bias=False,
-            dropout=0.0,
-            pad_token_id=1,
-            bos_token_id=2,
-            eos_token_id=2,
-            tie_word_embeddings=tied,
-            **common,
-        )
-    if arch == "falcon":
-        # Falcon's Linears are a subclass with a forward of its own (input @ weight.T + bias); the new decoder
-        # architecture packs each key/value group's queries, key and value in one fused projection
-        return AutoConfig.for_model(
-            "falcon",
-            num_hidden_layers=layers,
-            hidden_size=16,
-            ffn_hidden_size=32,
-            num_attention_heads=4,
-            num_kv_heads=2,
-            new_decoder_architecture=True,
-            max_position_embeddings=16,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            tie_word_embeddings=tied,
-            **common,
-        )
-    if arch == "gptj":
-        # its rotary table is a non-persistent buffer computed in the default dtype: built on the meta device, it is
-        # computed again at materialisation, which must happen in the precision's dtype (64-true: float64)
-        return AutoConfig.for_model(
-            "gptj",
-            n_layer=layers,
-            n_embd=16,
-            n_head=4,
-            rotary_dim=4,
-            n_inner=32,
-            n_positions=16,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            tie_word_embeddings=tied,
-            **common,
-        )
-    return AutoConfig.for_model(
-        arch,
-        num_hidden_layers=layers,
-        hidden_size=16,
-        intermediate_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=4,
-        max_position_embeddings=16,
-        tie_word_embeddings=tied,
-        **common,
-    )
+    layers_key, sizes = _HF_CONFIGS.get(arch, _TINY_DECODER)
+    tie = {} if arch == "gpt2" else {"tie_word_embeddings": tied}
+    return AutoConfig.for_model(arch, vocab_size=vocab, use_cache=False, **{layers_key: layers}, **sizes, **tie)
 
 
 class HFCausalLM(_Base):

@@ -96,28 +96,6 @@ SHARDED = {
     # (the analysis pairs project_out with it row-parallel, unlike the embedding's vocabulary split), project_out
     # gathers its output
     "opt": ("q_proj.", "k_proj.", "v_proj.", "out_proj.weight", "fc1.", "fc2.weight", "project_out."),
-    "stablelm": (
-        "q_proj.",
-        "k_proj.",
-        "v_proj.",
-        "o_proj.weight",
-        "gate_proj.",
-        "up_proj.",
-        "down_proj.weight",
-        "embed_tokens.weight",
-        "lm_head.weight",
-    ),
-    # its own plan (q/k norms with their gradient summed over tp) and the learned activation between up and down
-    "apertus": (
-        "q_proj.",
-        "k_proj.",
-        "v_proj.",
-        "o_proj.weight",
-        "up_proj.",
-        "down_proj.weight",
-        "embed_tokens.weight",
-        "lm_head.weight",
-    ),
     # its own plan: attention, MLP (fc_in / fc_out), the embedding on the vocabulary, the head (with its bias) gathered
     "gptj": ("q_proj.", "k_proj.", "v_proj.", "out_proj.weight", "fc_in.", "fc_out.weight", "wte.weight", "lm_head."),
     # the automatic plan: attention (fused q/k/v by key/value group) and MLP, embedding and head (dummy inputs)
@@ -141,6 +119,10 @@ SHARDED = {
 # nanotied has an example_input_array: the embeddings and the head tied to the token embedding, on the vocabulary
 SHARDED["nanotied"] = (*SHARDED["nano"], "wte.weight", "wpe.weight", "lm_head.weight")
 SHARDED["qwen3"] = SHARDED["llamatied"] = SHARDED["llama"]
+# stablelm: the automatic plan (see opt above) shards what Llama's own plan does; apertus: its own plan, no gate (the
+# q/k norms and the learned activation between up and down replicated, their gradients summed over tp)
+SHARDED["stablelm"] = SHARDED["llama"]
+SHARDED["apertus"] = tuple(key for key in SHARDED["llama"] if key != "gate_proj.")
 
 
 def check_shares(got: dict, ref: dict, model: str, tp: int) -> list[str]:
