@@ -107,9 +107,6 @@ SHARDED = {
         "word_embeddings.weight",
         "lm_head.weight",
     ),
-    # the automatic plan of the blocks: the MLP (its attention normalises q and k per head with learned weights:
-    # replicated); the embedding and the head from its own plan
-    "hunyuan": ("gate_proj.", "up_proj.", "down_proj.weight", "embed_tokens.weight", "lm_head.weight"),
     # blocks that take the rotary tables too: the analysis runs them as the model's forward calls them; with its
     # example_input_array the embedding (vocabulary-parallel) and the head (all-gathered) outside the blocks too
     "rotary": (".wq.", ".wk.", ".wv.", ".wo.", ".w1.", ".w3.", ".w2.", "tok.weight", "out.weight"),
@@ -122,6 +119,9 @@ SHARDED["qwen3"] = SHARDED["llamatied"] = SHARDED["llama"]
 # stablelm: the automatic plan (see opt above) shards what Llama's own plan does; apertus: its own plan, no gate (the
 # q/k norms and the learned activation between up and down replicated, their gradients summed over tp)
 SHARDED["stablelm"] = SHARDED["llama"]
+# hunyuan: the automatic plan of its blocks shards what Llama's plan does (its per-head q/k norms replicated, their
+# gradients summed over tp), its own plan the embedding and the head
+SHARDED["hunyuan"] = SHARDED["llama"]
 SHARDED["apertus"] = tuple(key for key in SHARDED["llama"] if key != "gate_proj.")
 
 

@@ -6,8 +6,9 @@ gradient with the unsharded model within 1e-10 (GPT-like with SDPA, nanoGPT-styl
 with a padding index applied layer by layer, GQA, an MLP chain whose pairs cross Sequential layers,
 SwiGLU, and attention that views by its own head-count attributes as OPT and StableLM do, with and
 without GQA, under the automatic plan and under an explicit one: the attributes set to one rank's
-heads; and a block that adds its residual in place into the MLP's row-parallel output, which the plan
-copies). It also shows that forcing a shard on attention with a head count the analysis cannot trace
+heads; per-head q/k norms and a learned scalar gate on the MLP's hidden features, whose gradients are
+summed over tp; and a block that adds its residual in place into the MLP's row-parallel output, which
+the plan copies). It also shows that forcing a shard on attention with a head count the analysis cannot trace
 to an attribute gives wrong numbers, which is why the analysis leaves that one replicated (and warns
 when an explicit plan shards it).
 """
@@ -24,7 +25,7 @@ from launch import run_ranks
 def test_sharded_numerics_match_unsharded(tp: int) -> None:
     result = run_ranks("tp_numerics.py", tp, timeout=120)
     names = ("gpt", "gpt-manual-attn-padding-idx", "gpt-gqa", "gpt-head-count-attrs", "gpt-gqa-head-count-attrs")
-    for name in (*names, "mlp", "swiglu", "gpt-inplace-residual", "explicit-head-count-attrs"):
+    for name in (*names, "mlp", "swiglu", "gpt-qk-norm-gated-mlp", "gpt-inplace-residual", "explicit-head-count-attrs"):
         assert f"{name}: tp={tp} ok" in result.output, result.tail()
     assert "hard-coded heads: auto plan left them replicated" in result.output, result.tail()
     assert "all tensor-parallel numerics ok" in result.output, result.tail()

@@ -32,11 +32,20 @@ class Attention(nn.Module):
     """Separate q/k/v/out projections, causal SDPA; GQA when ``kv_heads < heads``."""
 
     def __init__(
-        self, dim: int, heads: int, kv_heads: int | None = None, manual: bool = False, hard_coded: str = ""
+        self,
+        dim: int,
+        heads: int,
+        kv_heads: int | None = None,
+        manual: bool = False,
+        hard_coded: str = "",
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
         self.heads, self.kv_heads = heads, kv_heads or heads
         self.head_dim = dim // heads
+        # per-head RMSNorm of q and k with learned weights (Qwen3, OLMo 2): their gradients summed over tp
+        self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else None
         self.q_proj = nn.Linear(dim, dim)
         self.k_proj = nn.Linear(dim, self.kv_heads * self.head_dim)
         self.v_proj = nn.Linear(dim, self.kv_heads * self.head_dim)
@@ -55,6 +64,9 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
             k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
             v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.transpose(1, 2)).transpose(1, 2)
+            k = self.k_norm(k.transpose(1, 2)).transpose(1, 2)
         if self.manual:  # nanoGPT's explicit attention
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -91,6 +103,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(self.act(self.fc(x)))
+
+
+class GatedMLP(MLP):
+    """An MLP whose hidden features are scaled by a learned scalar: its gradient is summed over tp."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__(dim, hidden)
+        self.gate = nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x)) * self.gate)
 
 
 class SwiGLU(nn.Module):
@@ -154,15 +177,19 @@ def gpt(
     padding_idx: int | None = None,
     fused: bool = False,
     hard_coded: str = "",
+    qk_norm: bool = False,
+    gated: bool = False,
 ) -> nn.Sequential:
     """``Sequential(Embed, Block * layers, Head)``."""
 
     def attn() -> nn.Module:
         if fused:
             return FusedAttention(dim, heads)
-        return Attention(dim, heads, kv_heads, manual=manual, hard_coded=hard_coded)
+        return Attention(dim, heads, kv_heads, manual=manual, hard_coded=hard_coded, qk_norm=qk_norm)
 
-    blocks = [Block(dim, heads, hidden, attn=attn()) for _ in range(layers)]
+    blocks = [
+        Block(dim, heads, hidden, attn=attn(), mlp=GatedMLP(dim, hidden) if gated else None) for _ in range(layers)
+    ]
     return nn.Sequential(Embed(vocab, block, dim, padding_idx), *blocks, Head(dim, vocab))
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tp_models import Attention, Block, Embed, Head, gpt, mlp_chain, swiglu_model
 
 from lightning_3d.core.tensor_parallel import local_numel, resolve_plan
-from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts
+from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts, style_kind
 
 TOL = 1e-10
 ATTENTION_PAIR = {"*.attn.[qkv]_proj": "colwise", "*.attn.out_proj": "rowwise"}
@@ -68,6 +68,8 @@ def check(
     else:
         parallelize_module(model, mesh, plan.styles_for(""))
     assert bool(plan.copied) == ("inplace" in name), f"{name}: outputs copied for {plan.copied}"
+    summed = {f for f, e in plan.entries.items() if style_kind(e.style) == "grad_allreduce"}
+    assert bool(summed) == ("qk-norm" in name), f"{name}: gradients summed for {summed}"
     counted = {f: e.style for f, e in plan.entries.items() if isinstance(e.style, LocalHeadCounts)}
     assert bool(counted) == ("head-count" in name), f"{name}: head counts set on {list(counted)}"
     for fqn, style in counted.items():
@@ -159,6 +161,10 @@ def main() -> None:
     ]
     for name, build, x, target, loss_fn, n, per_layer in cases:
         check(name, build, x, target, loss_fn, n, per_layer, mesh, tp)
+    # learned parameters meeting only sharded tensors (per-head q/k norms; a scalar gate on the MLP's hidden
+    # features): sharded, those gradients summed over tp
+    qk_norm = lambda: gpt(heads=8, kv_heads=4, layers=2, qk_norm=True, gated=True)  # noqa: E731
+    check("gpt-qk-norm-gated-mlp", qk_norm, tokens, targets, lm_loss, 15, True, mesh, tp)
     # a row-parallel output the block modifies in place (`out += x`): the plan copies that output
     inplace = lambda: nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, inplace=True), Head(16, 32))  # noqa: E731
     check("gpt-inplace-residual", inplace, tokens, targets, lm_loss, 9, False, mesh, tp)

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_3d.core.block_calls import ArgSpec, BlocksWithArguments, block_calls, called_after_blocks
 from lightning_3d.core.parallelize import plan_model
+from lightning_3d.core.tensor_parallel.styles import style_kind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import NanoGPT, RotaryGPT
@@ -221,6 +222,9 @@ def test_a_hugging_face_plan_of_the_embedding_and_head_only_keeps_those_and_anal
     assert plan.hf_plan is None
     styles = _styles(plan)
     assert styles["0.mlp.gate_proj"] == styles["0.mlp.up_proj"] == "colwise" and styles["0.mlp.down_proj"] == "rowwise"
-    assert "0.self_attn.q_proj" in plan.tp_plan.notes  # q/k normalised per head with learned weights: replicated
+    # its attention normalises q and k per head with learned weights: sharded, those weights' gradients summed over tp
+    assert styles["0.self_attn.q_proj"] == "colwise" and styles["0.self_attn.o_proj"] == "rowwise"
+    norm = plan.tp_plan.entries["0.self_attn.query_layernorm"]
+    assert style_kind(norm.style) == "grad_allreduce" and "meets the sharded outputs of q_proj" in norm.reason
     outer = {name: (entry.style, entry.source) for name, entry in plan.outer_plan.entries.items()}
     assert outer == {"model.model.embed_tokens": ("vocab", "explicit"), "model.lm_head": ("colwise_gather", "explicit")}

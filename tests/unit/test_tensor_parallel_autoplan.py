@@ -117,11 +117,30 @@ class GatedMLP(nn.Module):
         return x + self.proj(F.relu(self.fc(x)) * scale)
 
 
-@pytest.mark.parametrize("by_param", [True, False])
-def test_broadcast_with_a_tensor_that_needs_a_gradient_is_refused(by_param: bool) -> None:
-    # Under TP its gradient would be a partial sum on each rank (silently wrong), so replicate.
-    plan = resolve_plan(nn.Sequential(GatedMLP(by_param)), 2)
+def test_broadcast_with_an_activation_that_needs_a_gradient_is_refused() -> None:
+    # Under TP the statistic's gradient would be a partial sum on each rank (silently wrong), so replicate.
+    plan = resolve_plan(nn.Sequential(GatedMLP(by_param=False)), 2)
     assert "0.fc" not in plan.entries and "partial sum" in plan.notes["0.fc"]
+
+
+def test_a_parameter_meeting_only_sharded_tensors_gets_its_gradient_summed() -> None:
+    # a learned gate (or a per-head norm's weight) on the sharded hidden features: the MLP stays sharded and the gate's
+    # gradient, each rank's partial sum, is summed over tp
+    plan = resolve_plan(nn.Sequential(GatedMLP(by_param=True)), 2)
+    assert styles(plan)["0.fc"] == "colwise" and styles(plan)["0.proj"] == "rowwise"
+    assert style_kind(plan.entries["0"].style) == "grad_allreduce"
+    assert plan.entries["0"].reason.startswith("gradient of gate summed over tp")
+
+
+class _GateAlsoOnTheInput(GatedMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gate + self.proj(F.relu(self.fc(x)) * self.gate)
+
+
+def test_a_parameter_also_used_on_full_tensors_keeps_the_group_replicated() -> None:
+    plan = resolve_plan(nn.Sequential(_GateAlsoOnTheInput(by_param=True)), 2)
+    assert "0.fc" not in plan.entries and "0" not in plan.entries
+    assert "0.gate" in plan.notes["0.fc"] and "also used on unsharded tensors" in plan.notes["0.fc"]
 
 
 class RopeAttention(Attention):

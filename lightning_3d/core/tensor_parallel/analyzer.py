@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from lightning_3d.core.tensor_parallel.flow import FlowMode, FlowState
-from lightning_3d.core.tensor_parallel.rules import Tag, tensors_in
+from lightning_3d.core.tensor_parallel.hf_styles import ReplicatedGradAllReduce
+from lightning_3d.core.tensor_parallel.rules import PARTIAL_GRAD, Tag, tensors_in
 from lightning_3d.core.tensor_parallel.simulate import simulate
 from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts
 
@@ -195,6 +196,13 @@ def _trace(
     """One traced forward pass. Returns the flow state, the roles each Linear took, escaped sources."""
     st = FlowState()
     st.watch = {id(p): fqn for fqn, mod in modules.items() for p in mod.parameters()}
+    st.owners = {
+        id(p): f"{fqn}.{pname}" if fqn else pname
+        for fqn, mod in runner.body.named_modules()
+        if fqn not in modules
+        for pname, p in mod.named_parameters(recurse=False)
+        if p.requires_grad
+    }
     roles: dict[str, set[str]] = {}
     calls: list[str] = []
     handles = []
@@ -254,7 +262,33 @@ def _trace(
     finally:
         for h in handles:
             h.remove()
+    _summed_or_refused(st)
     return st, roles, escaped
+
+
+def _summed_or_refused(st: FlowState) -> None:
+    """A parameter that meets sharded tensors (a per-head norm's weight) can have its gradient summed over tp only if
+    every parameter of its module is used on sharded tensors alone; otherwise the groups it meets are refused."""
+    by_module: dict[str, list[str]] = {}
+    for name in [*st.summed, *st.full_uses]:
+        by_module.setdefault(name.rpartition(".")[0], []).append(name)
+    for names in by_module.values():
+        full = next((f"{n} ({st.full_uses[n]})" for n in names if n in st.full_uses), None)
+        if full is None:
+            continue
+        for name in names:
+            srcs = st.summed.pop(name, set())
+            st.refuse(srcs, f"{PARTIAL_GRAD}: {full} is also used on unsharded tensors")
+
+
+def summed_params(plan_styles: Mapping[str, Any], st: FlowState) -> dict[str, list[str]]:
+    """Modules whose parameters meet only sharded tensors of groups the plan shards: ``module -> parameters``."""
+    out: dict[str, list[str]] = {}
+    for name, srcs in st.summed.items():
+        if srcs and all(s in plan_styles for s in srcs):
+            module, _, pname = name.rpartition(".")
+            out.setdefault(module, []).append(pname)
+    return out
 
 
 def _linear_role(
@@ -486,6 +520,19 @@ def analyze(
                     )
             else:
                 why.update({m: "its output does not reach a row-wise Linear (no MLP/attention pair)" for m in auto})
+        # a parameter meeting the tensors of a sharded group and of one left whole: its gradient could not be summed
+        mixed = {
+            src
+            for srcs in st.summed.values()
+            if not all(x in plan.styles for x in srcs)
+            for src in srcs
+            if src in plan.styles and src not in pins and src not in forced
+        }
+        if mixed:
+            for m in mixed:
+                why[m] = f"{PARTIAL_GRAD} (a parameter it meets also meets a group left replicated)"
+            forced |= mixed
+            continue
         if simulated:
             col = {m for g in simulated for m in g.colwise}
             row = {m for g in simulated for m in g.rowwise}
@@ -518,6 +565,13 @@ def analyze(
                         LocalHeadCounts(attrs),
                         f"{_counts_text({name: attrs}, tp)} per rank: {desc}",
                     )
+        for module, pnames in summed_params(plan.styles, st).items():
+            groups_met = sorted({s for p in pnames for s in st.summed[f"{module}.{p}" if module else p]})
+            plan.styles[module] = (
+                ReplicatedGradAllReduce(),
+                f"gradient of {', '.join(pnames)} summed over tp: it meets the sharded outputs of "
+                f"{_short(groups_met)} (each rank sees its own part)",
+            )
         plan.warnings = [
             f"the explicit tensor-parallel plan shards {'/'.join(display(m) for m in sorted(key))}, but {reason}; "
             "this gives wrong numbers or fails: keep them replicated or change the model code"

@@ -44,7 +44,7 @@ def describe_plan(body: nn.Module, plan: TPPlan, tp: int, *, body_prefix: str = 
         if fqn in plan.entries:
             entry = plan.entries[fqn]
             kind = style_kind(entry.style) if tp > 1 else "replicate"
-            sharded += kind not in ("replicate", "heads")  # head counts: no parameter of its own is sharded
+            sharded += kind not in ("replicate", "heads", "grad_allreduce")  # these shard no parameter of their own
             replicated += kind == "replicate"
             rows.append((name, type(mod).__name__, style_label(entry.style), _shape(mod, kind, tp), entry.reason))
         elif fqn in plan.notes:

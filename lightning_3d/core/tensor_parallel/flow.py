@@ -20,7 +20,17 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_3d.core.tensor_parallel.rules import BENIGN, NO_GRAD, Refuse, Tag, apply_rule, op_name, tensors_in
+from lightning_3d.core.tensor_parallel.rules import (
+    BENIGN,
+    NO_GRAD,
+    SELF_ONLY,
+    UNARY,
+    Refuse,
+    Tag,
+    apply_rule,
+    op_name,
+    tensors_in,
+)
 
 
 def user_location() -> str:
@@ -56,6 +66,10 @@ class FlowState:
     direct: dict[str, str] = field(default_factory=dict)
     outputs: dict[int, str] = field(default_factory=dict)
     inplace: dict[str, str] = field(default_factory=dict)
+    owners: dict[int, str] = field(default_factory=dict)  # parameters of modules that are not candidates, by id
+    casts: dict[int, str] = field(default_factory=dict)  # tensors that are such a parameter, cast or copied
+    summed: dict[str, set[str]] = field(default_factory=dict)  # parameter -> sharded groups whose tensors it meets
+    full_uses: dict[str, str] = field(default_factory=dict)  # parameter -> an operation it takes part in unsharded
     passthrough: int = 0
     _keep: list[torch.Tensor] = field(default_factory=list)
 
@@ -100,6 +114,19 @@ class FlowState:
         """Whether ``t`` would carry a gradient in training (derived from a parameter or the input)."""
         return id(t) in self.grad or (isinstance(t, nn.Parameter) and t.requires_grad)
 
+    def param_of(self, t: torch.Tensor) -> str | None:
+        """Name of the parameter (of a module that is not a candidate) that ``t`` is, or is a cast of."""
+        return self.owners.get(id(t)) or self.casts.get(id(t))
+
+    def sums_grad(self, t: torch.Tensor, srcs: Iterable[str]) -> bool:
+        """Whether ``t`` is a parameter (or a cast of one) whose gradient can be summed over the tp ranks, as it meets
+        the tensors of ``srcs`` (a per-head norm's weight): recorded, and the analysis keeps the sharding."""
+        name = self.param_of(t)
+        if name is None:
+            return False
+        self.summed.setdefault(name, set()).update(srcs)
+        return True
+
     def add_split(self, srcs: Iterable[str], n: int) -> None:
         """Record that the output of ``srcs`` is split into ``n`` parts (heads): ``n % tp`` must be 0."""
         for s in srcs:
@@ -125,6 +152,15 @@ class FlowState:
                 self.direct[owner] = f"`{name}` at {user_location()}"
         tagged = [tag for tag in map(self.tag_of, ins) if tag is not None]
         outs = tensors_in(out)
+        params = [p for p in map(self.param_of, ins) if p is not None]
+        if params and not tagged:
+            if (name in SELF_ONLY or name in UNARY) and len(ins) == 1:  # `weight.to(dtype)`: still that parameter
+                for o in outs:
+                    self._keep.append(o)
+                    self.casts[id(o)] = params[0]
+            elif outs and name not in BENIGN:
+                for p in params:
+                    self.full_uses.setdefault(p, f"`{name}` at {user_location()}")
         srcs = frozenset().union(*(t.srcs for t in tagged)) if tagged else frozenset()
         if not outs:
             if name == "setitem" and tagged:

@@ -227,6 +227,8 @@ class ReplicatedGradAllReduce(ParallelStyle):
     their gradients stay identical on every tensor-parallel rank (as for any replicated module).
     """
 
+    kind = "grad_allreduce"
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if device_mesh.ndim != 1:
             raise ValueError(f"ReplicatedGradAllReduce needs a 1-D tensor-parallel mesh, got {device_mesh.ndim}-D")

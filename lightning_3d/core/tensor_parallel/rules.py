@@ -64,6 +64,8 @@ class FlowView(Protocol):
 
     def add_split(self, srcs: Iterable[str], n: int) -> None: ...
 
+    def sums_grad(self, t: torch.Tensor, srcs: Iterable[str]) -> bool: ...
+
 
 _DUNDER = dict(
     (k, k) for k in "add sub mul div pow matmul neg abs lt le gt ge eq ne getitem setitem".split()
@@ -214,7 +216,7 @@ def apply_rule(
         k = 1 if isinstance(shape, int) else len(shape)
         if tag.dim >= src.ndim - k:
             raise Refuse("is normalised over its sharded feature dimension")
-        if any(st.is_grad(t) for t in tensors_in((args[1:], kwargs))):
+        if any(st.is_grad(t) and not st.sums_grad(t, tag.srcs) for t in tensors_in((args[1:], kwargs))):
             raise Refuse("goes through a norm with a learned weight whose gradient would be a partial sum")
         return [tag]
     if name in ("expand", "expand_as", "broadcast_to", "repeat", "tile"):
@@ -275,7 +277,7 @@ def _elementwise(outs: list[torch.Tensor], operands: list[torch.Tensor], st: Flo
         d = operand_dim_at(pos, t.ndim, out_nd)
         if d is not None and t.shape[d] != 1:
             raise Refuse(RESIDUAL)
-        if st.is_grad(t):
+        if st.is_grad(t) and not st.sums_grad(t, srcs):
             raise Refuse(PARTIAL_GRAD)
     if any(o.ndim != out_nd or o.shape[pos] != size for o in outs):
         raise Refuse("is combined with a tensor in a way that changes its sharded dimension")

@@ -113,6 +113,8 @@ class LocalHeadCounts(ParallelStyle):
         >>> parallelize_module(block, tp_mesh, {"self_attn": LocalHeadCounts({"num_heads": 8}), ...})  # doctest: +SKIP
     """
 
+    kind = "heads"
+
     def __init__(self, counts: dict[str, int]) -> None:
         super().__init__()
         self.counts = dict(counts)
@@ -203,12 +205,13 @@ def style_kind(style: str | ParallelStyle) -> str:
 
     ``ColwiseParallel`` -> "colwise" (or "colwise_gather" with a replicated output),
     ``RowwiseParallel`` -> "rowwise" (or "vocab" with a replicated input), ``SequenceParallel`` ->
-    "sequence", :class:`LocalHeadCounts` -> "heads" (no parameter sharded), any other object -> "custom".
+    "sequence", lightning_3d's styles that shard no parameter -> their ``kind`` (:class:`LocalHeadCounts`: "heads",
+    ``ReplicatedGradAllReduce``: "grad_allreduce"), any other object -> "custom".
     """
     if isinstance(style, str):
         return style
-    if isinstance(style, LocalHeadCounts):
-        return "heads"
+    if isinstance(getattr(style, "kind", None), str):  # lightning_3d's own styles that shard no parameter
+        return style.kind  # type: ignore[attr-defined]
     if isinstance(style, ColwiseParallel):
         return "colwise_gather" if style.output_layouts == (Replicate(),) else "colwise"
     if isinstance(style, RowwiseParallel):
@@ -219,9 +222,10 @@ def style_kind(style: str | ParallelStyle) -> str:
 
 
 def style_label(style: str | ParallelStyle) -> str:
-    """Short text for tables: the name, ``"heads"`` for :class:`LocalHeadCounts`, or a custom object's class name."""
-    if isinstance(style, LocalHeadCounts):
-        return "heads"
+    """Short text for tables: the name, the ``kind`` of lightning_3d's own style objects, or a custom object's class
+    name."""
+    if isinstance(getattr(style, "kind", None), str):
+        return style.kind  # type: ignore[attr-defined]
     return style if isinstance(style, str) else type(style).__name__
 
 
