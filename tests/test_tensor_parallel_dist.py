@@ -25,7 +25,8 @@ from launch import run_ranks
 def test_sharded_numerics_match_unsharded(tp: int) -> None:
     result = run_ranks("tp_numerics.py", tp, timeout=120)
     names = ("gpt", "gpt-manual-attn-padding-idx", "gpt-gqa", "gpt-head-count-attrs", "gpt-gqa-head-count-attrs")
-    for name in (*names, "mlp", "swiglu", "gpt-qk-norm-gated-mlp", "gpt-inplace-residual", "explicit-head-count-attrs"):
+    more = ("gpt-qk-norm-gated-mlp", "gpt-inplace-residual", "explicit-head-count-attrs-qk-norm")
+    for name in (*names, "mlp", "swiglu", *more):
         assert f"{name}: tp={tp} ok" in result.output, result.tail()
     assert "hard-coded heads: auto plan left them replicated" in result.output, result.tail()
     assert "all tensor-parallel numerics ok" in result.output, result.tail()

@@ -169,8 +169,10 @@ def main() -> None:
     inplace = lambda: nn.Sequential(Embed(32, 8, 16), Block(16, 4, 32, inplace=True), Head(16, 32))  # noqa: E731
     check("gpt-inplace-residual", inplace, tokens, targets, lm_loss, 9, False, mesh, tp)
     # the user's own plan for such attention: its head counts are set per rank as under the automatic plan
-    attrs = lambda: gpt(heads=8, kv_heads=4, layers=1, hard_coded="attr")  # noqa: E731
-    check("explicit-head-count-attrs", attrs, tokens, targets, lm_loss, 5, False, mesh, tp, explicit=ATTENTION_PAIR)
+    # (and its per-head q/k norms their gradients summed)
+    attrs = lambda: gpt(heads=8, kv_heads=4, layers=1, hard_coded="attr", qk_norm=True)  # noqa: E731
+    name = "explicit-head-count-attrs-qk-norm"
+    check(name, attrs, tokens, targets, lm_loss, 5, False, mesh, tp, explicit=ATTENTION_PAIR)
     check_hard_coded_heads_is_wrong(tokens, mesh, tp)
     dist.barrier()
     if dist.get_rank() == 0:

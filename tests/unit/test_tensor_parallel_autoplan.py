@@ -412,11 +412,15 @@ def test_view_and_index_rules_refuse_what_breaks_contiguous_blocks() -> None:
 PAIR = {"*.attn.[qkv]_proj": "colwise", "*.attn.out_proj": "rowwise"}
 
 
-def test_an_explicit_attention_plan_gets_the_head_counts_too() -> None:
-    body = gpt(dim=16, heads=4, kv_heads=2, layers=1, hard_coded="attr")
+def test_an_explicit_attention_plan_gets_the_head_counts_and_the_summed_norm_gradients_too() -> None:
+    body = gpt(dim=16, heads=4, kv_heads=2, layers=1, hard_coded="attr", qk_norm=True)
     plan = resolve_plan(body, 2, explicit=PAIR)
     assert plan.entries["1.attn.q_proj"].source == "explicit"
     assert plan.entries["1.attn"].style.counts == {"heads": 4, "kv_heads": 2}  # type: ignore[union-attr]
+    assert style_kind(plan.entries["1.attn.q_norm"].style) == style_kind(plan.entries["1.attn.k_norm"].style)
+    assert style_kind(plan.entries["1.attn.k_norm"].style) == "grad_allreduce"
+    kept = resolve_plan(body, 2, explicit={**PAIR, "*.attn.q_norm": "replicate"})
+    assert "1.attn.q_norm" in kept.entries and kept.entries["1.attn.q_norm"].style == "replicate", "the user's wins"
 
 
 def test_an_explicit_attention_plan_that_gives_wrong_shapes_is_kept_with_a_warning() -> None:

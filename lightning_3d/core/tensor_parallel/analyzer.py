@@ -16,7 +16,7 @@ match, the plan gives the module a :class:`~lightning_3d.core.tensor_parallel.st
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -281,11 +281,11 @@ def _summed_or_refused(st: FlowState) -> None:
             st.refuse(srcs, f"{PARTIAL_GRAD}: {full} is also used on unsharded tensors")
 
 
-def summed_params(plan_styles: Mapping[str, Any], st: FlowState) -> dict[str, list[str]]:
+def summed_params(sharded: Collection[str], st: FlowState) -> dict[str, list[str]]:
     """Modules whose parameters meet only sharded tensors of groups the plan shards: ``module -> parameters``."""
     out: dict[str, list[str]] = {}
     for name, srcs in st.summed.items():
-        if srcs and all(s in plan_styles for s in srcs):
+        if srcs and all(s in sharded for s in srcs):
             module, _, pname = name.rpartition(".")
             out.setdefault(module, []).append(pname)
     return out
@@ -521,12 +521,13 @@ def analyze(
             else:
                 why.update({m: "its output does not reach a row-wise Linear (no MLP/attention pair)" for m in auto})
         # a parameter meeting the tensors of a sharded group and of one left whole: its gradient could not be summed
+        sharded = set(plan.styles) | {m for m, kind in pins.items() if kind in ("colwise", "rowwise")}
         mixed = {
             src
             for srcs in st.summed.values()
-            if not all(x in plan.styles for x in srcs)
+            if not all(x in sharded for x in srcs)
             for src in srcs
-            if src in plan.styles and src not in pins and src not in forced
+            if src in sharded and src not in pins and src not in forced
         }
         if mixed:
             for m in mixed:
@@ -565,7 +566,9 @@ def analyze(
                         LocalHeadCounts(attrs),
                         f"{_counts_text({name: attrs}, tp)} per rank: {desc}",
                     )
-        for module, pnames in summed_params(plan.styles, st).items():
+        for module, pnames in summed_params(sharded, st).items():
+            if module in pins:  # the user's entry for that module wins
+                continue
             groups_met = sorted({s for p in pnames for s in st.summed[f"{module}.{p}" if module else p]})
             plan.styles[module] = (
                 ReplicatedGradAllReduce(),
