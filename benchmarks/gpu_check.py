@@ -39,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -449,8 +450,9 @@ def measure(
                 try:
                     meter, model = fn(name, size, phases, device, kwargs, Path(tmp))
                 except Exception as err:  # one failed run must not lose the others' figures
-                    out["runs"][key] = {"error": f"{type(err).__name__}: {err}"}
-                    print(f"  {key}: FAILED {type(err).__name__}: {err}", flush=True)
+                    where = traceback.format_exc().strip().splitlines()[-12:]
+                    out["runs"][key] = {"error": f"{type(err).__name__}: {err}", "traceback": where}
+                    print(f"  {key}: FAILED {type(err).__name__}: {err}", *where, sep="\n    ", flush=True)
                     continue
                 seq = model.config.block_size
                 result = meter.result(size["batch"] * seq, flops_per_token(model, seq))

@@ -302,7 +302,7 @@ def diagnose_barrier(timeout: timedelta | float = 60.0, group: dist.ProcessGroup
     dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
 
 
-_JOINING: list[Callable[[], list[Any]]] = []
+_JOINING: list[list[Any]] = []
 
 
 def join_children_at_exit(children: Callable[[], list[Any]], timeout: float = 30.0) -> None:
@@ -313,14 +313,16 @@ def join_children_at_exit(children: Callable[[], list[Any]], timeout: float = 30
     interpreter exit this waits up to ``timeout`` seconds for them. (A failing job does not get here: the
     fail-fast watch ends the ranks itself.)
     """
+    procs = list(children())  # the list, not the callable: a bound method would keep its strategy (and the
+    # model, the optimizer state, every device buffer) alive until the next run in this process replaced it
     if _JOINING:
-        _JOINING[0] = children
+        _JOINING[0] = procs
         return
-    _JOINING.append(children)
+    _JOINING.append(procs)
 
     def join() -> None:
         deadline = time.monotonic() + timeout
-        for proc in _JOINING[0]():
+        for proc in _JOINING[0]:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -13,7 +13,8 @@ from launch import run_lightning
 @pytest.mark.slow
 def test_random_draws_before_the_body_are_reported_once(tmp_path: Path) -> None:
     """Draws before ``self(x)`` differ between the first stage (body input) and the last (loss): said once, by one
-    last-stage rank; draws after the body, or none, are quiet."""
+    last-stage rank; draws after the body, or none, are quiet. And fits one after another release each other's
+    models on every rank."""
     out = tmp_path / "warnings.json"
     run_lightning("random_step.py", ["--out", out], timeout=180)
     counts = json.loads(out.read_text())
@@ -23,3 +24,5 @@ def test_random_draws_before_the_body_are_reported_once(tmp_path: Path) -> None:
     assert [len(w) for w in before] == [0, 1, 0, 0], before
     assert "training_step drew random numbers (torch) before calling the body" in before[1][0]
     assert "belongs in the data pipeline" in before[1][0]
+    # Three fits in one process: none keeps its model or strategy (reliability's exit hook held the last one's).
+    assert counts["alive_after_fits"] == [[], [], [], []], counts["alive_after_fits"]

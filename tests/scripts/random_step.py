@@ -7,9 +7,11 @@ warnings it raised; rank 0 writes them, per case and rank, to ``--out`` as JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 import lightning as L
@@ -44,7 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    counts = {}
+    counts: dict[str, object] = {}
+    fitted: list[weakref.ref] = []
     for where in ("none", "after", "before"):
         L.seed_everything(0, verbose=False)
         trainer = L.Trainer(
@@ -59,12 +62,20 @@ def main() -> None:
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(RandomStep(where), loader("mlp", 8))
+            model = RandomStep(where)
+            trainer.fit(model, loader("mlp", 8))
+        fitted += [weakref.ref(model), weakref.ref(trainer.strategy)]
         texts = [str(w.message) for w in caught if "before calling the body" in str(w.message)]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, texts)
         counts[where] = gathered
-    if trainer.global_rank == 0:
+    rank = trainer.global_rank
+    del model, trainer
+    gc.collect()
+    alive = [type(ref()).__name__ for ref in fitted if ref() is not None]
+    counts["alive_after_fits"] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts["alive_after_fits"], alive)
+    if rank == 0:
         Path(args.out).write_text(json.dumps(counts))
 
 
