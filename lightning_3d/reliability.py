@@ -472,6 +472,10 @@ class Reliability:
         self._module, self._stages, self._num_stages = module, list(stages), num_stages
         self._stage_of = {id(p): spec.index for spec in stages for p in spec.module.parameters()}
         self._grouper = GradGrouper(self._stage_of, num_stages - 1)
+        if self.on_nonfinite != "off":  # the scan's kernel probe reads the device once: here, not in a step
+            devices = {p.device for spec in stages for p in spec.module.parameters()} | {self._device()}
+            for device in devices - {torch.device("meta")}:
+                torch_compat.max_abs_carries_nan(device)
 
     # ------------------------------------------------------------------ steps
     def after_train_step(self) -> None:
@@ -506,8 +510,8 @@ class Reliability:
           finite gradient whose 2-norm overflows its dtype (float32: beyond ~1.8e19) counts as non-finite here,
           as clipping by that norm would zero it (float16 gradients, whose norm overflows at 65504, take the
           per-element check);
-        * otherwise torch's fused per-element check (``GradScaler``'s, ``torch_compat.foreach_non_finite``):
-          exactly the gradients holding a NaN or inf.
+        * otherwise the largest magnitude of each gradient (``torch_compat.foreach_non_finite``: one fused pass that
+          reads every element and writes none): exactly the gradients holding a NaN or inf.
 
         The last flag is the last stage's loss.
 
@@ -674,7 +678,7 @@ class _ScanPlan:
         self._device = device
 
     def per_element_check(self, groups: Groups, flags: Tensor) -> None:
-        """One fused NaN/inf check per group (torch's ``GradScaler`` kernel); adds ``1.0`` to the flag of the
+        """One fused NaN/inf check per group (``torch_compat.foreach_non_finite``); adds ``1.0`` to the flag of the
         stage of each group holding one."""
         for found in self._found.values():
             found.zero_()

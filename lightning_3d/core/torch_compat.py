@@ -20,6 +20,8 @@ wrappers of one function stack (first installed innermost) and can be removed in
 from __future__ import annotations
 
 import contextlib
+import inspect
+import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -54,6 +56,7 @@ __all__ = [
     "in_backward",
     "is_view",
     "looped_bfs_placed",
+    "max_abs_carries_nan",
     "op_name",
     "p2p_functions_are_torchs",
     "process_groups",
@@ -63,6 +66,7 @@ __all__ = [
     "schedule_has_loss",
     "schedule_micro_batches",
     "schedule_stages",
+    "schedule_step",
     "set_donated_buffers",
     "set_group_timeout",
     "settle_async_collective",
@@ -291,10 +295,39 @@ def record_scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: Any, found_
 
 
 def foreach_non_finite(tensors: list[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> None:
-    """Set ``found`` (one float32 element on the tensors' device) to 1 if any element of ``tensors`` (one device and
-    dtype) is NaN or inf, in one fused call: ``torch._amp_foreach_non_finite_check_and_unscale_`` (``GradScaler``'s
-    check), with ``one`` (float32 ``[1.0]``) as the unscale factor, so the tensors keep their exact values."""
+    """Write ``1.0`` into ``found`` (one float32 element on the tensors' device, zero before the call) if any element
+    of ``tensors`` (one device and dtype) is NaN or inf, reading each element once and writing none.
+
+    The largest magnitude of each tensor (``torch._foreach_norm`` with ``ord=inf``, one fused pass) is NaN or inf
+    exactly when the tensor holds a NaN or an inf, and cannot overflow as a sum of squares can. Where this torch's
+    fused kernel on this kind of device would not carry a NaN through (checked once per device type, see
+    :func:`max_abs_carries_nan`), GradScaler's fused check (``torch._amp_foreach_non_finite_check_and_unscale_``,
+    with ``one`` (float32 ``[1.0]``) as the unscale factor, which rewrites every element with its own value: twice
+    the memory traffic) is used instead."""
+    if max_abs_carries_nan(found.device):
+        largest = torch.stack(foreach_norm(tensors, math.inf))
+        found.copy_(largest.isfinite().all().logical_not().reshape(found.shape))
+        return
     _private(torch, "_amp_foreach_non_finite_check_and_unscale_", "the non-finite gradient check")(tensors, found, one)
+
+
+_MAX_ABS_CARRIES_NAN: dict[str, bool] = {}
+
+
+def max_abs_carries_nan(device: torch.device) -> bool:
+    """Whether ``torch._foreach_norm(ord=inf)`` gives NaN for a tensor holding a NaN and inf for one holding an inf
+    on this kind of device, also when the NaN lies past the first of the fused kernel's chunks (probed once per
+    device type and process: one host read at the first check)."""
+    key = device.type
+    if key not in _MAX_ABS_CARRIES_NAN:
+        late_nan = torch.ones(3 * 65536 + 7, device=device)
+        late_nan[2 * 65536 + 3] = math.nan
+        late_nan[-1] = -5.0
+        with_inf = torch.tensor([0.5, -math.inf, 1.0], device=device)
+        probes = [late_nan, with_inf, torch.tensor([-3.0, 2.0], device=device)]
+        got = torch.stack(foreach_norm(probes, math.inf)).tolist()
+        _MAX_ABS_CARRIES_NAN[key] = math.isnan(got[0]) and got[1] == math.inf and got[2] == 3.0
+    return _MAX_ABS_CARRIES_NAN[key]
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -504,6 +537,24 @@ def schedule_stages(schedule: Any) -> list[PipelineStage]:
     if hasattr(schedule, "_stages"):
         return list(schedule._stages)
     raise _missing(f"{type(schedule).__name__}._stage or ._stages", "finding a schedule's stages")
+
+
+_STEP_RETURNS_OUTPUTS: dict[type, bool] = {}
+
+
+def schedule_step(schedule: Any, *args: Any, **kwargs: Any) -> None:
+    """``schedule.step(*args, **kwargs)``, the last stage keeping no micro-batch's output for a merged return.
+
+    torch >= 2.10 takes ``return_outputs=False``; before, the last stage appends every micro-batch's output to
+    ``output_chunks`` and concatenates them when the step ends. The strategy reads each output in the loss function
+    (``step.StepAdapter``), so the kept outputs (an LLM's logits, one per micro-batch) would only stay allocated
+    for the whole step and then be copied once more."""
+    cls = type(schedule)
+    if cls not in _STEP_RETURNS_OUTPUTS:
+        _STEP_RETURNS_OUTPUTS[cls] = "return_outputs" in inspect.signature(cls.step).parameters
+    if _STEP_RETURNS_OUTPUTS[cls]:
+        kwargs["return_outputs"] = False
+    schedule.step(*args, **kwargs)
 
 
 def schedule_micro_batches(schedule: Any) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from datetime import timedelta
 
 import pytest
@@ -110,6 +111,39 @@ def test_foreach_norm_matches_vector_norm():
     for order in (2.0, 1.0, float("inf")):
         got = torch_compat.foreach_norm(tensors, order)
         assert [float(g) for g in got] == [float(torch.linalg.vector_norm(t, order)) for t in tensors]
+
+
+@pytest.mark.parametrize("max_abs", [True, False], ids=["largest-magnitude", "grad-scaler-kernel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_foreach_non_finite_finds_exactly_nan_and_inf(monkeypatch, max_abs, dtype):
+    """Both paths (the read-only largest magnitude, and GradScaler's kernel where the former would not carry a NaN)
+    flag exactly the lists holding a NaN or an inf, past the fused kernel's first chunk too; huge finite values (whose
+    sum of squares overflows) are not flagged; the tensors keep their values."""
+    monkeypatch.setitem(torch_compat._MAX_ABS_CARRIES_NAN, "cpu", max_abs)
+    big = torch.finfo(dtype).max
+
+    def check(values: list[torch.Tensor]) -> float:
+        found = torch.zeros(1)
+        before = [v.clone() for v in values]
+        torch_compat.foreach_non_finite(values, found, torch.ones(1))
+        assert all(torch.equal(a, b) for a, b in zip(values, before) if a.isfinite().all())
+        return float(found)
+
+    late = torch.zeros(3 * 65536 + 7, dtype=dtype)
+    assert check([late.clone(), torch.full((4,), big, dtype=dtype)]) == 0.0
+    for bad in (math.nan, math.inf, -math.inf):
+        hit = late.clone()
+        hit[2 * 65536 + 3] = bad
+        assert check([torch.ones(3, dtype=dtype), hit]) == 1.0, bad
+    if max_abs:  # the read-only path writes nothing, so nothing that keys on version counters sees a change
+        grads = [torch.ones(5, dtype=dtype)]
+        torch_compat.foreach_non_finite(grads, torch.zeros(1), torch.ones(1))
+        assert grads[0]._version == 0
+
+
+def test_max_abs_carries_nan_on_this_torch():
+    torch_compat._MAX_ABS_CARRIES_NAN.clear()
+    assert torch_compat.max_abs_carries_nan(torch.device("cpu")) is True  # the CPU kernel propagates NaN
 
 
 def test_foreach_default_devices_is_what_the_optimizers_default_by():
