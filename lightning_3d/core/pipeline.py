@@ -260,6 +260,32 @@ def write_csv_schedule(name: str, pp: int, stages_per_rank: int, micro_batches: 
     return out
 
 
+@contextlib.contextmanager
+def cast_cache(enabled: bool, device: torch.device) -> Iterator[None]:
+    """Inside a stage's forward under mixed precision: let autocast keep its low-precision copy of each weight.
+
+    Lightning's precision plugin runs the step under ``torch.autocast(..., cache_enabled=False)``, so every
+    micro-batch's forward would cast every weight again (``m`` casts of the whole stage per step, where a
+    hand-written loop under one caching autocast casts once). Here the stage's forwards run with the cache on, so
+    the first micro-batch's casts serve the others. Only casts made inside these windows are cached, all with
+    gradients enabled, so each cached copy carries its ``grad_fn`` (a cast made under ``no_grad``, which would
+    carry none, is never cached or looked up here); the runner clears the cache when the batch ends
+    (``clear_cast_cache``), before the optimizer changes the weights. Nothing happens when ``enabled`` is false
+    (FSDP, whose gathered weights must not outlive their unit; split backward schedules), gradients are off, or
+    autocast is not on for this device type."""
+    kind = device.type
+    if not (enabled and torch.is_grad_enabled() and torch.is_autocast_enabled(kind)):
+        yield
+        return
+    with torch.autocast(kind, dtype=torch.get_autocast_dtype(kind), cache_enabled=True):
+        yield
+
+
+def clear_cast_cache() -> None:
+    """Drop autocast's cached weight casts (the end of a batch whose stages cached them)."""
+    torch.clear_autocast_cache()
+
+
 class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
     """A ``PipelineStage`` that can defer its data-parallel gradient all-reduce.
 
@@ -284,10 +310,14 @@ class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
     # Told which micro-batch each forward belongs to (stages that run the user's step, see stage_exec.py).
     on_chunk: Callable[[int, int | None], None] | None = None
 
+    # Keep autocast's casts of the weights for the rest of the batch (see ``cast_cache``).
+    cache_casts: bool = False
+
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.on_chunk is not None:
             self.on_chunk(self.stage_index, fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with cast_cache(self.cache_casts, self.device):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def shape_inference_context(self) -> contextlib.AbstractContextManager[Any]:
         # torch's shape inference runs a real forward (under a forked default generator); the body's own
@@ -473,15 +503,28 @@ class PipelineRuntime:
             else:
                 cls = schedule_class("loopedbfs")
         built = [_Stage(s.module, s.index, self.num_stages, self.device, group=self.group) for s in self.stages]
+        # A split backward (zero-bubble, or a CSV schedule's I/W actions) tracks each micro-batch's autograd
+        # nodes apart, which a weight cast shared by all micro-batches would join; FSDP's gathered weights must not
+        # be kept in low precision for the whole batch.
+        cache_casts = train and not csv_train and name not in ZERO_BUBBLE_SCHEDULES and not self._fsdp_sharded()
         for stage in built:
             stage.randomness = self.randomness
             stage.on_chunk = self.on_chunk
+            stage.cache_casts = cache_casts
         kwargs = {"loss_fn": self.loss_fn, "scale_grads": False}
         if csv_train:
             return torch_compat.csv_schedule(built, n_micro, read_csv_schedule(name).path, **kwargs)
         if issubclass(cls, PipelineScheduleSingle):
             return cls(built[0], n_micro, **kwargs)
         return cls(built, n_micro, **kwargs)
+
+    def _fsdp_sharded(self) -> bool:
+        """Whether a module of this rank's stages is sharded by ``fully_shard`` (not merely ``replicate``)."""
+        return any(
+            isinstance(m, FSDPModule) and not torch_compat.is_replicated(m)
+            for s in self.stages
+            for m in s.module.modules()
+        )
 
     def schedule(self, n_micro: int, shape_key: tuple, train: bool, name: str | None = None) -> Any:
         """The cached schedule for this micro-batch count, batch shape and mode (built on first use)."""
@@ -535,11 +578,13 @@ class PipelineRuntime:
                     observer.before_batch(sched, train)
                     observing.callback(observer.after_batch, sched, train)
                 if train:
-                    sched.step(*args, **kwargs)
+                    torch_compat.schedule_step(sched, *args, **kwargs)
                 else:
                     sched.eval(*args, **kwargs)
         finally:
             self.current = None
+            if any(stage.cache_casts for stage in _stages_of(sched)):
+                clear_cast_cache()  # the weights change before the next batch; a caller's own autocast stays
         if train:
             self._sync_pending = defer
         else:  # FSDP: an evaluation forward gathered the parameters (not resharded under a pipeline)
