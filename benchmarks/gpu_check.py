@@ -463,6 +463,8 @@ def measure(
             print(f"  {size_name} {key}: {_line(result)}", flush=True)
             del meter, model
             gc.collect()
+            if kwargs is not None:  # each compiled run compiles its own blocks: another model's cache entries
+                torch.compiler.reset()  # would count towards dynamo's recompile limit (then it runs eagerly)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     out["ratios"] = ratios(out["runs"])
