@@ -8,6 +8,7 @@ block:
 ========================  ===========================================================================
 ``lightning_auto``        plain Lightning, ``strategy="auto"`` (blocks compiled by hand for ``+compile``)
 ``threed_tp1pp1``         ``ThreeDStrategy(tp=1, pp=1, compile=...)``
+``threed_tp1pp1_nocheck`` the same with ``on_nonfinite="off"``: what the non-finite check costs
 ``threed_interleaved``    ``ThreeDStrategy(tp=1, pp=1, stages_per_rank=2, schedule="interleaved1f1b",
                           micro_batches=4)``: one rank holding two stages
 ``hand_full``             a hand-written loop: autocast forward, backward, fused AdamW step, full batch
@@ -52,7 +53,15 @@ SIZES: dict[str, dict[str, Any]] = {
     "xl": {"preset": "xl", "batch": 8},
 }
 DRY_SIZE: dict[str, Any] = {"preset": "tiny", "batch": 8, "n_layer": 4, "block_size": 16}
-RUNS = ("lightning_auto", "threed_tp1pp1", "threed_interleaved", "hand_full", "hand_accum4", "hand_interleaved")
+RUNS = (
+    "lightning_auto",
+    "threed_tp1pp1",
+    "threed_tp1pp1_nocheck",
+    "threed_interleaved",
+    "hand_full",
+    "hand_accum4",
+    "hand_interleaved",
+)
 MICRO = 4
 
 
@@ -322,10 +331,12 @@ def lightning_run(name: str, size: dict[str, Any], phases: Phases, device: Any, 
             model.configure_model = configure_model  # type: ignore[method-assign]
     else:
         extra = {"stages_per_rank": 2, "schedule": "interleaved1f1b"} if name == "threed_interleaved" else {}
+        if name == "threed_tp1pp1_nocheck":
+            extra = {"on_nonfinite": "off"}
         strategy = ThreeDStrategy(
             tp=1,
             pp=1,
-            micro_batches=MICRO if extra else 1,
+            micro_batches=MICRO if "schedule" in extra else 1,
             print_layout=False,
             compile=compile_kwargs if compile_kwargs is not None else False,
             **extra,
@@ -483,6 +494,7 @@ def ratios(runs: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for suffix in ("", "+compile"):
         out[f"tp1pp1_vs_lightning{suffix}"] = ratio(f"threed_tp1pp1{suffix}", f"lightning_auto{suffix}")
+        out[f"tp1pp1_nocheck_vs_lightning{suffix}"] = ratio(f"threed_tp1pp1_nocheck{suffix}", f"lightning_auto{suffix}")
         out[f"interleaved_vs_torch_schedule{suffix}"] = ratio(
             f"threed_interleaved{suffix}", f"hand_interleaved{suffix}"
         )

@@ -472,10 +472,12 @@ class Reliability:
         self._module, self._stages, self._num_stages = module, list(stages), num_stages
         self._stage_of = {id(p): spec.index for spec in stages for p in spec.module.parameters()}
         self._grouper = GradGrouper(self._stage_of, num_stages - 1)
-        if self.on_nonfinite != "off":  # the scan's kernel probe reads the device once: here, not in a step
-            devices = {p.device for spec in stages for p in spec.module.parameters()} | {self._device()}
-            for device in devices - {torch.device("meta")}:
-                torch_compat.max_abs_carries_nan(device)
+        # The scan's kernel probe (also for 16-mixed's overflow flags under "off") reads the device once: here, not
+        # in a step.
+        devices = {p.device for spec in stages for p in spec.module.parameters()}
+        devices |= {self._device()} if dist.is_initialized() else set()
+        for device in devices - {torch.device("meta")}:
+            torch_compat.max_abs_carries_nan(device)
 
     # ------------------------------------------------------------------ steps
     def after_train_step(self) -> None:

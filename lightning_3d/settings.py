@@ -89,7 +89,9 @@ class ThreeDSettings:
             step has finished: a rank that stops answering fails the others this soon. ``None`` keeps ``timeout``.
         on_nonfinite: a NaN or inf in the loss or in any gradient: ``"raise"`` (every rank raises
             ``NonFiniteError`` at the same step, before the optimizer steps), ``"skip"`` (every rank drops that
-            optimizer step's gradients; the global step and LR schedulers still advance) or ``"off"``.
+            optimizer step's gradients; the global step and LR schedulers still advance) or ``"off"``. The check
+            reads every gradient once and the host once per step, before the optimizer step (on an H200 at 1.21B
+            parameters: 1.6 ms for the scan, 4-5 ms in all, about 3% of the step).
         check_consistency: compare a hash of the settings and the model structure across ranks at setup.
         fail_fast: when one rank fails, stop every rank within about a second (see ``tools/failure_watch.py``).
         process_group_backend: ``"gloo"`` / ``"nccl"``; ``None`` chooses by device.

@@ -267,12 +267,12 @@ def cast_cache(enabled: bool, device: torch.device) -> Iterator[None]:
     Lightning's precision plugin runs the step under ``torch.autocast(..., cache_enabled=False)``, so every
     micro-batch's forward would cast every weight again (``m`` casts of the whole stage per step, where a
     hand-written loop under one caching autocast casts once). Here the stage's forwards run with the cache on, so
-    the first micro-batch's casts serve the others. Only casts made inside these windows are cached, all with
-    gradients enabled, so each cached copy carries its ``grad_fn`` (a cast made under ``no_grad``, which would
-    carry none, is never cached or looked up here); the runner clears the cache when the batch ends
-    (``clear_cast_cache``), before the optimizer changes the weights. Nothing happens when ``enabled`` is false
-    (FSDP, whose gathered weights must not outlive their unit; split backward schedules), gradients are off, or
-    autocast is not on for this device type."""
+    the first micro-batch's casts serve the others. Only casts made inside these windows are cached, and torch
+    caches none made under ``no_grad`` (user code in the window that runs a weight under ``no_grad`` cannot leave a
+    copy without ``grad_fn`` behind: ``tests/unit/test_pipeline_casts.py`` pins it); the runner clears the cache
+    when the batch ends (``clear_cast_cache``), before the optimizer changes the weights. Nothing happens when
+    ``enabled`` is false (FSDP, whose gathered weights must not outlive their unit; split backward schedules),
+    gradients are off, or autocast is not on for this device type."""
     kind = device.type
     if not (enabled and torch.is_grad_enabled() and torch.is_autocast_enabled(kind)):
         yield

@@ -7,30 +7,14 @@ so each weight is cast once per batch instead of once per micro-batch, with bitw
 from __future__ import annotations
 
 import collections
-from datetime import timedelta
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_3d.core import pipeline, torch_compat
 from lightning_3d.core.pipeline import PipelineRuntime, StageSpec
 
 M = 4  # micro-batches
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A gloo default group of one rank, in this process (torn down after this module's tests)."""
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 class _WeightCasts(torch_compat.TorchDispatchMode):
@@ -134,3 +118,16 @@ def test_no_cache_for_evaluation_split_backward_or_outside_autocast(world_of_one
             assert torch.is_autocast_cache_enabled()
             assert torch.get_autocast_dtype("cpu") == torch.bfloat16
         assert not torch.is_autocast_cache_enabled()
+
+
+def test_a_no_grad_use_inside_the_window_leaves_the_weight_its_gradient():
+    """User code inside a stage's forward (the stage executor runs the whole step there) may run a weight under
+    ``no_grad`` first: torch caches no cast made then, so the later use still reaches the weight."""
+    lin, x = nn.Linear(4, 4), torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        with pipeline.cast_cache(True, torch.device("cpu")):
+            with torch.no_grad():
+                lin(x)
+            loss = lin(x).float().sum()
+    loss.backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0

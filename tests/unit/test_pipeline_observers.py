@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_3d.core import torch_compat
 from lightning_3d.core.pipeline import PipelineRuntime, StageSpec
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A gloo default group of one rank, in this process (torn down after this module's tests)."""
-    if dist.is_initialized():
-        yield dist.group.WORLD
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 class _Log:

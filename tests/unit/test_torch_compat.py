@@ -29,19 +29,6 @@ def _names(fn: object) -> list[str]:
     return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def world_of_one():
-    """A gloo default group of one rank, in this process (torn down after this module's tests)."""
-    if dist.is_initialized():  # some other in-process test made one: use it as it is
-        yield dist.group.WORLD
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 # ---------------------------------------------------------------------------------------------- signatures
 # (owner, private name, exact parameter names): lightning_3d replaces or overrides these, so every parameter
 # matters (a replacement with the old parameters would break torch's callers).
