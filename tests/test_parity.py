@@ -91,9 +91,10 @@ SCHEDULES = [("gpipe", 1, 2), ("interleaved1f1b", 2, 1)]
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "stages_per_rank", "dp"), SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_other_schedules_match_single_device(parity_reference, tmp_path, schedule, stages_per_rank, dp):
-    """GPipe, and interleaved 1F1B with two stages per rank (four stages over pp=2), give the same numbers."""
+    """GPipe, and interleaved 1F1B with two stages per rank (four stages over pp=2), give the same numbers; bf16-mixed
+    too, where each rank's two stages keep autocast's weight casts for the batch (``pipeline.cast_cache``)."""
     copy_inits(parity_reference, tmp_path)
-    cases = ["mlp64", "gpt32", "mlp32acc"]
+    cases = ["mlp64", "gpt32", "mlp32acc", "gptbf"]
     run_lightning(
         "parity_run.py",
         [
