@@ -40,6 +40,7 @@ from .pipeline import StageSpec, activations_in_flight, stage_ranks
 from .rng import BodyRandomness
 from .stage_exec import StageExecutor, StageModule
 from .tensor_parallel.hf_plan import HFPlan, hf_tp_plan
+from .tensor_parallel.plan import HF_STYLE_OF
 from .tied import TiedWeights, install_alias_hooks, retie, untie
 from .topology import Topology, mesh_ranks_table
 
@@ -529,7 +530,7 @@ def build_stages(
 
 
 # Hugging Face styles of embeddings and heads, as the automatic plan's names for the same layouts
-_OUTER_STYLES = {"embedding_rowwise": "vocab", "colwise_gather_output": "colwise_gather"}
+_OUTER_STYLES = {HF_STYLE_OF[auto]: auto for auto in ("vocab", "colwise_gather")}
 
 
 def _outer_only(hf_plan: HFPlan, container: str) -> dict[str, str] | None:

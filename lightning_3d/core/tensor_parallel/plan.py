@@ -98,15 +98,17 @@ class TPPlan:
 
 
 # the tie-aware Hugging Face styles that shard as these style names do
-_TIE_AWARE = {"vocab": "embedding_rowwise", "colwise_gather": "colwise_gather_output", "colwise": "colwise",
-              "rowwise": "rowwise"}  # fmt: skip
+#: The Hugging Face style (``hf_plan.make_hf_style``) of each automatic-plan style that has one: the same layout,
+#: tie-aware. Read in both directions (``parallelize._outer_only`` maps a Hugging Face plan's outer entries back).
+HF_STYLE_OF = {"vocab": "embedding_rowwise", "colwise_gather": "colwise_gather_output", "colwise": "colwise",
+               "rowwise": "rowwise"}  # fmt: skip
 
 
 def _tie_aware(style: str | ParallelStyle, ties: TiedParams) -> ParallelStyle | None:
     """``make_style(style)``, but one that gives a parameter already distributed for a module tied to this one
     the very same DTensor parameter (``hf_styles.TiedParams``)."""
-    if isinstance(style, str) and style in _TIE_AWARE:
-        return make_hf_style(_TIE_AWARE[style], ties)
+    if isinstance(style, str) and style in HF_STYLE_OF:
+        return make_hf_style(HF_STYLE_OF[style], ties)
     return make_style(style)
 
 
