@@ -270,7 +270,7 @@ def cast_cache(enabled: bool, device: torch.device) -> Iterator[None]:
     the first micro-batch's casts serve the others. Only casts made inside these windows are cached, and torch
     caches none made under ``no_grad`` (user code in the window that runs a weight under ``no_grad`` cannot leave a
     copy without ``grad_fn`` behind: ``tests/unit/test_pipeline_casts.py`` pins it); the runner clears the cache
-    when the batch ends (``clear_cast_cache``), before the optimizer changes the weights. Nothing happens when
+    when the batch ends (``torch.clear_autocast_cache``), before the optimizer changes the weights. Nothing happens when
     ``enabled`` is false (FSDP, whose gathered weights must not outlive their unit; split backward schedules),
     gradients are off, or autocast is not on for this device type."""
     kind = device.type
@@ -279,11 +279,6 @@ def cast_cache(enabled: bool, device: torch.device) -> Iterator[None]:
         return
     with torch.autocast(kind, dtype=torch.get_autocast_dtype(kind), cache_enabled=True):
         yield
-
-
-def clear_cast_cache() -> None:
-    """Drop autocast's cached weight casts (the end of a batch whose stages cached them)."""
-    torch.clear_autocast_cache()
 
 
 class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
@@ -584,7 +579,7 @@ class PipelineRuntime:
         finally:
             self.current = None
             if any(stage.cache_casts for stage in _stages_of(sched)):
-                clear_cast_cache()  # the weights change before the next batch; a caller's own autocast stays
+                torch.clear_autocast_cache()  # the weights change before the next batch; a caller's own autocast stays
         if train:
             self._sync_pending = defer
         else:  # FSDP: an evaluation forward gathered the parameters (not resharded under a pipeline)
