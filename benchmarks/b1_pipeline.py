@@ -461,7 +461,7 @@ def sweep_worker(
     from lightning_3d.core.pipeline import is_multi_stage, micro_batch_problem, stage_ranks
     from lightning_3d.tools.timeline import ScheduleRecorder, bubble_stats, gather_timelines
 
-    from .common import build_gpt, build_schedule, gpt_loss, init_distributed, pipeline_step, token_batch
+    from .common import build_gpt, build_schedule, cpu_stages, gpt_loss, init_distributed, pipeline_step, token_batch
 
     rank, pp = init_distributed()
     whole = build_gpt(model)
@@ -484,10 +484,7 @@ def sweep_worker(
                 if placement[s] == rank
             ]
             if name == "csv":
-                import torch
-                from torch.distributed.pipelining import PipelineStage
-
-                built = [PipelineStage(mod, s, plan.num_stages, torch.device("cpu")) for s, mod in mine]
+                built = cpu_stages(mine, plan.num_stages)
                 sched = torch_compat.csv_schedule(built, m, sched_name, loss_fn=gpt_loss)
             else:
                 sched = build_schedule(name, mine, plan.num_stages, m)

@@ -490,13 +490,12 @@ def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
 
     from lightning_3d.core import partition, torch_compat
     from lightning_3d.core.csv_schedule import is_csv_schedule
     from lightning_3d.core.pipeline import is_multi_stage, schedule_class, stage_ranks
 
-    from .common import build_gpt, gpt_loss, init_distributed, model_config, pipeline_step, token_batch
+    from .common import build_gpt, cpu_stages, gpt_loss, init_distributed, model_config, pipeline_step, token_batch
 
     rank, pp = init_distributed()
     config = model_config(tiny)
@@ -512,7 +511,7 @@ def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
         plan = partition.plan_stages(body, pp, partition.get_partitioner("uniform"), spr, placement)
         mine = [(s, partition.stage_container(body, plan.layer_names[s])) for s in range(plan.num_stages)]
         mine = [(s, mod) for s, mod in mine if placement[s] == rank]
-        built = [PipelineStage(mod, s, plan.num_stages, torch.device("cpu")) for s, mod in mine]
+        built = cpu_stages(mine, plan.num_stages)
         if run == "all_in_flight":
             cls = torch_compat.looped_bfs_placed(placement) if len(built) > 1 else schedule_class("gpipe")
         else:

@@ -346,19 +346,28 @@ def stage_modules(model: Any, pp: int, pp_rank: int, stages_per_rank: int = 1) -
     ]
 
 
+def cpu_stages(stages: Sequence[tuple[int, Any]], num_stages: int, group: Any = None) -> list[Any]:
+    """Fresh ``PipelineStage``s on the CPU for ``(stage index, module)`` pairs, as the strategy builds them: through
+    ``torch_compat``'s subclass, whose first-step warm-up skips a neighbour on the same rank (gloo cannot send to
+    itself before torch 2.13)."""
+    import torch
+
+    from lightning_3d.core.torch_compat import PipelineStageWithShapeInferenceHook as Stage
+
+    return [Stage(mod, s, num_stages, torch.device("cpu"), group=group) for s, mod in stages]
+
+
 def build_schedule(
     name: str, stages: Sequence[tuple[int, Any]], num_stages: int, n_micro: int, group: Any = None
 ) -> Any:
     """A torch schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved1f1b"``...) over fresh ``PipelineStage``s with
     the GPT's mean cross-entropy as loss (gradients scaled by ``1 / n_micro``, torch's default)."""
-    import torch
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     from lightning_3d.core.pipeline import schedule_class
 
     cls = schedule_class(name)
-    built = [PipelineStage(mod, s, num_stages, torch.device("cpu"), group=group) for s, mod in stages]
+    built = cpu_stages(stages, num_stages, group)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(built[0], n_micro, loss_fn=gpt_loss)
     return cls(built, n_micro, loss_fn=gpt_loss)

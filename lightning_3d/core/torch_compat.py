@@ -434,6 +434,19 @@ class PipelineStageWithShapeInferenceHook(PipelineStage):
         with self.shape_inference_context():
             return super()._prepare_forward_infra(*args, **kwargs)
 
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        """torch's warm-up sends and receives to the neighbour stages, less those to a stage on this same rank.
+
+        Before torch 2.13, ``PipelineScheduleMulti`` warms every stage's neighbours up with a dummy send and
+        receive on its first step, also where the neighbour stage is on this rank (V schedules, or several stages
+        on one rank at pp = 1). gloo has no connection to the rank itself ("Pair is not connected") and the first
+        step fails; NCCL accepts it. Stages on one rank hand each other tensors without any send, so the warm-up
+        to this rank warms nothing up and is left out. torch 2.13 runs its own warm-up instead of this one.
+        """
+        ops = _private(PipelineStage, "_get_init_p2p_neighbors_ops", "warming up the neighbour stages")(self)
+        me = dist.get_rank()
+        return [op for op in ops if op.peer != me]
+
 
 # ---------------------------------------------------------------------------------------------- pipeline schedules
 def looped_bfs_placed(placement: Sequence[int], backward: bool = True) -> type:

@@ -39,6 +39,7 @@ REPLACED = [
     (schedules.PipelineScheduleSingle, "_maybe_compute_loss", LOSS_PARAMS),
     (schedules.PipelineScheduleMulti, "_maybe_compute_loss", LOSS_PARAMS),
     (PipelineStage, "_prepare_forward_infra", ["self", "num_microbatches", "args", "kwargs", "has_backward"]),
+    (PipelineStage, "_get_init_p2p_neighbors_ops", ["self"]),
     (ColwiseParallel, "_prepare_input_fn", ["input_layouts", "desired_input_layouts", "mod", "inputs", "device_mesh"]),
 ]
 
@@ -334,6 +335,22 @@ def test_schedule_internals_on_a_real_schedule(world_of_one, multi):
     sched.step(x, target=y)
     assert losses == [] and _CountingStage.entered == len(mods)  # no second shape inference
     assert all(p.grad is not None for m in mods for p in m.parameters())
+
+
+def test_first_step_warm_up_leaves_out_sends_to_this_rank(world_of_one, monkeypatch):
+    # three stages on the one rank (as a V schedule's middle stages are): before torch 2.13 a multi-stage schedule's
+    # first step sent a dummy to each neighbour stage and received one back, here all to this rank, which gloo
+    # cannot do; the stage the strategy builds leaves those out
+    stages = [
+        torch_compat.PipelineStageWithShapeInferenceHook(nn.Linear(4, 4), i, 3, torch.device("cpu"), group=world_of_one)
+        for i in range(3)
+    ]
+    theirs = [PipelineStage._get_init_p2p_neighbors_ops(s) for s in stages]
+    assert [len(ops) for ops in theirs] == [2, 4, 2] and all(op.peer == 0 for ops in theirs for op in ops)
+    assert [s._get_init_p2p_neighbors_ops() for s in stages] == [[], [], []]
+    # a neighbour on another rank keeps its warm-up (seen from a rank that is not the peer)
+    monkeypatch.setattr(torch_compat.dist, "get_rank", lambda group=None: 1)
+    assert [len(s._get_init_p2p_neighbors_ops()) for s in stages] == [2, 4, 2]
 
 
 def test_schedule_internals_fail_closed():
