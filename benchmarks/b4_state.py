@@ -274,7 +274,10 @@ class FreeingReduceScatter:
     def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> None:
         import torch.distributed as dist
 
-        work = dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        from lightning_3d.core.torch_compat import fsdp_collective_names
+
+        reduce_scatter = getattr(dist, fsdp_collective_names()[0])
+        work = reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         if work is not None:
             work.wait()
         input_tensor.untyped_storage().resize_(0)
@@ -296,7 +299,8 @@ def worker_memory(tiny: bool = False, row: str = "False", steps: int = 3) -> dic
     from .common import build_gpt, fit_3d, gpt_local_numel, owned_parameters
     from .mem_tracker import peak_tracker
 
-    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    rs_name, ag_name = torch_compat.fsdp_collective_names()
+    counts = {ag_name: 0, rs_name: 0}
     for name in counts:  # FSDP2's collectives (tensor parallelism's go through other functions)
         real = getattr(dist, name)
 
@@ -441,8 +445,8 @@ def worker_memory(tiny: bool = False, row: str = "False", steps: int = 3) -> dic
                 {
                     "peak": self.tracker.peak,
                     "seconds": seconds,
-                    "all_gathers": counts["all_gather_single"],
-                    "reduce_scatters": counts["reduce_scatter_single"],
+                    "all_gathers": counts[ag_name],
+                    "reduce_scatters": counts[rs_name],
                     "at_peak": self.tracker.at_peak,
                 }
             )

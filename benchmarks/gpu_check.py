@@ -413,16 +413,17 @@ def _torch_schedule(model: Any, device: Any, loss_fn: Callable[..., Any]) -> Any
     """torch's ``ScheduleInterleaved1F1B`` over the GPT's two halves (split as the strategy splits them), both
     on this rank (a process group of one)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
 
     from lightning_3d.core import partition
+    from lightning_3d.core.torch_compat import PipelineStageWithShapeInferenceHook as Stage  # gloo before torch 2.13
 
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, device_id=_device_id(device))
     body = partition.find_body(model)
     plan = partition.plan_stages(body, 1, partition.get_partitioner("uniform"), 2)
-    stages = [PipelineStage(partition.stage_container(body, plan.layer_names[s]), s, 2, device) for s in range(2)]
+    stages = [Stage(partition.stage_container(body, plan.layer_names[s]), s, 2, device) for s in range(2)]
     return ScheduleInterleaved1F1B(stages, MICRO, loss_fn=loss_fn)
 
 

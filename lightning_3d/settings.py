@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from .core import partition
+from .core import partition, torch_compat
 from .core.checkpointing import checkpoint_every
 from .core.compile import compile_kwargs
 from .core.csv_schedule import check_fits, is_csv_schedule, read_csv_schedule
@@ -238,6 +238,13 @@ class ThreeDSettings:
                 "compiled block, where torch's selective policy cannot see the operations inside the compiled code. "
                 "Use activation_checkpointing='full' or N with compile (each checkpointed block is recomputed by "
                 "its compiled forward), or compile=False."
+            )
+        problem = torch_compat.compiled_split_backward_problem()
+        if self.compile is not False and problem is not None and self.splits_backward():
+            raise ValueError(
+                f"ThreeDStrategy: compile with schedule={self.schedule!r}, which runs each backward in two passes: "
+                f"{problem}. Upgrade torch, set compile=False, or use a schedule with whole backwards ('1f1b', "
+                "'gpipe', 'interleaved1f1b', 'loopedbfs')."
             )
         if self.activation_checkpointing == "selective" and self.splits_backward():
             raise ValueError(

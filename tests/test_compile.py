@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_3d.core import torch_compat
+
 from launch import ROOT, run_lightning
 from parity_check import compare, load
 
@@ -26,6 +28,8 @@ MULTI = [
     ("nano32", "zbvzerobubble"),  # backwards in two passes: torch refuses donated buffers there
     ("llama32", "1f1b"),  # the model's own tp plan: the embedding's all-reduce still pending at the first layer
 ]
+if torch_compat.compiled_split_backward_problem() is not None:  # refused at setup on this torch (unit-tested)
+    MULTI.remove(("nano32", "zbvzerobubble"))
 # Blocks compiled on each rank of tp 2 x pp 2 (ranks 0, 1: pp rank 0; ranks 2, 3: pp rank 1)
 BLOCKS = {
     "nano32": "transformer.h.{}",

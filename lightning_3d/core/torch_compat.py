@@ -43,6 +43,7 @@ __all__ = [
     "TorchDispatchMode",
     "child_modules",
     "compile_seconds",
+    "compiled_split_backward_problem",
     "current_batch_p2p",
     "current_wait_batch_p2p",
     "default_group",
@@ -50,6 +51,7 @@ __all__ = [
     "foreach_default_devices",
     "foreach_non_finite",
     "foreach_norm",
+    "fsdp_collective_names",
     "fsdp_comm_buffers",
     "global_optimizer_hooks",
     "group_timeout",
@@ -162,7 +164,8 @@ def unflatten_mesh(mesh: Any, dim: str, sizes: Sequence[int], names: Sequence[st
     sub-mesh of ``mesh`` (2-D parameters of HSDP x TP).
     """
     unflatten = _private(mesh, "_unflatten", "HSDP's (dp_replicate, dp_shard) mesh")
-    return unflatten(dim, tuple(sizes), tuple(names))
+    # by index: torch 2.11 refuses every dimension given by its name (its check is inverted)
+    return unflatten(list(mesh.mesh_dim_names).index(dim), tuple(sizes), tuple(names))
 
 
 # ---------------------------------------------------------------------------------------------- modules, tensors
@@ -199,6 +202,15 @@ def accumulate_unreduced_grads_as_computed(module: nn.Module) -> None:
             fsdp_param.to_accumulated_grad_if_needed = _keep_grad
 
 
+def fsdp_collective_names() -> tuple[str, str]:
+    """The ``torch.distributed`` functions FSDP2 reduce-scatters and all-gathers with, as (reduce-scatter,
+    all-gather): ``*_single`` from torch 2.13, ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` before (for
+    diagnostics that count or replace them)."""
+    if hasattr(dist, "reduce_scatter_single"):
+        return "reduce_scatter_single", "all_gather_single"
+    return "reduce_scatter_tensor", "all_gather_into_tensor"
+
+
 def fsdp_comm_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """FSDP2's communication buffers alive now for the FSDP units under ``module``, for memory diagnostics (the B4
     benchmark's account of a peak): ``("reduce-scatter input", t)`` for each reduce-scatter input FSDP2 keeps in
@@ -218,7 +230,11 @@ def fsdp_comm_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         # the context's buffers exist from FSDP2's lazy init (the first forward) on, with its streams
         if id(ctx) not in contexts and hasattr(ctx, "all_gather_copy_in_stream"):
             contexts.add(id(ctx))
-            for state in _private(ctx, "reduce_scatter_states", purpose):
+            if hasattr(ctx, "reduce_scatter_state"):  # before torch 2.13: the one in flight, or None
+                states = [s for s in (ctx.reduce_scatter_state,) if s is not None]
+            else:
+                states = _private(ctx, "reduce_scatter_states", purpose)
+            for state in states:
                 found.append(("reduce-scatter input", _private(state, "reduce_scatter_input", purpose)))
             kept = _private(ctx, "all_gather_state", purpose)
             if kept is not None:
@@ -591,6 +607,28 @@ def split_backward_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return (
         _private(_backward, "stage_backward_input", purpose),
         _private(_backward, "stage_backward_weight", purpose),
+    )
+
+
+def torch_release() -> tuple[int, int]:
+    """The running torch's (major, minor) release."""
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def compiled_split_backward_problem() -> str | None:
+    """Why this torch's split backward cannot run a compiled block's backward, or ``None`` where it can.
+
+    Before torch 2.13, ``stage_backward_weight`` hands ``autograd.grad`` edges of the compiled function's backward
+    node, whose metadata autograd no longer reads from a Python node: on torch 2.11 the weight-gradient pass fails
+    ("Attribute '_input_metadata' is invalid"), and a compiled ZB-V run gave step-1 gradients 4e-3 away from one
+    eager process. tests/unit/test_compile.py pins both sides: torch fails where this says so and runs where not.
+    """
+    if torch_release() >= (2, 13):
+        return None
+    return (
+        f"torch {torch.__version__}'s weight-gradient pass (pipelining's stage_backward_weight) cannot run the "
+        "backward of a compiled block (it fails, or gives wrong gradients); torch 2.13 runs it"
     )
 
 

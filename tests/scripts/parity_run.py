@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
+from lightning_3d.core import torch_compat
 from lightning_3d.core.tied import canonical_names
 
 from models import MODELS, CutInsideBlocks, OrderedData
@@ -117,11 +118,12 @@ def _gather_named(named: dict[str, torch.Tensor], contribute: bool) -> dict[str,
 
 
 class CollectiveCounter:
-    """Counts FSDP2's reduce-scatters and all-gathers (``torch.distributed.*_single``, which FSDP2 calls), and the
+    """Counts FSDP2's reduce-scatters and all-gathers (the ``torch.distributed`` functions FSDP2 calls), and the
     all-reduces over one group of ranks (``replica_ranks``: HSDP's replicas of this rank's shard, set per run)."""
 
     def __init__(self) -> None:
-        self.counts = {"reduce_scatter_single": 0, "all_gather_single": 0, "all_reduce": 0}
+        self.rs, self.ag = torch_compat.fsdp_collective_names()
+        self.counts = {self.rs: 0, self.ag: 0, "all_reduce": 0}
         self.replica_ranks: list[int] | None = None
         for name in self.counts:
             real = getattr(dist, name)
@@ -140,7 +142,7 @@ class CollectiveCounter:
 
     def take(self) -> tuple[int, int, int]:
         """(reduce-scatters, all-gathers, all-reduces over the replicas) since the last call."""
-        taken = (self.counts["reduce_scatter_single"], self.counts["all_gather_single"], self.counts["all_reduce"])
+        taken = (self.counts[self.rs], self.counts[self.ag], self.counts["all_reduce"])
         self.counts = dict.fromkeys(self.counts, 0)
         return taken
 

@@ -47,16 +47,22 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out.float() - target) ** 2).mean()
 
 
+def _lightnings_autocast() -> torch.autocast:
+    """The autocast Lightning's bf16-mixed runs every batch under (``MixedPrecision``: no cast cache)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+
+
 def _step(world, model: nn.Module, x: torch.Tensor, y: torch.Tensor, cache: bool) -> tuple[list, collections.Counter]:
     """One training batch of ``M`` micro-batches under Lightning's non-caching autocast; the gradients and the
     casts of each weight."""
     runtime = PipelineRuntime([StageSpec(0, model)], 1, world, torch.device("cpu"), "1f1b", _loss)
     if not cache:
         runtime._fsdp_sharded = lambda: True  # the stages are then built without the cache
-    runtime.run(x, y, M, ("x",), train=True)  # the first batch runs torch's shape inference too
+    with _lightnings_autocast():  # the first batch runs torch's shape inference too (torch 2.11 checks its dtypes)
+        runtime.run(x, y, M, ("x",), train=True)
     model.zero_grad(set_to_none=True)
     counter = _WeightCasts(list(model.parameters()))
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), counter:
+    with _lightnings_autocast(), counter:
         runtime.run(x, y, M, ("x",), train=True)
     assert all(stage.cache_casts is cache for stage in torch_compat.schedule_stages(runtime.schedule(M, ("x",), True)))
     return [p.grad.clone() for p in model.parameters()], counter.count
@@ -78,7 +84,8 @@ def test_the_cache_ends_with_the_batch_even_under_a_callers_caching_autocast(wor
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     model = _model()
     runtime = PipelineRuntime([StageSpec(0, model)], 1, world_of_one, torch.device("cpu"), "1f1b", _loss)
-    runtime.run(x, y, M, ("x",), train=True)
+    with _lightnings_autocast():  # shape inference under the dtypes of the batches after it
+        runtime.run(x, y, M, ("x",), train=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
         model.zero_grad(set_to_none=True)
         runtime.run(x, y, M, ("x",), train=True)
