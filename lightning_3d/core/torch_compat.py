@@ -75,6 +75,7 @@ __all__ = [
     "shape_inference_done",
     "split_backward_functions",
     "tensor_version",
+    "torch_release",
     "unscale_grads_",
     "view_base",
     "wrap_batch_p2p",
@@ -619,10 +620,11 @@ def torch_release() -> tuple[int, int]:
 def compiled_split_backward_problem() -> str | None:
     """Why this torch's split backward cannot run a compiled block's backward, or ``None`` where it can.
 
-    Before torch 2.13, ``stage_backward_weight`` hands ``autograd.grad`` edges of the compiled function's backward
-    node, whose metadata autograd no longer reads from a Python node: on torch 2.11 the weight-gradient pass fails
-    ("Attribute '_input_metadata' is invalid"), and a compiled ZB-V run gave step-1 gradients 4e-3 away from one
-    eager process. tests/unit/test_compile.py pins both sides: torch fails where this says so and runs where not.
+    On torch 2.11 ``stage_backward_weight``'s ``autograd.grad`` over the edges of a compiled block's backward node
+    fails ("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase"), and a compiled ZB-V run
+    there gave step-1 gradients 4e-3 away from one eager process; torch 2.13 runs both correctly. 2.12 has not been
+    tried, so everything before 2.13 counts as unable. tests/unit/test_compile.py pins both sides: torch fails
+    where this says so and runs where not.
     """
     if torch_release() >= (2, 13):
         return None
