@@ -215,14 +215,15 @@ def test_style_on_the_wrong_kind_of_module_is_refused() -> None:
 def test_tied_pair_sharded_inconsistently_is_left_replicated_or_refused() -> None:
     model = tiny("llama", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    model.tp_plan = {**model.tp_plan, "model.embed_tokens": "replicate"}
+    # set past the setter: transformers before 5.25 refuses "replicate" there
+    model._tp_plan = {**model.tp_plan, "model.embed_tokens": "replicate"}
     plan = hf_tp_plan(model, tp=2)
     assert plan is not None
     assert "lm_head" not in plan.entries and "model.embed_tokens" not in plan.entries
     assert "tied to model.embed_tokens.weight, lm_head.weight" in plan.notes["lm_head"]
     assert "model.embed_tokens" in plan.notes  # the model's own "replicate" entry
     # a head whose output is sharded cannot just be left unsharded: refused
-    model.tp_plan = {**model.tp_plan, "lm_head": "colwise"}
+    model._tp_plan = {**model.tp_plan, "lm_head": "colwise"}
     with pytest.raises(ValueError, match="Tied parameters"):
         hf_tp_plan(model, tp=2)
 
@@ -243,6 +244,25 @@ def test_declared_plan_falls_back_to_class_and_config_plans() -> None:
     plan = declared_tp_plan(model)
     assert plan["lm_head"] == "colwise_gather_output"
     assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+
+
+def test_plans_of_releases_before_the_embedding_rule_get_it() -> None:
+    model = tiny("llama")
+    # what transformers before 5.25 made (5.17): neither the base model's plan nor the head's names embed_tokens
+    model.model._tp_plan = {k: v for k, v in model.model._tp_plan.items() if k != "embed_tokens"}
+    model._tp_plan = {k: v for k, v in model._tp_plan.items() if k != "model.embed_tokens"}
+    assert declared_tp_plan(model)["model.embed_tokens"] == "embedding_rowwise"
+    assert declared_tp_plan(model.model)["embed_tokens"] == "embedding_rowwise"
+    assert hf_tp_plan(model, tp=2).entries["model.embed_tokens"].style == "embedding_rowwise"
+    # a plan the user set is theirs: nothing added
+    model.tp_plan = {"model.layers.*.mlp.up_proj": "colwise", "model.layers.*.mlp.down_proj": "rowwise"}
+    assert declared_tp_plan(model) == dict(model.tp_plan)
+    # a model whose embedding is not an nn.Embedding gets nothing
+    model = tiny("llama")
+    model._tp_plan = {k: v for k, v in model._tp_plan.items() if k != "model.embed_tokens"}
+    model.model._tp_plan = {}
+    model.model.embed_tokens = nn.Identity()
+    assert "model.embed_tokens" not in declared_tp_plan(model)
 
 
 def test_find_hf_models_returns_the_outermost_only() -> None:

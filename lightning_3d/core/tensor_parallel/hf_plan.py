@@ -8,7 +8,8 @@ Where transformers keeps the plan (5.x): the base model's config class declares 
 (``"layers.*.self_attn.q_proj": "colwise"``, relative to the base model), the head model class ``_tp_plan``
 (``{"lm_head": "colwise_gather_output"}``); ``PreTrainedModel.post_init`` merges them into the instance's
 ``tp_plan`` (base entries under ``base_model_prefix``, e.g. ``"model."``) and adds
-``"embed_tokens": "embedding_rowwise"`` for a base model whose ``embed_tokens`` is an ``nn.Embedding``. A ``*``
+``"embed_tokens": "embedding_rowwise"`` for a base model whose ``embed_tokens`` is an ``nn.Embedding`` (5.25; on
+older releases, which leave it out, :func:`declared_tp_plan` adds it to a plan transformers made). A ``*``
 stands for a layer number between dots (``transformers.distributed.parallel_utils``
 ``replace_layer_number_by_wildcard``), which is how names are matched here.
 
@@ -249,17 +250,53 @@ def declared_tp_plan(model: nn.Module) -> dict[str, str]:
     The instance's merged ``tp_plan`` (made by ``post_init``; a user may replace it with ``model.tp_plan = {...}``
     or empty it with ``model.tp_plan = None``); for a model that did not run ``post_init``, the same merge done
     here: the class ``_tp_plan`` plus the config's ``base_model_tp_plan`` under ``base_model_prefix``.
+
+    A plan transformers made (not one the user set) gets transformers 5.25's embedding rule on every release:
+    the base model's ``embed_tokens``, an ``nn.Embedding`` the plan does not name, is ``embedding_rowwise``
+    (:func:`_with_embedding_rule`). Releases before it (5.17) leave that entry out of Llama-family plans, so the
+    embedding, the largest matrix of most models, stayed whole on every tp rank.
     """
     plan = getattr(model, "tp_plan", None)
-    if isinstance(plan, dict):  # set by post_init, possibly emptied by the user (model.tp_plan = None)
-        return dict(plan)
-    out = dict(getattr(type(model), "_tp_plan", None) or {})
-    config = getattr(model, "config", None)
-    base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if isinstance(plan, dict):  # set by post_init, possibly replaced or emptied by the user
+        made_by_transformers = plan == _merged_plan(model, children=True)
+        return _with_embedding_rule(model, plan) if made_by_transformers else dict(plan)
+    return _with_embedding_rule(model, _merged_plan(model, children=False))
+
+
+def _base_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(prefix, base model)``: ``("model", model.model)`` for a head model, ``("", model)`` for a base model."""
     prefix = getattr(model, "base_model_prefix", "")
-    is_head = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
-    out.update({f"{prefix}.{k}" if is_head else k: v for k, v in base_plan.items()})
+    base = getattr(model, prefix, None) if prefix else None
+    return (prefix, base) if isinstance(base, nn.Module) and base is not model else ("", model)
+
+
+def _merged_plan(model: nn.Module, children: bool) -> dict[str, str]:
+    """What ``post_init`` merges without the embedding rule: the class ``_tp_plan``, the config's
+    ``base_model_tp_plan`` (under the base model's prefix) and, with ``children``, the plans the child models'
+    own ``post_init`` made (``_tp_plan`` of each direct child, under its name), as transformers merges them."""
+    out = dict(getattr(type(model), "_tp_plan", None) or {})
+    prefix, base = _base_model(model)
+    base_plan = dict(getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {})
+    if base is model or not children:
+        out.update({f"{prefix}.{k}" if prefix else k: v for k, v in base_plan.items()})
+    if children:
+        for name, child in model.named_children():
+            own = getattr(child, "_tp_plan", None)
+            if isinstance(own, dict) and own:
+                out.update({f"{name}.{k}": v for k, v in own.items()})
     return out
+
+
+def _with_embedding_rule(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` with the base model's ``embed_tokens`` vocabulary-parallel (``embedding_rowwise``) when it is an
+    ``nn.Embedding`` that the plan does not name and the base model has a plan of its own: transformers 5.25's
+    ``init_parallel_plans`` rule, applied here so that older releases shard it alike."""
+    prefix, base = _base_model(model)
+    key = f"{prefix}.embed_tokens" if prefix else "embed_tokens"
+    own = getattr(type(base), "_tp_plan", None) or getattr(getattr(base, "config", None), "base_model_tp_plan", None)
+    if not own or key in plan or not isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+        return dict(plan)
+    return {key: "embedding_rowwise", **plan}
 
 
 def generic_name(name: str) -> str:
