@@ -622,9 +622,8 @@ def compiled_split_backward_problem() -> str | None:
 
     On torch 2.11 ``stage_backward_weight``'s ``autograd.grad`` over the edges of a compiled block's backward node
     fails ("Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase"), and a compiled ZB-V run
-    there gave step-1 gradients 4e-3 away from one eager process; torch 2.13 runs both correctly. 2.12 has not been
-    tried, so everything before 2.13 counts as unable. tests/unit/test_compile.py pins both sides: torch fails
-    where this says so and runs where not.
+    there gave step-1 gradients 4e-3 away from one eager process; torch 2.12 fails the same way; torch 2.13 runs both
+    correctly. tests/unit/test_compile.py pins both sides: torch fails where this says so and runs where not.
     """
     if torch_release() >= (2, 13):
         return None
