@@ -368,10 +368,11 @@ def gather_full_state_dict(module: nn.Module, *, writer: bool, dst: int = 0) -> 
     import torch.distributed as dist
 
     local: dict[str, torch.Tensor] = {}
-    for name, tensor in module.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if writer:
-            local[name] = full.detach().cpu().clone()
+    with torch_compat.quiet_sequential_gathers():  # FSDP x tp parameters: two all-gathers each, correct
+        for name, tensor in module.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if writer:
+                local[name] = full.detach().cpu().clone()
     if not dist.is_initialized():
         return local
     parts: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size() if dist.get_rank() == dst else []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -62,6 +63,7 @@ __all__ = [
     "op_name",
     "p2p_functions_are_torchs",
     "process_groups",
+    "quiet_sequential_gathers",
     "record_scaler_found_inf",
     "replicate",
     "saved_attention_and_collective_ops",
@@ -386,6 +388,24 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def quiet_sequential_gathers() -> Any:
+    """Silence DTensor's warning that a redistribution runs as several collectives, for the duration.
+
+    Gathering a parameter sharded over two mesh dimensions (FSDP's ``_StridedShard`` over dp and ``Shard`` over
+    tp) takes two all-gathers one after the other; torch logs, once per rank, that this "may give inconsistent
+    results between ranks due to different reduction orders", which an all-gather (no reduction) cannot. The
+    warning goes through the logger of the private module ``torch.distributed.tensor._redistribute``.
+    """
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    before = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
 
 
 def strided_shard_type() -> type:

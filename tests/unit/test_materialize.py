@@ -336,3 +336,36 @@ def test_gather_full_state_dict_without_a_process_group() -> None:
     assert got is not None and sorted(got) == sorted(net.state_dict())
     assert all(torch.equal(got[k], v) for k, v in net.state_dict().items())
     assert gather_full_state_dict(net, writer=False) == {}
+
+
+def test_gathers_silence_only_dtensors_sequential_collective_warning() -> None:
+    """gather_full_state_dict's FSDP x tp gathers log torch's "several collectives" warning on every rank; the
+    context silences that logger (the one torch's module really uses) for its duration only."""
+    import logging
+
+    from torch.distributed.tensor import _redistribute
+
+    from lightning_3d.core import torch_compat
+
+    logger = _redistribute.logger
+    assert logger is logging.getLogger("torch.distributed.tensor._redistribute")
+    other = logging.getLogger("lightning_3d.test_other")
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler, before = Keep(logging.WARNING), logger.level
+    logger.addHandler(handler)
+    other.addHandler(handler)
+    try:
+        with torch_compat.quiet_sequential_gathers():
+            logger.warning("While redistributing from %s to %s", "a", "b")
+            other.warning("kept")
+        logger.warning("after")
+    finally:
+        logger.removeHandler(handler)
+        other.removeHandler(handler)
+    assert seen == ["kept", "after"]
+    assert logger.level == before
