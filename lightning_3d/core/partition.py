@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -270,13 +270,38 @@ def plan_stages(
     return StagePlan(names, body.fqn, ranks, estimates, costs, shown)
 
 
+class OnAnotherStage(nn.Module):
+    """Stands in, inside the body, for a layer that another pipeline rank holds (no parameters, no buffers).
+
+    The body keeps its length and every layer its position, so single-device code that indexes it reads what it
+    reads in the unsplit model: ``self.body[0].parameters()`` in ``configure_optimizers`` (a learning rate of the
+    embedding's own) is empty on a rank that does not hold layer 0, never another layer, and ``len(self.body)``
+    is unchanged. Training runs the stages' own containers, so it is never called; calling it raises.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.layer_name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"lightning_3d: {self.layer_name} is held by another pipeline stage; under pipeline parallelism the "
+            "body runs stage by stage, not as a whole on one rank."
+        )
+
+    def extra_repr(self) -> str:
+        return self.layer_name
+
+
 def prune_body(body: BodyRef, keep: Sequence[str]) -> None:
-    """Drop every layer of the body that is not in ``keep``; kept layers keep their names."""
+    """Replace every layer of the body that is not in ``keep`` by an :class:`OnAnotherStage` (its parameters are
+    freed); kept layers keep their names and positions."""
     keep_set = set(keep)
     children = torch_compat.child_modules(body.module)
+    prefix = f"{body.fqn}." if body.fqn else ""
     for name in list(children):
         if name not in keep_set:
-            del children[name]
+            children[name] = OnAnotherStage(f"{prefix}{name}")
 
 
 def stage_container(body: BodyRef, names: Sequence[str], parts: dict[str, nn.Module] | None = None) -> nn.Sequential:

@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_3d.core.partition import (
     PARTITIONERS,
+    OnAnotherStage,
     ParameterPartitioner,
     StagePlan,
     TensorSpec,
@@ -257,17 +258,22 @@ def test_stage_plan_describe() -> None:
 
 
 # ------------------------------------------------------------------------------------ pruning
-def test_prune_body_keeps_names_and_order() -> None:
+def test_prune_body_keeps_names_and_positions() -> None:
     torch.manual_seed(0)
     root = Holder(body=nn.Sequential(lin(), nn.ReLU(), lin(), lin()))
     kept = [root.body[2], root.body[3]]
     x = torch.randn(3, 4)
     want = root.body[3](root.body[2](x))
     prune_body(find_body(root), ["3", "2"])
-    assert list(root.body._modules) == ["2", "3"]
-    assert [root.body._modules["2"], root.body._modules["3"]] == kept
+    assert list(root.body._modules) == ["0", "1", "2", "3"] and len(root.body) == 4
+    # single-device indexing reads the same layers: body[2] / body[-1] are the kept ones, not shifted
+    assert [root.body[2], root.body[-1]] == kept
     assert sorted(root.state_dict()) == ["body.2.bias", "body.2.weight", "body.3.bias", "body.3.weight"]
-    torch.testing.assert_close(root.body(x), want)
+    assert list(root.body[0].parameters()) == [] and isinstance(root.body[1], OnAnotherStage)
+    assert "body.0" in repr(root.body[0])
+    torch.testing.assert_close(root.body[3](root.body[2](x)), want)
+    with pytest.raises(RuntimeError, match=r"body\.0 is held by another pipeline stage"):
+        root.body(x)
 
 
 def test_stage_container_shares_the_layers_under_their_names() -> None:
