@@ -54,6 +54,7 @@ from ..core.topology import Topology
 from .named_state import (
     MODEL,
     compare_keys,
+    fit_scheduler_state,
     model_state_dict,
     optimizer_state_dict,
     optimizer_template,
@@ -307,6 +308,12 @@ def load_checkpoint(
         assign(copy, model[key])
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(torch_optimizer_state(names, optimizer, state[f"optimizer_{i}"]))
+    if fitting and isinstance(meta.get("lr_schedulers"), list):  # rank 0's, fitted to this rank's groups
+        configs = trainer.lr_scheduler_configs
+        meta["lr_schedulers"] = [
+            fit_scheduler_state(saved_state, config.scheduler) if isinstance(saved_state, dict) else saved_state
+            for saved_state, config in zip(meta["lr_schedulers"], configs)
+        ] + meta["lr_schedulers"][len(configs) :]
     _restore_rank_state(context, trainer, section, fitting)
     return meta
 

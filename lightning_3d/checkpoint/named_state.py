@@ -118,6 +118,52 @@ def torch_optimizer_state(names: Mapping[int, str], optimizer: Any, flat: Mappin
     return {"state": state, "param_groups": groups}
 
 
+# LR scheduler entries that hold one value per parameter group, and the group hyperparameter each one equals:
+# ``LRScheduler`` sets ``base_lrs[i] = group["initial_lr"]`` and, after each step, ``_last_lr[i] = group["lr"]``.
+_PER_GROUP_HYPERPARAMETER = {"base_lrs": "initial_lr", "_last_lr": "lr"}
+
+
+def fit_scheduler_state(saved: Mapping[str, Any], scheduler: Any) -> dict[str, Any]:
+    """An LR scheduler's saved state fitted to this rank's optimizer (after the optimizer itself was restored).
+
+    Lightning saves rank 0's schedulers only, and a scheduler keeps lists with one entry per parameter group;
+    a pipeline stage can hold another number of groups than rank 0's (a stage of embeddings alone has no biases
+    or norms, so a LightningModule that leaves out empty groups gives it one group where the others have two),
+    and at another layout the groups hold other parameters. The group lists are therefore rebuilt from this
+    rank's optimizer, whose hyperparameters were restored per parameter: ``base_lrs`` from each group's
+    ``initial_lr``, ``_last_lr`` from its ``lr``. Any other list of one entry per saved group (``lr_lambdas``,
+    ``ReduceLROnPlateau.min_lrs``, ...) is taken over when the counts agree, and otherwise only when all its
+    entries are equal; the scalars (``last_epoch``, the step count) are rank 0's, the same on every rank.
+
+    Raises:
+        ValueError: a per-group list with different entries cannot be matched to this rank's groups.
+    """
+    out = dict(saved)
+    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
+    if not groups:
+        return out
+    saved_count = next(
+        (len(saved[k]) for k in ("_last_lr", "base_lrs", "min_lrs") if isinstance(saved.get(k), list)), None
+    )
+    for key, hyper in _PER_GROUP_HYPERPARAMETER.items():
+        if isinstance(out.get(key), list) and all(hyper in group for group in groups):
+            out[key] = [group[hyper] for group in groups]
+    if saved_count is None or saved_count == len(groups):
+        return out
+    for key, value in saved.items():
+        if key in _PER_GROUP_HYPERPARAMETER or not isinstance(value, list) or len(value) != saved_count:
+            continue
+        if any(v != value[0] for v in value[1:]):
+            raise ValueError(
+                f"lightning_3d: cannot restore {type(scheduler).__name__}.{key}: the checkpoint holds a different "
+                f"value for each of rank 0's {saved_count} parameter groups ({value!r}), and this rank's optimizer "
+                f"has {len(groups)} groups. Keep the same parameter groups on every pipeline stage (empty groups "
+                "are fine) or give the groups equal values."
+            )
+        out[key] = [value[0]] * len(groups)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- key checks
 @dataclass
 class KeyReport:

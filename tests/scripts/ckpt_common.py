@@ -29,12 +29,31 @@ GLOBAL_BATCH = 16
 N_SAMPLES = 64
 
 
+def _halve_every_3_steps(step: int) -> float:
+    return 0.5 ** (step // 3)
+
+
 class NoisyMLP(TinyMLP):
     """TinyMLP whose training step perturbs its input with torch, python and numpy random numbers."""
 
     def __init__(self, noise: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.noise = noise
+
+    def configure_optimizers(self):
+        """Two parameter groups with their own learning rates, the first layer's and the rest, empty ones left out
+        (as the example GPT leaves out a stage's empty no-decay group): pipeline stages then hold one or two
+        groups, so rank 0's saved scheduler lists must be fitted to each rank's groups when resuming."""
+        first = list(self.body[0].parameters())
+        rest = [p for p in self.parameters() if all(p is not q for q in first)]
+        groups = [g for g in ({"params": first, "lr": self.lr}, {"params": rest, "lr": self.lr / 2}) if g["params"]]
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        else:
+            opt = torch.optim.Adam(groups, lr=self.lr)
+        # LambdaLR scales each group's own base_lrs entry: resuming needs this rank's entries, not rank 0's
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _halve_every_3_steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def training_step(self, batch, batch_idx):
         x, y = batch

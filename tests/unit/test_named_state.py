@@ -184,3 +184,73 @@ def test_two_copies_of_a_tied_weight_load_states_of_their_own() -> None:
     states = [fresh_opt.state[p] for p in (fresh.embed.weight, fresh.head.weight)]
     for key in ("exp_avg", "exp_avg_sq", "step"):
         assert torch.equal(states[0][key], states[1][key]) and states[0][key] is not states[1][key], key
+
+
+# ------------------------------------------------------------------------------------ LR schedulers
+def _embedding_and_head() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"emb": nn.Embedding(8, 4), "head": nn.Linear(4, 8)})
+
+
+def _groups(params: dict[str, nn.Parameter]) -> list[dict]:
+    """The example GPT's groups: decay for matrices, none for vectors, empty groups left out."""
+    groups = [
+        {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
+
+
+def test_scheduler_state_of_rank_0_is_fitted_to_a_stage_with_other_groups() -> None:
+    """Rank 0 (embedding and head: two groups) saves its scheduler; a stage holding the embedding alone has one
+    group. Fitted, its learning rate follows the single-device run; rank 0's state as it is breaks the scheduler."""
+    from lightning_3d.checkpoint.named_state import fit_scheduler_state
+
+    model = _embedding_and_head()
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(_groups(params), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    flat = optimizer_state_dict(model, opt)
+    saved = sched.state_dict()
+    assert len(saved["base_lrs"]) == 2
+
+    stage = {"emb.weight": params["emb.weight"]}  # the embedding's stage: one group
+    stage_opt = torch.optim.AdamW(_groups(stage), lr=0.5)  # another lr in the code: the checkpoint's must win
+    stage_sched = torch.optim.lr_scheduler.LambdaLR(stage_opt, _warmup)
+    stage_opt.load_state_dict(torch_optimizer_state(param_names(model), stage_opt, flat))
+
+    broken = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(_groups(stage), lr=0.01), _warmup)
+    broken.load_state_dict(dict(saved))
+    with pytest.raises(ValueError, match="zip"):
+        broken.step()
+
+    stage_sched.load_state_dict(fit_scheduler_state(saved, stage_sched))
+    assert stage_sched.base_lrs == [0.01] and stage_sched.get_last_lr() == [sched.get_last_lr()[0]]
+    for _ in range(3):
+        opt.step()
+        sched.step()
+        stage_opt.step()
+        stage_sched.step()
+        assert stage_opt.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"], rel=0, abs=0)
+
+
+def test_scheduler_lists_that_cannot_be_matched_to_the_groups_are_refused() -> None:
+    from lightning_3d.checkpoint.named_state import fit_scheduler_state
+
+    params = dict(_embedding_and_head().named_parameters())
+    opt = torch.optim.SGD(_groups(params), lr=0.1)
+    saved = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, min_lr=[1e-3, 1e-4]).state_dict()
+    one = torch.optim.SGD(_groups({"emb.weight": params["emb.weight"]}), lr=0.1)
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau\.min_lrs.*2 parameter groups.*1 groups"):
+        fit_scheduler_state(saved, torch.optim.lr_scheduler.ReduceLROnPlateau(one))
+    # equal values are taken over, one per group
+    saved = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, min_lr=1e-3).state_dict()
+    fitted = fit_scheduler_state(saved, torch.optim.lr_scheduler.ReduceLROnPlateau(one))
+    assert fitted["min_lrs"] == [1e-3] and fitted["_last_lr"] == [0.1]
