@@ -121,6 +121,8 @@ def torch_optimizer_state(names: Mapping[int, str], optimizer: Any, flat: Mappin
 # LR scheduler entries that hold one value per parameter group, and the group hyperparameter each one equals:
 # ``LRScheduler`` sets ``base_lrs[i] = group["initial_lr"]`` and, after each step, ``_last_lr[i] = group["lr"]``.
 _PER_GROUP_HYPERPARAMETER = {"base_lrs": "initial_lr", "_last_lr": "lr"}
+# Other per-group lists of torch's schedulers (LambdaLR / MultiplicativeLR, ReduceLROnPlateau, CyclicLR).
+_PER_GROUP_LISTS = ("lr_lambdas", "min_lrs", "max_lrs", "base_momentums", "max_momentums")
 
 
 def fit_scheduler_state(saved: Mapping[str, Any], scheduler: Any) -> dict[str, Any]:
@@ -131,32 +133,35 @@ def fit_scheduler_state(saved: Mapping[str, Any], scheduler: Any) -> dict[str, A
     or norms, so a LightningModule that leaves out empty groups gives it one group where the others have two),
     and at another layout the groups hold other parameters. The group lists are therefore rebuilt from this
     rank's optimizer, whose hyperparameters were restored per parameter: ``base_lrs`` from each group's
-    ``initial_lr``, ``_last_lr`` from its ``lr``. Any other list of one entry per saved group (``lr_lambdas``,
-    ``ReduceLROnPlateau.min_lrs``, ...) is taken over when the counts agree, and otherwise only when all its
-    entries are equal; the scalars (``last_epoch``, the step count) are rank 0's, the same on every rank.
+    ``initial_lr``, ``_last_lr`` from its ``lr``. The other per-group lists of torch's schedulers (``lr_lambdas``,
+    ``min_lrs``, ``max_lrs``, momentum bounds) are taken over when the counts agree, and otherwise only when all
+    their entries are equal; the scalars (``last_epoch``, the step count) are rank 0's, the same on every rank.
+    ``SequentialLR`` / ``ChainedScheduler`` have each of their schedulers fitted.
 
     Raises:
         ValueError: a per-group list with different entries cannot be matched to this rank's groups.
     """
     out = dict(saved)
+    inner = getattr(scheduler, "_schedulers", None)
+    if isinstance(out.get("_schedulers"), list) and isinstance(inner, (list, tuple)):
+        out["_schedulers"] = [
+            fit_scheduler_state(state, sub) if isinstance(state, Mapping) else state
+            for state, sub in zip(out["_schedulers"], inner)
+        ] + out["_schedulers"][len(inner) :]
     groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
     if not groups:
         return out
-    saved_count = next(
-        (len(saved[k]) for k in ("_last_lr", "base_lrs", "min_lrs") if isinstance(saved.get(k), list)), None
-    )
     for key, hyper in _PER_GROUP_HYPERPARAMETER.items():
         if isinstance(out.get(key), list) and all(hyper in group for group in groups):
             out[key] = [group[hyper] for group in groups]
-    if saved_count is None or saved_count == len(groups):
-        return out
-    for key, value in saved.items():
-        if key in _PER_GROUP_HYPERPARAMETER or not isinstance(value, list) or len(value) != saved_count:
+    for key in _PER_GROUP_LISTS:
+        value = saved.get(key)
+        if not isinstance(value, list) or not value or len(value) == len(groups):
             continue
         if any(v != value[0] for v in value[1:]):
             raise ValueError(
                 f"lightning_3d: cannot restore {type(scheduler).__name__}.{key}: the checkpoint holds a different "
-                f"value for each of rank 0's {saved_count} parameter groups ({value!r}), and this rank's optimizer "
+                f"value for each of rank 0's {len(value)} parameter groups ({value!r}), and this rank's optimizer "
                 f"has {len(groups)} groups. Keep the same parameter groups on every pipeline stage (empty groups "
                 "are fine) or give the groups equal values."
             )

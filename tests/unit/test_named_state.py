@@ -254,3 +254,33 @@ def test_scheduler_lists_that_cannot_be_matched_to_the_groups_are_refused() -> N
     saved = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, min_lr=1e-3).state_dict()
     fitted = fit_scheduler_state(saved, torch.optim.lr_scheduler.ReduceLROnPlateau(one))
     assert fitted["min_lrs"] == [1e-3] and fitted["_last_lr"] == [0.1]
+
+
+def test_sequential_schedulers_have_each_scheduler_fitted() -> None:
+    """SequentialLR keeps its schedulers' states in a list (not one entry per group): each one is fitted."""
+    from lightning_3d.checkpoint.named_state import fit_scheduler_state
+
+    def sequential(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.SequentialLR:
+        warm = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
+        decay = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return torch.optim.lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[3])
+
+    model = _embedding_and_head()
+    params = dict(model.named_parameters())
+    opt = torch.optim.SGD(_groups(params), lr=0.1)
+    sched = sequential(opt)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    flat, saved = optimizer_state_dict(model, opt), sched.state_dict()
+    one = torch.optim.SGD(_groups({"emb.weight": params["emb.weight"]}), lr=0.7)
+    one_sched = sequential(one)
+    one.load_state_dict(torch_optimizer_state(param_names(model), one, flat))
+    one_sched.load_state_dict(fit_scheduler_state(saved, one_sched))
+    assert [s.base_lrs for s in one_sched._schedulers] == [[0.1], [0.1]]
+    for _ in range(4):
+        opt.step()
+        sched.step()
+        one.step()
+        one_sched.step()
+        assert one.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
