@@ -42,6 +42,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import DPConsistencyCheck, ThreeDStrategy
+from lightning_3d.core.partition import OnAnotherStage
 from lightning_3d.reliability import group_timeout
 from lightning_3d.tools.dp_check import bit_checksum
 
@@ -116,8 +117,8 @@ class Fault(L.Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.record["timeouts_setup"] = self._timeouts(trainer)
-        body = pl_module.body
-        first = next(iter(body._modules.values()))
+        # the first layer this rank holds (layers of other stages are OnAnotherStage placeholders in the body)
+        first = next(m for m in pl_module.body if not isinstance(m, OnAnotherStage))
         first.register_forward_hook(self._hook)
         if self.args.fault == "nan_loss":
             pl_module.nan_loss_step = self.args.step
