@@ -7,6 +7,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .core.grad_norm import grad_norm
 from .core.materialize import LoadReport, load_full_state_dict
 from .core.partition import ParameterPartitioner, Partitioner, UniformPartitioner
 from .core.topology import Topology
@@ -27,6 +28,7 @@ __all__ = [
     "Topology",
     "UniformPartitioner",
     "diagnose_barrier",
+    "grad_norm",
     "load_full_state_dict",
 ]
 

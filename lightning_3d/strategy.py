@@ -62,6 +62,7 @@ from .core import partition
 from .core.agreed import mark_agreed
 from .core.compile import CompiledBlocks, compile_kwargs, for_split_backward
 from .core.grad_norm import clip_grads_, global_grad_norm
+from .core.hook_logs import HookLogs
 from .core.loss_scale import LossScaler, scaler_of
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
 from .core.optim import optimizer_for_dtensors
@@ -153,6 +154,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.last_grad_norm: Tensor | None = None
         self._held_grads: HeldGrads | None = None  # the last training batch's gradients, until backward()
         self._zero_grad_hooks = ZeroGradHooks()  # whether zero_grad is Lightning's own, checked once per fit
+        self._hook_logs: HookLogs | None = None  # pp > 1: the gradient hooks' self.log, merged over the stages
         self._step_flags: list[float] | None = None  # the last training batch's non-finite flags, until backward()
         self._tied: TiedWeights | None = None
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
@@ -492,6 +494,11 @@ class ThreeDStrategy(ParallelStrategy):
         exactly where single-device training runs them.
         """
         assert self.lightning_module is not None
+        with self._gradient_hook_logs("backward"):
+            return self._backward(closure_loss)
+
+    def _backward(self, closure_loss: Tensor) -> Tensor:
+        assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         held, self._held_grads = self._held_grads, None
@@ -512,19 +519,40 @@ class ThreeDStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Lightning's optimizer step; under ``precision="16-mixed"`` the plugin's ``GradScaler`` is driven from the
         overflow every rank agreed on (``core/loss_scale.py``) instead of a local inf check. DTensor parameters are
-        stepped over their local tensors where the user left the implementation to torch (``core/optim.py``)."""
-        with optimizer_for_dtensors(optimizer):
+        stepped over their local tensors where the user left the implementation to torch (``core/optim.py``).
+        The ``self.log`` calls of ``on_before_optimizer_step`` (which runs after the closure) are merged over the
+        pipeline stages (``core/hook_logs.py``)."""
+        with contextlib.ExitStack() as after_closure, optimizer_for_dtensors(optimizer):
+
+            def closure_then_hooks() -> Any:
+                out = closure()
+                if not after_closure_entered:
+                    after_closure_entered.append(True)
+                    after_closure.enter_context(self._gradient_hook_logs("optimizer_step"))
+                return out
+
+            after_closure_entered: list[bool] = []
             if self.loss_scaler is None:
-                return super().optimizer_step(optimizer, closure, model, **kwargs)
+                return super().optimizer_step(optimizer, closure_then_hooks, model, **kwargs)
             model = model or self.lightning_module
             assert model is not None
             return self.loss_scaler.optimizer_step(
                 optimizer,
-                closure,
+                closure_then_hooks,
                 lambda: self.precision_plugin._after_closure(model, optimizer),
                 model.trainer.global_step,
                 **kwargs,
             )
+
+    def _gradient_hook_logs(self, window: str) -> contextlib.AbstractContextManager[None]:
+        """Around a window of gradient hooks (``core/hook_logs.WINDOWS``): under pp > 1 their ``self.log`` calls are
+        exchanged over the pipeline group and every rank logs what one device would."""
+        module = self.lightning_module
+        if self.pp == 1 or module is None:
+            return contextlib.nullcontext()
+        if self._hook_logs is None:
+            self._hook_logs = HookLogs(self.device_mesh["pp"].get_group())
+        return self._hook_logs.window(window, module, module.trainer.callbacks)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         if self._reliability.step_skipped:  # ---- reliability: on_nonfinite="skip" dropped every gradient
@@ -676,9 +704,23 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """``self.log(..., sync_dist=True)`` outside the relayed steps: over the data-parallel replicas, as DDP's
+        ranks are. Not over the world: tensor-parallel ranks hold the same value (a ``"sum"`` would count it tp
+        times) and pipeline stages log their own keys (a world collective would pair different keys, or wait)."""
         if isinstance(tensor, Tensor):
+            if group is None and _distributed_is_initialized() and self._mesh is not None:
+                group = self.device_mesh["dp"].get_group()
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every rank's decision (a checkpoint's, early stopping's), over the whole world."""
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = _sync_ddp_if_available(flag, None, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
 
     # ---- reliability: fail fast, and a barrier that names missing ranks
     @override

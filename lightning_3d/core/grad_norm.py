@@ -127,3 +127,36 @@ def clip_grads_(parameters: Iterable[torch.Tensor], max_norm: float, total_norm:
     clip_coef_clamped = torch.clamp(clip_coef, max=1.0)
     for g in grads:
         g.mul_(clip_coef_clamped.to(g.device, g.dtype))
+
+
+def grad_norm(
+    module: torch.nn.Module, norm_type: float | int | str, group_separator: str = "/"
+) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient norm and their overall norm: Lightning's ``lightning.pytorch.utilities.grad_norm``
+    (same keys, same values on one device) for gradients that are DTensors too.
+
+    Under ``ThreeDStrategy`` with dp or tp > 1 the gradients are DTensors (``replicate``, FSDP2, tensor
+    parallelism), and Lightning's version fails on them (``torch.tensor`` of DTensor norms). Here a DTensor
+    gradient's norm is the whole gradient's (a collective over the ranks holding its shards: call it on every rank
+    of the stage, as a gradient hook runs), returned as a plain tensor. Under a pipeline it covers this stage's
+    parameters; logged from a gradient hook (``self.log_dict(grad_norm(self, 2))`` in
+    ``on_before_optimizer_step``) the strategy merges the stages (``core/hook_logs.py``): each parameter's key
+    from its stage, the total as the norm over every stage.
+
+    Args:
+        module: the module whose ``named_parameters()`` are read (``None`` gradients skipped).
+        norm_type: the p of the p-norm (``"inf"`` for the largest absolute value).
+        group_separator: between ``grad_{p}_norm`` and the parameter's name (a logger's folder separator).
+    """
+    p = float(norm_type)
+    if p <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    norms: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        if param.grad is None:
+            continue
+        norm = param.grad.detach().norm(p)
+        norms[f"grad_{p}_norm{group_separator}{name}"] = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    if norms:
+        norms[f"grad_{p}_norm_total"] = torch.stack(list(norms.values())).norm(p)
+    return norms

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lightning_3d.core.grad_norm import _is_tp_sharded, clip_grads_, global_grad_norm
 
@@ -119,3 +119,41 @@ def test_scan_norms_are_reused_only_for_the_same_unchanged_gradient() -> None:
     assert float(global_grad_norm(params, 2.0, tp_group=None, pp_group=None, known=known)) == pytest.approx(
         math.sqrt(100 + 144)
     )
+
+
+@pytest.mark.parametrize("norm_type", [2, "inf", 1.5])
+def test_grad_norm_equals_lightnings_on_plain_gradients(norm_type: float | str) -> None:
+    """``lightning_3d.grad_norm`` gives Lightning's keys and values where Lightning's works (plain tensors)."""
+    from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+    from lightning_3d import grad_norm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2, bias=False))
+    model(torch.randn(5, 4)).square().sum().backward()
+    model[0].bias.grad = None  # a parameter without a gradient is left out by both
+    ours, theirs = grad_norm(model, norm_type, group_separator="|"), lightning_grad_norm(model, norm_type, "|")
+    assert list(ours) == list(theirs) and len(ours) == 3
+    for key in ours:
+        assert float(ours[key]) == pytest.approx(float(theirs[key]), rel=1e-6), key
+    with pytest.raises(ValueError, match="norm_type"):
+        grad_norm(model, 0)
+
+
+def test_grad_norm_reads_dtensor_gradients_whole(gloo_world: dist.ProcessGroup) -> None:
+    """DTensor gradients (replicate, FSDP2, tp), on which Lightning's version fails: the whole gradient's norm, as a
+    plain tensor."""
+    from lightning_3d import grad_norm
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    layer = torch.nn.Linear(3, 2)
+    grads = {"weight": torch.tensor([[3.0, 0.0, 4.0], [0.0, 0.0, 0.0]]), "bias": torch.tensor([12.0, 0.0])}
+    for name, placement in (("weight", Shard(0)), ("bias", Replicate())):
+        param = torch.nn.Parameter(distribute_tensor(getattr(layer, name).detach(), mesh, [placement]))
+        param.grad = distribute_tensor(grads[name], mesh, [placement])
+        setattr(layer, name, param)
+    norms = grad_norm(layer, 2)
+    assert {k: float(v) for k, v in norms.items()} == pytest.approx(
+        {"grad_2.0_norm/weight": 5.0, "grad_2.0_norm/bias": 12.0, "grad_2.0_norm_total": 13.0}
+    )
+    assert not any(isinstance(v, DTensor) for v in norms.values())
