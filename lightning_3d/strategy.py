@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -712,6 +713,16 @@ class ThreeDStrategy(ParallelStrategy):
                 group = self.device_mesh["dp"].get_group()
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """``self.all_gather``: over the data-parallel replicas unless a group other than the world is named (the
+        LightningModule passes the world when the user names none), as DDP's ranks are: tensor-parallel ranks hold
+        the same values, and in a pipelined step the code after the model call runs on the last stage only, where
+        a world collective would wait for the other stages forever. The result is ``(dp, *tensor.shape)``."""
+        if (group is None or group is dist.group.WORLD) and _distributed_is_initialized() and self._mesh is not None:
+            group = self.device_mesh["dp"].get_group()
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -15,7 +15,8 @@ from launch import run_lightning
 def test_gradient_hook_logs_match_one_device(tmp_path: Path) -> None:
     """Every parameter's gradient norm (2 and inf) and the totals, logged in ``on_before_optimizer_step`` with
     ``sync_dist=True``, and a sum over processes logged by a callback's ``on_after_backward``: rank 0 under
-    tp2 x pp2 logs the keys and values one device logs (float64, 1e-10 relative), and nothing waits."""
+    tp2 x pp2 logs the keys and values one device logs (float64, 1e-10 relative), and nothing waits. The same run
+    checks ``self.all_gather`` in ``training_step`` (over the replicas, not the world)."""
     init = tmp_path / "init.pt"
     run_lightning("hook_logs_run.py", ["--single", "--init", init, "--out", tmp_path / "single.json"], timeout=120)
     run_lightning("hook_logs_run.py", ["--init", init, "--out", tmp_path / "3d.json"], timeout=240)
@@ -26,5 +27,6 @@ def test_gradient_hook_logs_match_one_device(tmp_path: Path) -> None:
         assert set(got) == set(ref), (step, sorted(set(ref) ^ set(got)))
         assert sum(k.startswith("grad_2.0_norm/") for k in ref) > 40  # every parameter of the model, both stages
         assert got["backward_calls"] == 1.0
+        assert "gathered_loss" in got and "train_loss" in got
         for key, value in ref.items():
             assert math.isclose(got[key], value, rel_tol=1e-10, abs_tol=1e-14), (step, key, got[key], value)

@@ -4,7 +4,9 @@ The module logs ``lightning_3d.grad_norm`` (every parameter's gradient norm and 
 ``on_before_optimizer_step`` and, from a callback, a constant summed over processes in ``on_after_backward``: on
 one device every key of the whole model and ``1.0``. Under the pipeline each stage holds half of the parameters
 (tensor-parallel shards among them), a key another stage logged must still reach rank 0, and a world-wide sum
-would count the constant four times. Rank 0 writes every step's ``callback_metrics`` to ``OUT`` (float64 run,
+would count the constant four times. ``training_step`` also gathers its loss with ``self.all_gather`` after the
+model call, code that runs on the last stage only: over the data-parallel replicas it is the loss (one device: the
+loss itself); over the world it would wait for the first stage forever. Rank 0 writes every step's ``callback_metrics`` to ``OUT`` (float64 run,
 initial weights from ``--init``, written by ``--single``).
 """
 
@@ -27,6 +29,11 @@ STEPS = 4
 
 
 class GradLogged(NanoGPT):
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("gathered_loss", self.all_gather(loss.detach()).mean())  # after the model call: the last stage only
+        return loss
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.log_dict(grad_norm(self, norm_type=2), sync_dist=True)
         self.log_dict(grad_norm(self, norm_type="inf"))
