@@ -62,7 +62,7 @@ from . import checkpoint as ckpt
 from .core import partition
 from .core.agreed import mark_agreed
 from .core.compile import CompiledBlocks, compile_kwargs, for_split_backward
-from .core.grad_norm import clip_grads_, global_grad_norm
+from .core.grad_norm import clip_grads_, clip_grads_by_value_, global_grad_norm
 from .core.hook_logs import HookLogs
 from .core.loss_scale import LossScaler, scaler_of
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
@@ -344,6 +344,7 @@ class ThreeDStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = self._clip_grad_by_value  # type: ignore[method-assign]
         scaler = scaler_of(self.precision_plugin)
         self.loss_scaler = LossScaler(scaler, self.root_device) if scaler is not None else None
         if trainer.state.fn == TrainerFn.FITTING:
@@ -555,10 +556,17 @@ class ThreeDStrategy(ParallelStrategy):
             self._hook_logs = HookLogs(self.device_mesh["pp"].get_group())
         return self._hook_logs.window(window, module, module.trainer.callbacks)
 
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+    def _no_step_to_clip_for(self) -> bool:
         if self._reliability.step_skipped:  # ---- reliability: on_nonfinite="skip" dropped every gradient
-            return
-        if self.loss_scaler is not None and self.loss_scaler.step_skipped:  # 16-mixed overflow: no step to clip for
+            return True
+        return self.loss_scaler is not None and self.loss_scaler.step_skipped  # 16-mixed overflow
+
+    def _clip_grad_by_value(self, optimizer: Any, clip_val: float) -> None:
+        if not self._no_step_to_clip_for():
+            clip_grads_by_value_([p for group in optimizer.param_groups for p in group["params"]], float(clip_val))
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        if self._no_step_to_clip_for():
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         counted = self._tied.for_norm(params) if self._tied is not None else params

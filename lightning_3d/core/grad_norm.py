@@ -160,3 +160,12 @@ def grad_norm(
     if norms:
         norms[f"grad_{p}_norm_total"] = torch.stack(list(norms.values())).norm(p)
     return norms
+
+
+def clip_grads_by_value_(parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+    """``torch.nn.utils.clip_grad_value_`` for plain and DTensor gradients in one list (torch's multi-tensor clamp
+    refuses the mix, as tensor parallelism leaves it): each gradient's local tensor is clamped to
+    ``[-clip_value, clip_value]``. The clamp is elementwise, so clamping every shard is clamping the whole."""
+    for p in parameters:
+        if p.grad is not None:
+            _local(p.grad).clamp_(-clip_value, clip_value)

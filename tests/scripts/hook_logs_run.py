@@ -6,7 +6,7 @@ one device every key of the whole model and ``1.0``. Under the pipeline each sta
 (tensor-parallel shards among them), a key another stage logged must still reach rank 0, and a world-wide sum
 would count the constant four times. ``training_step`` also gathers its loss with ``self.all_gather`` after the
 model call, code that runs on the last stage only: over the data-parallel replicas it is the loss (one device: the
-loss itself); over the world it would wait for the first stage forever. Rank 0 writes every step's ``callback_metrics`` to ``OUT`` (float64 run,
+loss itself); over the world it would wait for the first stage forever. Gradients are clipped by value. Rank 0 writes every step's ``callback_metrics`` to ``OUT`` (float64 run,
 initial weights from ``--init``, written by ``--single``).
 """
 
@@ -77,6 +77,10 @@ def main() -> None:
         enable_model_summary=False,
         limit_val_batches=0,
         callbacks=[CountsBackward(), record],
+        # clipping by value, with plain and DTensor gradients on one stage under tp (torch's multi-tensor clamp
+        # refuses the mix); 0.002 clips part of every step's gradients, so the later losses depend on it
+        gradient_clip_val=0.002,
+        gradient_clip_algorithm="value",
         **kwargs,
     )
     trainer.fit(model, datamodule=OrderedData("nano", batch_size=8, n=8 * STEPS))

@@ -157,3 +157,16 @@ def test_grad_norm_reads_dtensor_gradients_whole(gloo_world: dist.ProcessGroup) 
         {"grad_2.0_norm/weight": 5.0, "grad_2.0_norm/bias": 12.0, "grad_2.0_norm_total": 13.0}
     )
     assert not any(isinstance(v, DTensor) for v in norms.values())
+
+
+def test_clip_by_value_clamps_plain_and_dtensor_gradients_together(gloo_world: dist.ProcessGroup) -> None:
+    """A stage under tp holds both kinds; torch's ``clip_grad_value_`` refuses the mix (multi-tensor clamp)."""
+    from lightning_3d.core.grad_norm import clip_grads_by_value_
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(3), mesh, [Shard(0)]))
+    sharded.grad = distribute_tensor(torch.tensor([-5.0, 0.5, 2.0]), mesh, [Shard(0)])
+    plain = params_with_grads([3.0, -0.25])[0]
+    clip_grads_by_value_([sharded, plain, params_with_grads(None)[0]], 1.0)
+    assert sharded.grad.full_tensor().tolist() == [-1.0, 0.5, 1.0]
+    assert plain.grad.tolist() == [1.0, -0.25]
