@@ -6,8 +6,9 @@ one device every key of the whole model and ``1.0``. Under the pipeline each sta
 (tensor-parallel shards among them), a key another stage logged must still reach rank 0, and a world-wide sum
 would count the constant four times. ``training_step`` also gathers its loss with ``self.all_gather`` after the
 model call, code that runs on the last stage only: over the data-parallel replicas it is the loss (one device: the
-loss itself); over the world it would wait for the first stage forever. Gradients are clipped by value. Rank 0 writes every step's ``callback_metrics`` to ``OUT`` (float64 run,
-initial weights from ``--init``, written by ``--single``).
+loss itself); over the world it would wait for the first stage forever. Gradients are clipped by value. Rank 0
+writes every step's ``callback_metrics`` to ``OUT`` (float64 run, initial weights from ``--init``, written by
+``--single``).
 """
 
 from __future__ import annotations
