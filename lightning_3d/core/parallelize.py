@@ -730,8 +730,14 @@ def describe_layout(
 ) -> str:
     """The mesh, the stages and the tensor-parallel plan of ``module`` (still unsharded), as rank 0 prints them
     once."""
+    params = list(module.parameters())  # each once, a tied weight too (meta tensors count alike)
+    total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    size = f"whole model: {total:,} parameters ({trainable:,} trainable)"
+    if topology.pp > 1:
+        size += "; Lightning's model summary counts rank 0's stage only"
     lines = [
         f"lightning_3d layout: {topology.describe()}, schedule {schedule}, {micro_batches} micro-batches per batch",
+        size,
         mesh_ranks_table(mesh),
         "pipeline stages:",
         model.stage_plan.describe() if model.split is None else model.split.describe(model.stage_plan.estimates),

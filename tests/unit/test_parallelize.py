@@ -93,6 +93,8 @@ def test_a_split_model_shards_its_embedding_and_head_too():
     assert {n.split(".", 1)[1] for n in plan.tp_plan.entries} == {"wq", "wk", "wv", "wo", "w1", "w3", "w2"}
     layout = describe_layout(Topology(world_size=4, tp=2, pp=2), _FakeMesh(2), model, plan, "1f1b", 4)
     assert "Outside the blocks (tp=2): 2 modules sharded" in layout
+    whole = sum(p.numel() for p in model.parameters())
+    assert f"whole model: {whole:,} parameters ({whole:,} trainable); Lightning's model summary counts" in layout
     assert "out     Linear     colwise_gather  (32, 16) -> (16, 16)" in layout
 
 
