@@ -12,6 +12,9 @@ each call handing over what that hook needs (it never sees the strategy itself):
                             (stage split, tensor-parallel plan); on mismatch, every rank raises
                             ``ConsistencyError`` naming the keys that differ and their values on which ranks
 ``on_model_ready``          the module and this rank's stages, for ``after_backward``
+``check_replica_batch``     the first batch of training and of each evaluation hook: the ranks of one
+                            data-parallel replica (its stages and tensor-parallel shards) hold the same batch
+                            (a hash of it, one all-gather); else every rank raises ``ConsistencyError``
 ``after_train_step``        after the first training step: a barrier, then the shorter ``train_timeout`` on every
                             process group (the mesh's sub-groups included) and on pipeline receives (gloo)
 ``local_flags``             per batch, inside the training step: a non-finite flag per stage and for the loss,
@@ -226,6 +229,66 @@ def compare_across_ranks(items: dict[str, str], device: torch.device, what: str,
     )
 
 
+def batch_digest(batch: Any) -> int:
+    """An 8-byte hash of a batch: every tensor's dtype, shape and bytes, every other leaf's ``repr``, in order."""
+    h = hashlib.sha256()
+
+    def visit(value: Any) -> None:
+        if isinstance(value, Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            flat = local.detach().reshape(-1).contiguous().cpu()
+            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            h.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                h.update(repr(key).encode())
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            h.update(f"{type(value).__name__}[{len(value)}]".encode())
+            for item in value:
+                visit(item)
+        elif value is None or isinstance(value, (str, int, float, bool)):
+            h.update(repr(value).encode())
+        else:  # an object's repr may carry its address: only its type counts
+            h.update(type(value).__qualname__.encode())
+
+    visit(batch)
+    return int.from_bytes(h.digest()[:8], "little", signed=True)
+
+
+def check_replica_batch(batch: Any, hook: str, dp_rank: int, dp: int, device: torch.device) -> None:
+    """Raise ``ConsistencyError`` on every rank if the ranks of one data-parallel replica hold different batches.
+
+    The ranks of a replica (its pipeline stages and tensor-parallel shards) must read the same samples: each stage
+    runs the step on its own copy of the batch, so a stage would otherwise compute on one batch the activations it
+    sends and the next stage take the labels of another, with no error. One all-gather of (hash, dp rank).
+    """
+    mine = torch.tensor([batch_digest(batch), dp_rank], dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    replicas: dict[int, dict[int, list[int]]] = {}
+    for rank, row in enumerate(gathered):
+        digest, replica = (int(v) for v in row.tolist())
+        replicas.setdefault(replica, {}).setdefault(digest, []).append(rank)
+    split = {r: groups for r, groups in sorted(replicas.items()) if len(groups) > 1}
+    if not split:
+        return
+    replica, groups = next(iter(split.items()))
+    apart = "; ".join(f"batch {i + 1} on {_ranks_text(ranks)}" for i, ranks in enumerate(groups.values()))
+    raise mark_agreed(
+        ConsistencyError(
+            f"ThreeDStrategy: the ranks of data-parallel replica {replica} got different batches in their first "
+            f"{hook} ({apart}; {len(split)} of {dp} replicas differ). Every rank of a replica (its pipeline stages "
+            "and tensor-parallel shards) must read the same samples; only the replicas differ. A sampler or an "
+            "IterableDataset split by trainer.world_size / trainer.global_rank (the DDP habit) gives each rank "
+            "its own: split by the data-parallel size and rank instead, trainer.strategy.distributed_sampler_kwargs "
+            f"(here num_replicas={dp}), as Lightning's own DistributedSampler does (use_distributed_sampler=True). "
+            "Random draws in the data pipeline must not depend on the rank either (Lightning seeds dataloader "
+            "workers by global rank)."
+        )
+    )
+
+
 # ---------------------------------------------------------------------------------------------- timeouts
 def all_process_groups() -> list[dist.ProcessGroup]:
     """Every process group this rank belongs to (the default group and the mesh's sub-groups among them)."""
@@ -368,6 +431,7 @@ class Reliability:
         self._stage_of: dict[int, int] = {}  # id(parameter) -> the pipeline stage holding it
         self._grouper = GradGrouper(self._stage_of, 0)
         self._scan_plan_cache: _ScanPlan | None = None
+        self._batches_checked: set[str] = set()  # hooks whose first batch was compared within the replicas
         # the per-gradient 2-norms of the last non-finite scan, for gradient clipping in the same step
         self.scan_norms = ScanNorms()
 
@@ -478,6 +542,18 @@ class Reliability:
         devices |= {self._device()} if dist.is_initialized() else set()
         for device in devices - {torch.device("meta")}:
             torch_compat.max_abs_carries_nan(device)
+
+    def check_replica_batch(self, hook: str, batch: Any, dp_rank: int, dp: int) -> None:
+        """The first batch of ``hook`` (``training_step``, ``validation_step``, ...): the same on every rank of a
+        data-parallel replica (:func:`check_replica_batch`); later batches of the hook are not checked. Nothing to
+        compare when a replica is one rank, or with ``check_consistency=False``."""
+        if hook in self._batches_checked or not self.settings.check_consistency:
+            return
+        self._batches_checked.add(hook)
+        topology = self._topology
+        if topology is None or topology.tp * topology.pp == 1 or not dist.is_initialized():
+            return
+        check_replica_batch(batch, hook, dp_rank, dp, self._device())
 
     # ------------------------------------------------------------------ steps
     def after_train_step(self) -> None:

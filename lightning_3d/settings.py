@@ -92,7 +92,8 @@ class ThreeDSettings:
             optimizer step's gradients; the global step and LR schedulers still advance) or ``"off"``. The check
             reads every gradient once and the host once per step, before the optimizer step (on an H200 at 1.21B
             parameters: 1.6 ms for the scan, 4-5 ms in all, about 3% of the step).
-        check_consistency: compare a hash of the settings and the model structure across ranks at setup.
+        check_consistency: compare a hash of the settings and the model structure across ranks at setup, and of the
+            first batch of training and of each evaluation hook within each data-parallel replica.
         fail_fast: when one rank fails, stop every rank within about a second (see ``tools/failure_watch.py``).
         process_group_backend: ``"gloo"`` / ``"nccl"``; ``None`` chooses by device.
         print_layout: rank 0 prints the mesh, the stages and the tensor-parallel plan once.

@@ -466,6 +466,7 @@ class ThreeDStrategy(ParallelStrategy):
         accumulate = trainer.accumulate_grad_batches
         if self._compiled is not None:
             self._compiled.step_began()
+        self._check_replica_batch("training_step", args)  # ---- reliability: one batch per replica
         flags = self._reliability.flags_request()  # ---- reliability: non-finite flags in the step's exchange
         if flags is None and self.loss_scaler is not None:  # fp16 overflow needs them under on_nonfinite="off" too
             flags = (self._reliability.n_flags, self._reliability.local_flags)
@@ -608,7 +609,13 @@ class ThreeDStrategy(ParallelStrategy):
         last stage; ``predict_step`` outputs are returned on every stage (rank 0 included), others are
         ``None`` outside the last stage."""
         assert self.runner is not None
+        self._check_replica_batch(hook, args)  # ---- reliability: one batch per replica
         return self.runner.run(hook, args, self.precision_plugin, train=False).outputs
+
+    def _check_replica_batch(self, hook: str, args: tuple[Any, ...]) -> None:
+        assert self.topology is not None
+        dp_rank = self.device_mesh["dp"].get_local_rank()
+        self._reliability.check_replica_batch(hook, args[0] if args else None, dp_rank, self.topology.dp)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

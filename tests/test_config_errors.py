@@ -85,6 +85,11 @@ SETUP_ERRORS = {
     ),
     "no_container": "ThreeDStrategy(blocks='attribute.path'), or use pp=1",
     "kv_heads_not_divisible": "num_key_value_heads = 2 is not divisible by tp=4. tp values that work: 1, 2",
+    "batch_per_world_rank": (
+        "the ranks of data-parallel replica 0 got different batches in their first training_step (batch 1 on "
+        "rank 0; batch 2 on rank 1",
+        "trainer.strategy.distributed_sampler_kwargs (here num_replicas=1)",
+    ),
 }
 
 

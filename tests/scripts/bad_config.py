@@ -12,11 +12,12 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import HFCausalLM, NanoGPT, TinyGPT, TinyMLP, loader
+from models import HFCausalLM, NanoGPT, TinyGPT, TinyMLP, dataset, loader
 
 
 class NoBody(TinyMLP):
@@ -100,6 +101,16 @@ class NoContainer(TinyMLP):
         return self.second(torch.relu(self.first(x)))
 
 
+class WorldRankData(TinyMLP):
+    """The DDP habit: the data split by the world's ranks, so the two pipeline stages of the one replica read
+    different samples."""
+
+    def train_dataloader(self) -> DataLoader:
+        data = dataset("mlp", 48)
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        return DataLoader(Subset(data, range(rank, len(data), world)), batch_size=8)
+
+
 # case: (module, strategy kwargs, devices, per-replica batch)
 CASES = {
     "no_body": (NoBody, {"pp": 2}, 2, 8),
@@ -114,6 +125,7 @@ CASES = {
     "skip_found_at_setup": (SkipFoundAtSetup, {"pp": 2}, 2, 8),
     "no_container": (NoContainer, {"pp": 2}, 2, 8),
     "kv_heads_not_divisible": (lambda: HFCausalLM("llama"), {"tp": 4}, 4, 8),
+    "batch_per_world_rank": (WorldRankData, {"pp": 2}, 2, 8),
 }
 
 
@@ -132,7 +144,10 @@ def main() -> None:
     )
     model = module_cls()
     model_name = "gpt" if isinstance(model, (TinyGPT, NanoGPT, HFCausalLM)) else "mlp"
-    trainer.fit(model, loader(model_name, batch, n=48))
+    if isinstance(model, WorldRankData):
+        trainer.fit(model)  # its own train_dataloader
+    else:
+        trainer.fit(model, loader(model_name, batch, n=48))
 
 
 if __name__ == "__main__":

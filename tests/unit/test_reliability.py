@@ -243,3 +243,20 @@ def test_with_norm_clipping_the_scan_computes_the_norms_clipping_reuses(gloo_wor
     rel._module._trainer = SimpleNamespace(gradient_clip_val=None, gradient_clip_algorithm=None)
     assert rel.local_flags(HeldGrads(params, big), None).tolist() == [0.0, 0.0, 0.0]
     assert all(rel.scan_norms.lookup(g) is None for g in big)  # the per-element check keeps no norms
+
+
+def test_batch_digest_tells_batches_apart_by_values_dtype_shape_and_structure() -> None:
+    from lightning_3d.reliability import batch_digest
+
+    x, y = torch.arange(6.0).reshape(2, 3), torch.tensor([1, 0])
+    same = batch_digest((x.clone(), y.clone()))
+    assert batch_digest((x, y)) == same
+    assert batch_digest((x + 1e-6, y)) != same  # values
+    assert batch_digest((x.double(), y)) != same  # dtype
+    assert batch_digest((x.reshape(3, 2), y)) != same  # shape
+    assert batch_digest([x, y]) != same  # structure
+    assert batch_digest({"input_ids": y, "n": 3}) == batch_digest({"input_ids": y.clone(), "n": 3})
+    assert batch_digest({"input_ids": y, "n": 3}) != batch_digest({"input_ids": y, "n": 4})
+    assert batch_digest((x[:, ::2], torch.empty(0))) == batch_digest((x[:, ::2].contiguous(), torch.empty(0)))
+    # an object's repr may hold its address, which differs between processes: only its type counts
+    assert batch_digest((y, object())) == batch_digest((y, object()))
