@@ -543,17 +543,18 @@ class Reliability:
         for device in devices - {torch.device("meta")}:
             torch_compat.max_abs_carries_nan(device)
 
-    def check_replica_batch(self, hook: str, batch: Any, dp_rank: int, dp: int) -> None:
+    def check_replica_batch(self, hook: str, batch: Any, dp_rank: Callable[[], int], dp: int) -> None:
         """The first batch of ``hook`` (``training_step``, ``validation_step``, ...): the same on every rank of a
-        data-parallel replica (:func:`check_replica_batch`); later batches of the hook are not checked. Nothing to
-        compare when a replica is one rank, or with ``check_consistency=False``."""
+        data-parallel replica (:func:`check_replica_batch`); later batches of the hook cost a set lookup (``dp_rank``
+        is called only when comparing: the mesh reads its coordinates from a tensor). Nothing to compare when a
+        replica is one rank, or with ``check_consistency=False``."""
         if hook in self._batches_checked or not self.settings.check_consistency:
             return
         self._batches_checked.add(hook)
         topology = self._topology
         if topology is None or topology.tp * topology.pp == 1 or not dist.is_initialized():
             return
-        check_replica_batch(batch, hook, dp_rank, dp, self._device())
+        check_replica_batch(batch, hook, dp_rank(), dp, self._device())
 
     # ------------------------------------------------------------------ steps
     def after_train_step(self) -> None:

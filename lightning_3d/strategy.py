@@ -614,8 +614,12 @@ class ThreeDStrategy(ParallelStrategy):
 
     def _check_replica_batch(self, hook: str, args: tuple[Any, ...]) -> None:
         assert self.topology is not None
-        dp_rank = self.device_mesh["dp"].get_local_rank()
-        self._reliability.check_replica_batch(hook, args[0] if args else None, dp_rank, self.topology.dp)
+        self._reliability.check_replica_batch(
+            hook,
+            args[0] if args else None,
+            lambda: self.device_mesh["dp"].get_local_rank(),  # only when compared: slicing the mesh reads a tensor
+            self.topology.dp,
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
