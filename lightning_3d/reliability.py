@@ -230,7 +230,8 @@ def compare_across_ranks(items: dict[str, str], device: torch.device, what: str,
 
 
 def batch_digest(batch: Any) -> int:
-    """An 8-byte hash of a batch: every tensor's dtype, shape and bytes, every other leaf's ``repr``, in order."""
+    """An 8-byte hash of a batch, in order: every tensor's dtype, shape and bytes, a number's or string's ``repr``, and
+    for any other object its type alone."""
     h = hashlib.sha256()
 
     def visit(value: Any) -> None:
