@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule
+from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 WINDOWS: dict[str, tuple[str, ...]] = {
@@ -60,7 +62,7 @@ def _number(value: Any) -> tuple[float, torch.dtype | None]:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"self.log got a tensor of shape {tuple(value.shape)}; log scalars.")
-        local = value.full_tensor() if hasattr(value, "full_tensor") else value  # a DTensor norm: its whole value
+        local = value.full_tensor() if isinstance(value, DTensor) else value  # a DTensor norm: its whole value
         return float(local.detach().reshape(()).item()), value.dtype
     return float(value), None
 
@@ -187,8 +189,6 @@ class HookLogs:
         if new:
             self.warned.update(new)
             if dist.get_rank() == 0:
-                import warnings
-
                 warnings.warn(
                     f"ThreeDStrategy: {', '.join(repr(n) for n in new)} logged in a gradient hook "
                     "has a different value on each pipeline stage (computed from the stage's own parameters?); "
