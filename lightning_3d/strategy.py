@@ -80,6 +80,7 @@ from .core.runner import BatchRunner
 from .core.step import HeldGrads, ZeroGradHooks, previous_grads_discarded
 from .core.tied import TiedWeights, with_alias_keys
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
+from .core.weight_averaging import rebuild_averaged_copies
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
 from .settings import ThreeDSettings, grad_reduce_dp1_message
 
@@ -349,6 +350,7 @@ class ThreeDStrategy(ParallelStrategy):
         self.loss_scaler = LossScaler(scaler, self.root_device) if scaler is not None else None
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        rebuild_averaged_copies(trainer.callbacks, self.lightning_module)
 
     @override
     def model_to_device(self) -> None:
