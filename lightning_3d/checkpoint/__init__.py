@@ -12,8 +12,10 @@ A checkpoint is a directory, named like Lightning's checkpoint files (``epoch=0-
 
 DCP keys do not depend on the layout: ``state_dict.<fqn>`` for the model (pipeline stages keep the unsplit
 layer names) and ``optimizer_<i>.state.<fqn>.<name>`` / ``optimizer_<i>.param_groups.<fqn>.<hyperparameter>``
-for optimizer ``i`` (the layout of torch's ``flatten_optimizer_state_dict``). Loading at another (tp, pp, dp)
-therefore reads, on every rank, exactly the keys and shards it now holds; DCP reshards DTensors.
+for optimizer ``i`` (the layout of torch's ``flatten_optimizer_state_dict``); ``model_copy_<i>.<fqn>`` for
+other state dicts shaped like the model that Lightning's callbacks put in the checkpoint (``EMAWeightAveraging``'s
+trained weights, ``StochasticWeightAveraging``'s average), their places kept in ``meta.pt``. Loading at another
+(tp, pp, dp) therefore reads, on every rank, exactly the keys and shards it now holds; DCP reshards DTensors.
 
 Atomicity: every rank writes into ``.<name>.partial`` beside the target. After DCP has written ``.metadata``
 and rank 0 has written and synced ``meta.pt``, rank 0 renames the folder to ``<name>`` (an existing checkpoint
@@ -53,12 +55,17 @@ from ..core.tied import assign, canonical_names
 from ..core.topology import Topology
 from .named_state import (
     MODEL,
+    MODEL_COPY,
     compare_keys,
     fit_scheduler_state,
+    model_copy_paths,
     model_state_dict,
     optimizer_state_dict,
     optimizer_template,
     param_names,
+    pop_path,
+    put_path,
+    saved_keys,
     saved_model_shapes,
     torch_optimizer_state,
 )
@@ -223,6 +230,9 @@ def save_checkpoint(
     optimizer_states = checkpoint.pop("optimizer_states", None)
     for i, state in enumerate(optimizer_states or []):
         tensors[f"optimizer_{i}"] = state
+    copies = model_copy_paths(checkpoint, context.full_spec)  # EMA's current weights, SWA's average, ...
+    for i, where in enumerate(copies):
+        tensors[MODEL_COPY.format(i)] = pop_path(checkpoint, where)
     rng = _gather_to_rank0(rng_state(context.device, context.randomness))
     dcp.save(tensors, checkpoint_id=staging)
     failure: BaseException | None = None
@@ -234,6 +244,7 @@ def save_checkpoint(
             "rng": rng,
             "data": {"dp": context.topology.shape[0], "batch_size": train_batch_size(trainer)},
             "keys": list(context.full_spec),
+            "model_copies": [list(where) for where in copies],
         }
         try:
             _write_meta(checkpoint, staging / META_FILE)
@@ -294,8 +305,13 @@ def load_checkpoint(
             )
         )
     names = param_names(module)
-    model = {k: torch.empty_like(v) for k, v in module.state_dict().items() if k in saved}
+    live = module.state_dict()
+    model = {k: torch.empty_like(v) for k, v in live.items() if k in saved}
     state: dict[str, Any] = {MODEL: model}
+    copies = [tuple(where) for where in section.get("model_copies", [])]
+    for i in range(len(copies)):
+        held = saved_keys(metadata, MODEL_COPY.format(i))
+        state[MODEL_COPY.format(i)] = {k: torch.empty_like(v) for k, v in live.items() if k in held}
     for i, optimizer in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_template(names, optimizer, f"optimizer_{i}", metadata)
     dcp.load(state, checkpoint_id=path)
@@ -308,6 +324,10 @@ def load_checkpoint(
         assign(copy, model[key])
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(torch_optimizer_state(names, optimizer, state[f"optimizer_{i}"]))
+    # this rank's part of the model and of its other copies, where Lightning's callbacks look for them
+    meta["state_dict"] = model
+    for i, where in enumerate(copies):
+        put_path(meta, where, state[MODEL_COPY.format(i)])
     if fitting and isinstance(meta.get("lr_schedulers"), list):  # rank 0's, fitted to this rank's groups
         configs = trainer.lr_scheduler_configs
         meta["lr_schedulers"] = [

@@ -14,7 +14,7 @@ as Adam's scalar ``step``; factored states (e.g. Adafactor's row/column statisti
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,3 +213,55 @@ def compare_keys(expected: Mapping[str, tuple[int, ...]], saved: Mapping[str, tu
             if k in saved and saved[k] is not None and tuple(saved[k] or ()) != tuple(shape)
         ],
     )
+
+
+# ------------------------------------------------------------------ other copies of the model in the checkpoint
+MODEL_COPY = "model_copy_{}"  # DCP key prefix of the i-th other state dict shaped like the model
+
+
+def model_copy_paths(checkpoint: Mapping[str, Any], model_keys: Collection[str]) -> list[tuple[str, ...]]:
+    """Where ``checkpoint`` holds other state dicts shaped like the model, besides its ``state_dict``.
+
+    Lightning's ``EMAWeightAveraging`` moves the trained weights to ``checkpoint["current_model_state"]`` (the
+    averaged ones go to ``"state_dict"``), ``StochasticWeightAveraging`` keeps its averaged model in its callback
+    state: each rank holds its own stages' part of these (DTensors included), so, like the model, they are written
+    by every rank through DCP instead of rank 0's ``meta.pt``. A state dict here is a non-empty mapping of tensors
+    whose keys are all keys of the model; nested dicts are searched, ``state_dict`` and ``optimizer_states`` not.
+
+    Returns:
+        The key paths, in the checkpoint's order (the same on every rank).
+    """
+    keys = set(model_keys)
+    found: list[tuple[str, ...]] = []
+
+    def visit(node: Mapping[str, Any], path: tuple[str, ...]) -> None:
+        for key, value in node.items():
+            if not isinstance(value, Mapping) or (not path and key in ("state_dict", "optimizer_states")):
+                continue
+            if value and all(isinstance(v, Tensor) for v in value.values()) and set(value) <= keys:
+                found.append((*path, key))
+            else:
+                visit(value, (*path, key))
+
+    visit(checkpoint, ())
+    return found
+
+
+def pop_path(tree: dict[str, Any], path: Sequence[str]) -> Any:
+    """Remove and return ``tree[path[0]][path[1]]...``."""
+    for key in path[:-1]:
+        tree = tree[key]
+    return tree.pop(path[-1])
+
+
+def put_path(tree: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    """Set ``tree[path[0]][path[1]]... = value``, creating the dicts on the way."""
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def saved_keys(metadata: Metadata, prefix: str) -> set[str]:
+    """The keys a checkpoint holds under the DCP prefix ``prefix`` (``state_dict``, ``model_copy_0``, ...)."""
+    head = prefix + "."
+    return {key[len(head) :] for key in metadata.state_dict_metadata if key.startswith(head)}

@@ -16,9 +16,13 @@ from torch.distributed.checkpoint.metadata import (
 from lightning_3d.checkpoint.named_state import (
     KeyReport,
     compare_keys,
+    model_copy_paths,
     optimizer_state_dict,
     optimizer_template,
     param_names,
+    pop_path,
+    put_path,
+    saved_keys,
     saved_model_shapes,
     torch_optimizer_state,
 )
@@ -67,6 +71,51 @@ def test_saved_model_shapes_reads_only_the_model_prefix() -> None:
         }
     )
     assert saved_model_shapes(metadata) == {"body.0.weight": (4, 3), "body.0.bias": (4,), "note": None}
+
+
+def test_saved_keys_of_a_prefix() -> None:
+    metadata = Metadata(
+        {
+            "state_dict.a.weight": tensor_meta(2),
+            "model_copy_0.a.weight": tensor_meta(2),
+            "model_copy_0.b.bias": tensor_meta(1),
+            "model_copy_10.c": tensor_meta(1),
+        }
+    )
+    assert saved_keys(metadata, "model_copy_0") == {"a.weight", "b.bias"}
+    assert saved_keys(metadata, "model_copy_1") == set()
+
+
+# ------------------------------------------------------------------------------------ other copies of the model
+def test_model_copies_are_found_where_lightnings_callbacks_put_them() -> None:
+    """EMA's ``current_model_state`` (top level) and SWA's ``average_model_state`` (inside its callback state) are
+    state dicts of the model's keys; the model itself, the optimizer, EMA's ``averaging_state`` (not model keys),
+    an empty dict and a dict with a non-tensor value are not."""
+    w = torch.zeros(2)
+    checkpoint = {
+        "state_dict": {"a.weight": w},
+        "optimizer_states": [{"state": {"a.weight": w}}],
+        "current_model_state": {"a.weight": w, "b.bias": w},
+        "averaging_state": {"n_averaged": torch.tensor(3)},
+        "callbacks": {
+            "StochasticWeightAveraging{'swa_lrs': 0.1}": {"n_averaged": 2, "average_model_state": {"b.bias": w}},
+            "ModelCheckpoint{}": {"best_model_path": "", "kth": {}},
+            "Other": {"mixed": {"a.weight": w, "note": 1}},
+        },
+    }
+    found = model_copy_paths(checkpoint, ["a.weight", "b.bias"])
+    assert found == [
+        ("current_model_state",),
+        ("callbacks", "StochasticWeightAveraging{'swa_lrs': 0.1}", "average_model_state"),
+    ]
+    moved = [pop_path(checkpoint, where) for where in found]
+    assert moved[1] == {"b.bias": w} and "current_model_state" not in checkpoint
+    assert model_copy_paths(checkpoint, ["a.weight", "b.bias"]) == []
+    for where, value in zip(found, moved, strict=True):
+        put_path(checkpoint, where, value)
+    assert checkpoint["current_model_state"]["b.bias"] is w
+    put_path(checkpoint, ("new", "deeper", "leaf"), 1)
+    assert checkpoint["new"] == {"deeper": {"leaf": 1}}
 
 
 # ------------------------------------------------------------------------------------ optimizer state by name

@@ -1,0 +1,104 @@
+"""Lightning's weight-averaging callbacks under ThreeDStrategy against one device (float64).
+
+``--callback ema``: ``EMAWeightAveraging`` (updated every step; validation runs on the averaged weights, swapped in
+and out by the callback; at the end of fit the averaged weights become the model's). ``--callback swa``:
+``StochasticWeightAveraging`` from epoch 1 (its own learning-rate schedule; the average becomes the model's after
+the last epoch). Both callbacks copy the model before the strategy splits it; under the pipeline each rank must
+average its own stages' tensors. ``--save DIR`` keeps ``last.ckpt`` there (EMA moves the trained weights to the
+checkpoint's ``current_model_state``, SWA keeps its average in its callback state), ``--resume`` continues from
+one, possibly saved at another layout. Rank 0 writes to ``OUT`` the training loss of every step, the validation
+loss of every epoch and, after fit, the loss of a ``trainer.validate`` of the final weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_3d import ThreeDStrategy
+
+from models import NanoGPT, OrderedData
+
+LAYOUTS = {
+    "single": None,
+    "tp2pp2": {"tp": 2, "pp": 2},
+    "pp2dp2": {"pp": 2},
+    "pp2dp2fsdp": {"pp": 2, "data_parallel": "fsdp"},
+}
+BATCH = 8
+
+
+class Record(L.Callback):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        self.rows.append({"step": trainer.global_step, "train_loss": float(trainer.callback_metrics["train_loss"])})
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.rows.append({"step": trainer.global_step, "val_loss": float(trainer.callback_metrics["val_loss"])})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--callback", choices=["ema", "swa"], required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--init", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--save", type=Path)
+    parser.add_argument("--resume", type=Path)
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.float64)
+    L.seed_everything(0)
+    model = NanoGPT(build="init", tie=True)
+    if args.init.exists():
+        model.load_state_dict(torch.load(args.init))
+    else:
+        torch.save(model.state_dict(), args.init)
+    layout = LAYOUTS[args.layout]
+    if layout is None:
+        kwargs: dict[str, object] = {"devices": 1}
+        dp = 1
+    else:
+        dp = 4 // (layout.get("tp", 1) * layout["pp"])
+        kwargs = {"devices": 4, "strategy": ThreeDStrategy(micro_batches=2, **layout)}
+    if args.callback == "ema":
+        averaging: L.Callback = EMAWeightAveraging(decay=0.5)
+    else:
+        averaging = StochasticWeightAveraging(swa_lrs=0.005, swa_epoch_start=1)
+    record = Record()
+    callbacks = [averaging, record]
+    if args.save:
+        callbacks.append(ModelCheckpoint(dirpath=args.save, save_last=True, save_top_k=0))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=args.epochs,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=args.save is not None,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
+    data = OrderedData("nano", batch_size=BATCH // dp, n=64, val_n=16)
+    trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    (result,) = trainer.validate(model, datamodule=data, verbose=False)
+    record.rows.append({"final_val_loss": result["val_loss"]})
+    if trainer.global_rank == 0:
+        args.out.write_text(json.dumps(record.rows))
+
+
+if __name__ == "__main__":
+    main()
