@@ -62,6 +62,7 @@ from . import checkpoint as ckpt
 from .core import partition
 from .core.agreed import mark_agreed
 from .core.compile import CompiledBlocks, compile_kwargs, for_split_backward
+from .core.finetuning import filter_by_identity_while_running
 from .core.grad_norm import clip_grads_, clip_grads_by_value_, global_grad_norm
 from .core.hook_logs import HookLogs
 from .core.loss_scale import LossScaler, scaler_of
@@ -159,8 +160,10 @@ class ThreeDStrategy(ParallelStrategy):
         self._hook_logs: HookLogs | None = None  # pp > 1: the gradient hooks' self.log, merged over the stages
         self._step_flags: list[float] | None = None  # the last training batch's non-finite flags, until backward()
         self._tied: TiedWeights | None = None
+        self._tied_checked_epoch = -1  # the epoch whose first step compared the tied copies' requires_grad
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
         self._undo_split_backward = lambda: None  # compiled code under a two-pass backward (core/compile.py)
+        self._undo_finetuning = lambda: None  # BaseFinetuning's parameter filter by identity (core/finetuning.py)
         self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
@@ -337,6 +340,9 @@ class ThreeDStrategy(ParallelStrategy):
         # compiled code under a two-pass backward, for this fit (a later fit of the same Trainer sets it again)
         self._undo_split_backward()
         self._undo_split_backward = for_split_backward(self.settings.splits_backward())
+        self._undo_finetuning()
+        self._undo_finetuning = filter_by_identity_while_running(trainer.callbacks)
+        self._tied_checked_epoch = -1
         if self.runner is None:
             self._parallelize()
         _quiet_known_warnings()
@@ -469,6 +475,9 @@ class ThreeDStrategy(ParallelStrategy):
         if self._compiled is not None:
             self._compiled.step_began()
         self._check_replica_batch("training_step", args)  # ---- reliability: one batch per replica
+        if self._tied is not None and trainer.current_epoch != self._tied_checked_epoch:
+            self._tied_checked_epoch = trainer.current_epoch  # once per epoch: where BaseFinetuning acts
+            self._tied.check_trainable()
         flags = self._reliability.flags_request()  # ---- reliability: non-finite flags in the step's exchange
         if flags is None and self.loss_scaler is not None:  # fp16 overflow needs them under on_nonfinite="off" too
             flags = (self._reliability.n_flags, self._reliability.local_flags)
@@ -769,6 +778,8 @@ class ThreeDStrategy(ParallelStrategy):
         self._reliability.teardown()  # ---- reliability
         self._undo_split_backward()
         self._undo_split_backward = lambda: None
+        self._undo_finetuning()
+        self._undo_finetuning = lambda: None
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -12,7 +12,7 @@ import pytest
 
 from launch import run_lightning
 
-SCRIPT = "weight_averaging_run.py"
+SCRIPT = "lightning_callbacks_run.py"
 
 
 def _run(tmp_path: Path, name: str, layout: str, callback: str, epochs: int, **paths: Path) -> list[dict]:

@@ -25,6 +25,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .agreed import mark_agreed
+
 ALIASES_ATTR = "_lightning_3d_aliases"
 
 
@@ -201,6 +203,7 @@ class TiedWeights:
         self.group: dist.ProcessGroup | None = None
         self.first = 0
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (canonical, copy), both held here
+        self.pair_names: list[str] = []  # each pair's tied names, for messages
         me = dist.get_rank()
         for ranks in embedding_groups(mesh.mesh.tolist(), end_ranks):
             group = dist.new_group(ranks)  # every rank creates every group, in the same order
@@ -208,6 +211,7 @@ class TiedWeights:
                 self.group, self.first = group, ranks[0]
         named = dict(module.named_parameters(remove_duplicate=False))
         self.params: list[nn.Parameter] = []
+        self.names: list[str] = []  # each of ``params``' tied names, for messages
         self.secondary: set[int] = set()  # the last stage's copies: left out of the gradient norm
         for names in groups:
             present = [n for n in names if n in named]
@@ -215,6 +219,7 @@ class TiedWeights:
                 continue
             param = named[present[0]]
             self.params.append(param)
+            self.names.append(" / ".join(names))
             if names[0] not in named:
                 self.secondary.add(id(param))
 
@@ -228,15 +233,44 @@ class TiedWeights:
             groups: the untied groups (first name canonical).
         """
         self = cls.__new__(cls)
-        self.group, self.first, self.params, self.secondary, self.pairs = None, 0, [], set(), []
+        self.group, self.first, self.params, self.names, self.secondary, self.pairs = None, 0, [], [], set(), []
+        self.pair_names: list[str] = []
         named = dict(module.named_parameters(remove_duplicate=False))
         for names in groups:
             held = [named[n] for n in names if n in named]
             for copy in held[1:]:
                 if copy is not held[0]:
                     self.pairs.append((held[0], copy))
+                    self.pair_names.append(" / ".join(names))
                     self.secondary.add(id(copy))
         return self
+
+    def check_trainable(self) -> None:
+        """Raise (on both ends, "agreed") if the copies of a tied weight disagree on ``requires_grad``.
+
+        On one device the tied modules share one tensor, so freezing either freezes both. Here each end stage
+        holds a copy, and ``requires_grad`` changed after setup on one module only (a ``BaseFinetuning`` callback
+        unfreezing the head, say) changes one copy: that end would train the weight and the other not, and the
+        copies would drift apart without a word. One all-reduce of a flag per weight over the embedding group.
+        """
+        mixed = [name for (a, b), name in zip(self.pairs, self.pair_names) if a.requires_grad != b.requires_grad]
+        if self.group is not None and self.params:
+            flags = torch.tensor([float(p.requires_grad) for p in self.params], device=_local(self.params[0]).device)
+            counts = torch.stack([flags, 1.0 - flags])  # copies trainable, copies frozen
+            dist.all_reduce(counts, group=self.group)
+            mixed += [name for name, (on, off) in zip(self.names, counts.T.tolist()) if on > 0 and off > 0]
+        if mixed:
+            raise mark_agreed(
+                RuntimeError(
+                    f"lightning_3d: the weight tied as {', '.join(mixed)} is trainable on one pipeline stage and "
+                    "frozen on the other. On one device the tied modules share one tensor; here the first and the "
+                    "last stage each hold a copy, and requires_grad was changed after setup on a module one stage "
+                    "holds (a BaseFinetuning callback freezing or unfreezing one of them, for example): that stage "
+                    "would train the weight and the other not. Freeze or unfreeze both modules together, or set "
+                    "requires_grad before the Trainer sets the model up (in __init__, configure_model or a "
+                    "callback's setup)."
+                )
+            )
 
     def broadcast_from_first(self) -> None:
         """Give the last stage's copies the first stage's values (they must start equal)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -112,6 +113,24 @@ def test_untie_gives_the_alias_a_copy_and_local_sums_give_both_the_one_weights_g
     grads = [torch.ones(8, 4), None]
     pairs.sum_grads(params, grads)
     assert torch.equal(grads[1], torch.ones(8, 4))
+
+
+def test_copies_that_disagree_on_requires_grad_are_refused() -> None:
+    """Both copies on one rank (a V schedule): unfreezing one module only (BaseFinetuning on the head) would train
+    one copy and not the other; the check names the tied weight, and passes once both agree again."""
+    from lightning_3d.core.agreed import is_agreed
+    from lightning_3d.core.tied import TiedWeights, untie
+
+    root = tied()
+    untie(root, [("embed.weight", "head.weight")])
+    pairs = TiedWeights.local(root, [("embed.weight", "head.weight")])
+    pairs.check_trainable()
+    root.head.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"tied as embed\.weight / head\.weight is trainable on one") as err:
+        pairs.check_trainable()
+    assert is_agreed(err.value)  # raised by every rank alike: not a fail-fast trigger
+    root.embed.weight.requires_grad_(False)
+    pairs.check_trainable()
 
 
 def test_untie_keeps_meta_copies_on_meta() -> None:

@@ -1,13 +1,18 @@
-"""Lightning's weight-averaging callbacks under ThreeDStrategy against one device (float64).
+"""Lightning's callbacks that hold or change the model's parameters, under ThreeDStrategy against one device
+(float64).
 
 ``--callback ema``: ``EMAWeightAveraging`` (updated every step; validation runs on the averaged weights, swapped in
 and out by the callback; at the end of fit the averaged weights become the model's). ``--callback swa``:
 ``StochasticWeightAveraging`` from epoch 1 (its own learning-rate schedule; the average becomes the model's after
-the last epoch). Both callbacks copy the model before the strategy splits it; under the pipeline each rank must
-average its own stages' tensors. ``--save DIR`` keeps ``last.ckpt`` there (EMA moves the trained weights to the
-checkpoint's ``current_model_state``, SWA keeps its average in its callback state), ``--resume`` continues from
-one, possibly saved at another layout. Rank 0 writes to ``OUT`` the training loss of every step, the validation
-loss of every epoch and, after fit, the loss of a ``trainer.validate`` of the final weights.
+the last epoch). Both copy the model before the strategy splits it; under the pipeline each rank must average its
+own stages' tensors. ``--callback finetune``: a ``BaseFinetuning`` that freezes the first block and the head
+before training and unfreezes them into a new parameter group at epoch 1 (Lightning's filter of the parameters
+already in the optimizer compared values with ``torch.equal``: a collective per pair on DTensors).
+
+``--save DIR`` keeps ``last.ckpt`` there (EMA moves the trained weights to the checkpoint's
+``current_model_state``, SWA keeps its average in its callback state), ``--resume`` continues from one, possibly
+saved at another layout. Rank 0 writes to ``OUT`` the training loss of every step, the validation loss of every
+epoch and, after fit, the loss of a ``trainer.validate`` of the final weights.
 """
 
 from __future__ import annotations
@@ -19,7 +24,12 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
@@ -33,6 +43,21 @@ LAYOUTS = {
     "pp2dp2fsdp": {"pp": 2, "data_parallel": "fsdp"},
 }
 BATCH = 8
+
+
+class TrainableOnly(NanoGPT):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+class UnfreezeAtEpoch1(BaseFinetuning):
+    def freeze_before_training(self, pl_module: L.LightningModule) -> None:
+        self.freeze([pl_module.transformer.h[0], pl_module.lm_head])
+
+    def finetune_function(self, pl_module: L.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1:
+            modules = [pl_module.transformer.h[0], pl_module.lm_head]
+            self.unfreeze_and_add_param_group(modules=modules, optimizer=optimizer, lr=0.005)
 
 
 class Record(L.Callback):
@@ -50,16 +75,20 @@ class Record(L.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
-    parser.add_argument("--callback", choices=["ema", "swa"], required=True)
+    parser.add_argument("--callback", choices=["ema", "swa", "finetune"], required=True)
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--init", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--resume", type=Path)
+    parser.add_argument("--tied-finetune", action="store_true", help="finetune with the head tied to the embedding")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
     L.seed_everything(0)
-    model = NanoGPT(build="init", tie=True)
+    # a head tied to the embedding across stages, unfrozen by unfreezing the head alone, is refused (the first
+    # stage's copy would stay frozen): ``--tied-finetune``
+    finetune = args.callback == "finetune"
+    model = (TrainableOnly if finetune else NanoGPT)(build="init", tie=not finetune or args.tied_finetune)
     if args.init.exists():
         model.load_state_dict(torch.load(args.init))
     else:
@@ -72,11 +101,13 @@ def main() -> None:
         dp = 4 // (layout.get("tp", 1) * layout["pp"])
         kwargs = {"devices": 4, "strategy": ThreeDStrategy(micro_batches=2, **layout)}
     if args.callback == "ema":
-        averaging: L.Callback = EMAWeightAveraging(decay=0.5)
+        callback: L.Callback = EMAWeightAveraging(decay=0.5)
+    elif args.callback == "swa":
+        callback = StochasticWeightAveraging(swa_lrs=0.005, swa_epoch_start=1)
     else:
-        averaging = StochasticWeightAveraging(swa_lrs=0.005, swa_epoch_start=1)
+        callback = UnfreezeAtEpoch1()
     record = Record()
-    callbacks = [averaging, record]
+    callbacks = [callback, record]
     if args.save:
         callbacks.append(ModelCheckpoint(dirpath=args.save, save_last=True, save_top_k=0))
     trainer = L.Trainer(
