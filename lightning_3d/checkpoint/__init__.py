@@ -230,7 +230,8 @@ def save_checkpoint(
     optimizer_states = checkpoint.pop("optimizer_states", None)
     for i, state in enumerate(optimizer_states or []):
         tensors[f"optimizer_{i}"] = state
-    copies = model_copy_paths(checkpoint, context.full_spec)  # EMA's current weights, SWA's average, ...
+    shapes = {name: spec.shape for name, spec in context.full_spec.items()}
+    copies = model_copy_paths(checkpoint, shapes)  # EMA's current weights, SWA's average, ...
     for i, where in enumerate(copies):
         tensors[MODEL_COPY.format(i)] = pop_path(checkpoint, where)
     rng = _gather_to_rank0(rng_state(context.device, context.randomness))

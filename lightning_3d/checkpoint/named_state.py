@@ -14,7 +14,7 @@ as Adam's scalar ``step``; factored states (e.g. Adafactor's row/column statisti
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,26 +219,34 @@ def compare_keys(expected: Mapping[str, tuple[int, ...]], saved: Mapping[str, tu
 MODEL_COPY = "model_copy_{}"  # DCP key prefix of the i-th other state dict shaped like the model
 
 
-def model_copy_paths(checkpoint: Mapping[str, Any], model_keys: Collection[str]) -> list[tuple[str, ...]]:
+def model_copy_paths(
+    checkpoint: Mapping[str, Any], model_shapes: Mapping[str, tuple[int, ...]]
+) -> list[tuple[str, ...]]:
     """Where ``checkpoint`` holds other state dicts shaped like the model, besides its ``state_dict``.
 
     Lightning's ``EMAWeightAveraging`` moves the trained weights to ``checkpoint["current_model_state"]`` (the
     averaged ones go to ``"state_dict"``), ``StochasticWeightAveraging`` keeps its averaged model in its callback
     state: each rank holds its own stages' part of these (DTensors included), so, like the model, they are written
     by every rank through DCP instead of rank 0's ``meta.pt``. A state dict here is a non-empty mapping of tensors
-    whose keys are all keys of the model; nested dicts are searched, ``state_dict`` and ``optimizer_states`` not.
+    whose keys are all keys of the model, each with the model's (global) shape for that key; nested dicts are
+    searched, ``state_dict`` and ``optimizer_states`` not.
 
     Returns:
         The key paths, in the checkpoint's order (the same on every rank).
     """
-    keys = set(model_keys)
     found: list[tuple[str, ...]] = []
+
+    def like_model(state: Mapping[str, Any]) -> bool:
+        return bool(state) and all(
+            isinstance(v, Tensor) and k in model_shapes and tuple(v.shape) == tuple(model_shapes[k])
+            for k, v in state.items()
+        )
 
     def visit(node: Mapping[str, Any], path: tuple[str, ...]) -> None:
         for key, value in node.items():
             if not isinstance(value, Mapping) or (not path and key in ("state_dict", "optimizer_states")):
                 continue
-            if value and all(isinstance(v, Tensor) for v in value.values()) and set(value) <= keys:
+            if like_model(value):
                 found.append((*path, key))
             else:
                 visit(value, (*path, key))

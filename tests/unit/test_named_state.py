@@ -90,7 +90,7 @@ def test_saved_keys_of_a_prefix() -> None:
 def test_model_copies_are_found_where_lightnings_callbacks_put_them() -> None:
     """EMA's ``current_model_state`` (top level) and SWA's ``average_model_state`` (inside its callback state) are
     state dicts of the model's keys; the model itself, the optimizer, EMA's ``averaging_state`` (not model keys),
-    an empty dict and a dict with a non-tensor value are not."""
+    an empty dict, a dict with a non-tensor value and one of other shapes (a statistic per parameter) are not."""
     w = torch.zeros(2)
     checkpoint = {
         "state_dict": {"a.weight": w},
@@ -100,17 +100,18 @@ def test_model_copies_are_found_where_lightnings_callbacks_put_them() -> None:
         "callbacks": {
             "StochasticWeightAveraging{'swa_lrs': 0.1}": {"n_averaged": 2, "average_model_state": {"b.bias": w}},
             "ModelCheckpoint{}": {"best_model_path": "", "kth": {}},
-            "Other": {"mixed": {"a.weight": w, "note": 1}},
+            "Other": {"mixed": {"a.weight": w, "note": 1}, "norms": {"a.weight": torch.tensor(0.5)}},
         },
     }
-    found = model_copy_paths(checkpoint, ["a.weight", "b.bias"])
+    shapes = {"a.weight": (2,), "b.bias": (2,)}
+    found = model_copy_paths(checkpoint, shapes)
     assert found == [
         ("current_model_state",),
         ("callbacks", "StochasticWeightAveraging{'swa_lrs': 0.1}", "average_model_state"),
     ]
     moved = [pop_path(checkpoint, where) for where in found]
     assert moved[1] == {"b.bias": w} and "current_model_state" not in checkpoint
-    assert model_copy_paths(checkpoint, ["a.weight", "b.bias"]) == []
+    assert model_copy_paths(checkpoint, shapes) == []
     for where, value in zip(found, moved, strict=True):
         put_path(checkpoint, where, value)
     assert checkpoint["current_model_state"]["b.bias"] is w
