@@ -79,6 +79,7 @@ from .core.parallelize import (
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
 from .core.step import HeldGrads, ZeroGradHooks, previous_grads_discarded
+from .core.throughput import count_by_replica
 from .core.tied import TiedWeights, with_alias_keys
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .core.weight_averaging import rebuild_averaged_copies
@@ -357,6 +358,8 @@ class ThreeDStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         rebuild_averaged_copies(trainer.callbacks, self.lightning_module)
+        assert self.topology is not None
+        count_by_replica(trainer.callbacks, self.topology.world_size, self.topology.dp)
 
     @override
     def model_to_device(self) -> None:
