@@ -417,6 +417,7 @@ class Reliability:
         self.watch: FailureWatch | None = None
         self.switched = False
         self.failed = False
+        self._failure: BaseException | None = None  # the exception reported (on_exception)
         self.skipped_steps: list[int] = []  # global steps whose optimizer update was skipped
         self.step_skipped = False  # the current optimizer step's gradients were dropped
         self._poisoned = False  # a non-finite batch in the current accumulation window ("skip")
@@ -705,8 +706,10 @@ class Reliability:
 
     # ------------------------------------------------------------------ failure and the end
     def on_exception(self, exception: BaseException) -> None:
-        """``Strategy.on_exception``: report this rank's failure so every rank stops now."""
-        self.failed = True
+        """``Strategy.on_exception``: report this rank's failure so every rank stops now (once per exception)."""
+        if self.failed and exception is self._failure:
+            return
+        self.failed, self._failure = True, exception
         _P2PTimeout.remove()
         if self.watch is None:
             return
@@ -714,6 +717,32 @@ class Reliability:
         ready = self._stages is not None
         where = f"at global step {trainer.global_step}" if trainer is not None and ready else "during setup"
         self.watch.report(exception, where)
+
+    def refuse_save_after_failure(self, interrupted: bool, exception: BaseException | None, path: Any) -> bool:
+        """Whether a checkpoint save must not start because this rank alone failed; if so, report it now.
+
+        Lightning runs the callbacks' ``on_exception`` (``OnExceptionCheckpoint``, ``ModelCheckpoint``'s save on
+        exception) before ``Strategy.on_exception``: a rank whose step raised went into the save's collectives
+        while the others waited for it in the pipeline, and the job hung until the timeout with the root cause
+        not yet reported. A checkpoint needs every rank at the same point, which an error of one rank never
+        gives, so the failure is reported here (the other ranks stop) and the save is skipped with a line saying
+        so. An error every rank raised together (``is_agreed``) saves as usual.
+
+        Args:
+            interrupted: the trainer's status is ``INTERRUPTED`` (the save runs in Lightning's exception handling).
+            exception: the exception being handled (``sys.exc_info()``), if any.
+            path: the checkpoint's path, for the message.
+        """
+        if not interrupted or exception is None or is_agreed(exception):
+            return False
+        self.on_exception(exception)
+        print(
+            f"[rank {self._global_rank}] lightning_3d: checkpoint {str(path)!r} not saved: this rank failed "
+            f"({type(exception).__name__}) and the other ranks are stopping; a checkpoint needs every rank. "
+            "Resume from the last checkpoint saved before the failure.",
+            flush=True,
+        )
+        return True
 
     def teardown(self) -> None:
         """End of a trainer call: on success stop the watch and restore the setup timeout, then a barrier."""

@@ -181,6 +181,26 @@ def test_fault_under_lightning_launcher(tmp_path, kind, tp, pp, rank, what):
         ), result.tail(80)
 
 
+@pytest.mark.slow
+def test_fault_with_on_exception_checkpoint(tmp_path):
+    """Lightning runs the callbacks' ``on_exception`` before ``Strategy.on_exception``: with
+    ``OnExceptionCheckpoint`` the failing last-stage rank went into the checkpoint's collectives while the first stage
+    waited for it in the pipeline, and the job hung until ``train_timeout`` (60 s here) without naming the fault.
+    Now the save reports the failure first and is skipped with a line saying so; every rank ends within FAIL_FAST,
+    and no checkpoint folder is left."""
+    result, info = _lightning_job(
+        tmp_path, "--fault", "raise", "--rank", 1, "--train-timeout", TRAIN_TIMEOUT, "--on-exception-checkpoint"
+    )
+    fault = _fault_time(result.output)
+    _timing("lightning launcher, raise rank 1 with OnExceptionCheckpoint", info["all_exit"] - fault)
+    assert info["main_rc"] != 0 and info["leftover"] == [], result.tail(80)
+    assert info["all_exit"] - fault < FAIL_FAST, result.tail(80)
+    assert "[rank 1] lightning_3d: rank 1 (dp 0, stage 1 of 2, tp 0) failed at global step 2:" in result.output
+    assert "[rank 1] RuntimeError: injected fault on rank 1 at step 2" in result.output
+    assert "[rank 1] lightning_3d: checkpoint" in result.output and "not saved: this rank failed" in result.output
+    assert not list((tmp_path / "exc").glob("*")) if (tmp_path / "exc").exists() else True
+
+
 # (kind, tp, pp, rank, what)
 EXTERNAL_FAULTS = [
     ("raise", 1, 2, 0, "first stage"),

@@ -19,6 +19,9 @@ partition  rank R asks for partitioner="compute" (others "uniform"), whose layer
 none       no fault
 =========  ===========================================================================================
 
+``--on-exception-checkpoint`` adds Lightning's ``OnExceptionCheckpoint`` (its save runs on the failing rank before
+``Strategy.on_exception``).
+
 Each rank writes ``DIR/pid.<rank>`` at start and ``DIR/rank<r>.json`` at the end (or when the step fails):
 per-step losses (exact, as float.hex), bitwise parameter checksums before and after each step, the global
 steps, the optimizer's step counts, the learning rate and the strategy's skipped steps. Just before a fault
@@ -38,6 +41,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -186,6 +190,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--train-timeout", type=float, default=600.0)
     parser.add_argument("--dp-check", type=int, default=0)
+    parser.add_argument("--on-exception-checkpoint", action="store_true", help="OnExceptionCheckpoint in OUT/exc")
     parser.add_argument("--launcher", choices=("lightning", "external"), default="lightning")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -209,6 +214,8 @@ def main() -> None:
     callbacks: list[L.Callback] = [Fault(args)]
     if args.dp_check:
         callbacks.append(DPConsistencyCheck(every_n_steps=args.dp_check))
+    if args.on_exception_checkpoint:
+        callbacks.append(OnExceptionCheckpoint(dirpath=Path(args.out, "exc")))
     world = args.tp * args.pp * args.dp
     trainer = L.Trainer(
         accelerator="cpu",
@@ -218,7 +225,8 @@ def main() -> None:
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.on_exception_checkpoint,
+        default_root_dir=args.out,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

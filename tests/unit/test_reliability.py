@@ -260,3 +260,21 @@ def test_batch_digest_tells_batches_apart_by_values_dtype_shape_and_structure() 
     assert batch_digest((x[:, ::2], torch.empty(0))) == batch_digest((x[:, ::2].contiguous(), torch.empty(0)))
     # an object's repr may hold its address, which differs between processes: only its type counts
     assert batch_digest((y, object())) == batch_digest((y, object()))
+
+
+def test_a_save_after_this_rank_alone_failed_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """A save from Lightning's exception handling (``OnExceptionCheckpoint``) after an error of this rank: reported
+    first (so the other ranks stop) and skipped; an error every rank raised, or a save outside exception
+    handling, goes ahead."""
+    from lightning_3d.core.agreed import mark_agreed
+
+    reliability = Reliability(ThreeDSettings())
+    error = RuntimeError("user error")
+    assert not reliability.refuse_save_after_failure(False, error, "last.ckpt")  # not interrupted
+    assert not reliability.refuse_save_after_failure(True, None, "last.ckpt")
+    assert not reliability.refuse_save_after_failure(True, mark_agreed(ValueError("every rank")), "last.ckpt")
+    assert not reliability.failed
+    assert reliability.refuse_save_after_failure(True, error, "exc/on_exception.ckpt")
+    assert reliability.failed
+    assert "checkpoint 'exc/on_exception.ckpt' not saved: this rank failed (RuntimeError)" in capsys.readouterr().out
+    reliability.on_exception(error)  # Lightning's Strategy.on_exception afterwards: already reported, once
