@@ -430,6 +430,13 @@ class StageExecutor:
                     self._check_no_skip(stage, loss)
                     self._checked.add(stage)
         if not last:
+            if result is None and self._train:  # Lightning's "return None to skip this batch"
+                raise ValueError(
+                    f"{type(self.module).__name__}.{self._hook} returned None before running the model (on pipeline "
+                    f"stage {stage}): skipping a batch this way is not supported under pipeline parallelism, as "
+                    "Lightning does not support it under DDP either; every rank must run each step. Leave such "
+                    "batches out in the data pipeline (the Dataset, a sampler or collate_fn) instead."
+                )
             raise ValueError(
                 f"{type(self.module).__name__}.{self._hook} returned without running the blocks of pipeline stage "
                 f"{stage}; under pipeline parallelism every {self._hook} must run the model once. {BLOCKS_CONTRACT}"

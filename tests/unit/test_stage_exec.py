@@ -132,6 +132,15 @@ def test_a_step_that_skips_the_model_is_refused() -> None:
         stage(torch.arange(0, 2))
 
 
+def test_a_step_that_returns_none_to_skip_the_batch_is_refused_with_the_alternative() -> None:
+    model = Net()
+    executor, stage = stage_of(model, 0)
+    executor.begin("training_step", lambda batch, idx: None, batch(), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(0, 0)
+    with pytest.raises(ValueError, match=r"returned None before running the model .* in the data pipeline"):
+        stage(torch.arange(0, 2))
+
+
 class MidNet(Net):
     """A module with parameters registered after the blocks (the last stage's by default) but called between
     blocks 0 and 1: ``stages=`` puts it on stage 0, where the forward runs it."""
