@@ -83,7 +83,7 @@ from .core.step import HeldGrads, ZeroGradHooks, previous_grads_discarded
 from .core.throughput import count_by_replica
 from .core.tied import TiedWeights, with_alias_keys
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
-from .core.weight_averaging import rebuild_averaged_copies
+from .core.weight_averaging import defer_copies_to_setup_end, rebuild_averaged_copies
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
 from .settings import ThreeDSettings, grad_reduce_dp1_message
 
@@ -166,6 +166,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
         self._undo_split_backward = lambda: None  # compiled code under a two-pass backward (core/compile.py)
         self._undo_finetuning = lambda: None  # BaseFinetuning's parameter filter by identity (core/finetuning.py)
+        self._undo_deferred_copies = lambda: None  # EMA's setup copy deferred (core/weight_averaging.py)
         self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
@@ -316,6 +317,10 @@ class ThreeDStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        # Lightning calls the callbacks' setup next: EMA's would build a whole model to copy (core/weight_averaging.py)
+        self._undo_deferred_copies()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._undo_deferred_copies = defer_copies_to_setup_end(trainer.callbacks if trainer is not None else [])
         # ---- reliability: layout check (before the mesh), fail-fast watch
         self._reliability.on_process_group_ready(
             self.topology, self.root_device, self.global_rank, self.barrier, self._launched_processes
@@ -788,6 +793,8 @@ class ThreeDStrategy(ParallelStrategy):
         self._undo_split_backward = lambda: None
         self._undo_finetuning()
         self._undo_finetuning = lambda: None
+        self._undo_deferred_copies()
+        self._undo_deferred_copies = lambda: None
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -13,17 +13,25 @@ callbacks' own code (update, swap for validation, transfer at the end, ``state_d
 each rank averaging the tensors it trains. A plain tree of modules is built instead of a ``deepcopy`` of the set-up
 module: FSDP2 refuses ``deepcopy``, and the copy needs no forward, hooks or pipeline wrappers.
 
+A model built in ``configure_model`` (on the meta device under the strategy, each rank materialising its own
+shard) met a third problem: ``WeightAveraging.setup`` calls ``configure_model`` itself, outside the strategy's
+meta-device context, so every rank built the whole model for real and then copied it, twice the whole model's
+memory before the strategy ran. :func:`defer_copies_to_setup_end` makes that setup leave the building to the
+strategy and the copy to :func:`rebuild_averaged_copies`.
+
 This module reads the two callbacks' private attributes (``_average_model``, ``_device``, ``_use_buffers``,
 ``_kwargs``), Lightning 2.6's names; one place to change if they move.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 
 from .tied import canonical_names, install_alias_hooks
 
@@ -102,8 +110,6 @@ def rebuild_averaged_copies(callbacks: Sequence[Any], module: nn.Module) -> list
     rebuilt = averaging_callbacks(callbacks)
     for callback in rebuilt:
         if WeightAveraging is not None and isinstance(callback, WeightAveraging):
-            from torch.optim.swa_utils import AveragedModel
-
             device = callback._device or getattr(module, "device", None)
             callback._average_model = AveragedModel(
                 model=stage_copy(module), device=device, use_buffers=callback._use_buffers, **callback._kwargs
@@ -111,3 +117,33 @@ def rebuild_averaged_copies(callbacks: Sequence[Any], module: nn.Module) -> list
         else:  # StochasticWeightAveraging keeps the copy itself and moves it to the device when averaging starts
             callback._average_model = stage_copy(module)
     return rebuilt
+
+
+def defer_copies_to_setup_end(callbacks: Sequence[Any]) -> Callable[[], None]:
+    """Make each ``WeightAveraging`` callback's ``setup`` for fit, on a module that builds its layers in
+    ``configure_model``, leave out its own ``configure_model`` call and whole-model copy: Lightning calls
+    ``configure_model`` right after, under the strategy's meta-device context, and :func:`rebuild_averaged_copies`
+    makes the copy of this rank's part after the strategy's setup (a placeholder stands in until then). Other
+    setups run as the callback wrote them. Returns the undo (call it at teardown).
+    """
+    if WeightAveraging is None:
+        return lambda: None
+    patched = [c for c in callbacks if isinstance(c, WeightAveraging) and "setup" not in c.__dict__]
+    for callback in patched:
+        original = callback.setup
+
+        def setup(
+            trainer: Any, pl_module: Any, stage: str, _callback: Any = callback, _original: Any = original
+        ) -> None:
+            if stage != "fit" or not is_overridden("configure_model", pl_module):
+                _original(trainer, pl_module, stage)
+                return
+            _callback._average_model = AveragedModel(nn.Module())  # replaced by rebuild_averaged_copies
+
+        callback.setup = setup  # an instance attribute: Lightning looks the hook up on the object
+
+    def undo() -> None:
+        for callback in patched:
+            callback.__dict__.pop("setup", None)
+
+    return undo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
@@ -11,7 +12,12 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_3d.core.tied import install_alias_hooks
-from lightning_3d.core.weight_averaging import averaging_callbacks, rebuild_averaged_copies, stage_copy
+from lightning_3d.core.weight_averaging import (
+    averaging_callbacks,
+    defer_copies_to_setup_end,
+    rebuild_averaged_copies,
+    stage_copy,
+)
 
 
 class Stage(nn.Module):
@@ -80,3 +86,36 @@ def test_rebuild_replaces_a_whole_model_copy_once(kind: str) -> None:
         next(copy.parameters()).add_(1.0)
     assert rebuild_averaged_copies([callback], stage) == []
     assert (callback._average_model.module if kind == "ema" else callback._average_model) is copy
+
+
+class BuiltInConfigureModel(L.LightningModule):
+    def configure_model(self) -> None:
+        if not hasattr(self, "layer"):
+            self.layer = nn.Linear(3, 3)
+
+
+class BuiltInInit(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+
+
+def test_ema_setup_leaves_a_configure_model_build_to_the_strategy() -> None:
+    """Outside the strategy's meta-device context, EMA's setup would build the whole model for real and copy it on
+    every rank; deferred, the module stays unbuilt (Lightning's own configure_model call comes next) and a
+    placeholder copy waits for the rebuild. A module built in ``__init__`` and other stages keep the callback's
+    own setup; the undo restores it."""
+    ema, module = EMAWeightAveraging(), BuiltInConfigureModel()
+    undo = defer_copies_to_setup_end([ema, object()])
+    ema.setup(None, module, "fit")  # type: ignore[arg-type]
+    assert not hasattr(module, "layer")
+    assert averaging_callbacks([ema]) == [ema] and list(ema._average_model.parameters()) == []
+    ema.setup(None, BuiltInConfigureModel(), "validate")  # type: ignore[arg-type]  # not fit: no copy
+    built = BuiltInInit()
+    fresh = EMAWeightAveraging()
+    undo_fresh = defer_copies_to_setup_end([fresh])
+    fresh.setup(None, built, "fit")  # type: ignore[arg-type]
+    assert [p.shape for p in fresh._average_model.module.parameters()] == [p.shape for p in built.parameters()]
+    undo()
+    undo_fresh()
+    assert "setup" not in ema.__dict__ and "setup" not in fresh.__dict__
