@@ -34,7 +34,7 @@ def _assert_same(ref: list[dict], got: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("callback", "first", "second", "epochs"),
-    [("ema", "tp2pp2", "pp2dp2fsdp", 1), ("swa", "pp2dp2", "tp2pp2", 2)],
+    [("ema", "tp2pp2", "pp2dp2fsdp", 1), ("swa", "pp2dp2fsdp", "tp2pp2", 2)],
 )
 def test_weight_averaging_matches_one_device(
     tmp_path: Path, callback: str, first: str, second: str, epochs: int
@@ -43,8 +43,9 @@ def test_weight_averaging_matches_one_device(
     device within 1e-10 (float64, a head tied to the embedding across the two stages), for a run saved at
     ``first`` and resumed for one more epoch at ``second``; the single-device reference is saved and resumed the
     same way (so both sides share Lightning's own behaviour at the save). Before the fix the stage-1 ranks died at
-    the first average (a whole-model copy paired with one stage's tensors), and a resumed EMA checkpoint had no
-    ``state_dict`` for the callback."""
+    the first average (a whole-model copy paired with one stage's tensors), a resumed EMA checkpoint had no
+    ``state_dict`` for the callback, and under FSDP SWA's ``validate`` after ``fit`` died in its setup's
+    ``deepcopy`` of the sharded module."""
     ref1 = _run(tmp_path, "ref1", "single", callback, epochs, save=tmp_path / "ref_ckpt")
     ref2 = _run(tmp_path, "ref2", "single", callback, epochs + 1, resume=tmp_path / "ref_ckpt" / "last.ckpt")
     got1 = _run(tmp_path, "got1", first, callback, epochs, save=tmp_path / "ckpt")

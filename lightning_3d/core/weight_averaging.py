@@ -13,11 +13,12 @@ callbacks' own code (update, swap for validation, transfer at the end, ``state_d
 each rank averaging the tensors it trains. A plain tree of modules is built instead of a ``deepcopy`` of the set-up
 module: FSDP2 refuses ``deepcopy``, and the copy needs no forward, hooks or pipeline wrappers.
 
-A model built in ``configure_model`` (on the meta device under the strategy, each rank materialising its own
-shard) met a third problem: ``WeightAveraging.setup`` calls ``configure_model`` itself, outside the strategy's
-meta-device context, so every rank built the whole model for real and then copied it, twice the whole model's
-memory before the strategy ran. :func:`defer_copies_to_setup_end` makes that setup leave the building to the
-strategy and the copy to :func:`rebuild_averaged_copies`.
+The copies the callbacks make in ``setup`` are thus thrown away, and making them did harm:
+``WeightAveraging.setup`` calls ``configure_model`` itself, outside the strategy's meta-device context, so every
+rank built the whole model for real and copied it (twice the whole model's memory before the strategy ran), and
+``StochasticWeightAveraging.setup`` deep-copies the module at every stage, which FSDP2 refuses once the model is
+sharded (a ``validate`` after ``fit`` on the same Trainer failed). :func:`defer_copies_to_setup_end` makes those
+setups leave a placeholder instead.
 
 This module reads the two callbacks' private attributes (``_average_model``, ``_device``, ``_use_buffers``,
 ``_kwargs``), Lightning 2.6's names; one place to change if they move.
@@ -29,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch.callbacks import StochasticWeightAveraging
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
@@ -119,26 +119,35 @@ def rebuild_averaged_copies(callbacks: Sequence[Any], module: nn.Module) -> list
     return rebuilt
 
 
-def defer_copies_to_setup_end(callbacks: Sequence[Any]) -> Callable[[], None]:
-    """Make each ``WeightAveraging`` callback's ``setup`` for fit, on a module that builds its layers in
-    ``configure_model``, leave out its own ``configure_model`` call and whole-model copy: Lightning calls
-    ``configure_model`` right after, under the strategy's meta-device context, and :func:`rebuild_averaged_copies`
-    makes the copy of this rank's part after the strategy's setup (a placeholder stands in until then). Other
-    setups run as the callback wrote them. Returns the undo (call it at teardown).
-    """
-    if WeightAveraging is None:
-        return lambda: None
-    patched = [c for c in callbacks if isinstance(c, WeightAveraging) and "setup" not in c.__dict__]
-    for callback in patched:
-        original = callback.setup
+def _placeholder(callback: Any) -> nn.Module:
+    """What stands in for a callback's copy until :func:`rebuild_averaged_copies` (no parameters)."""
+    if WeightAveraging is not None and isinstance(callback, WeightAveraging):
+        return AveragedModel(nn.Module())
+    return nn.Module()
 
-        def setup(
-            trainer: Any, pl_module: Any, stage: str, _callback: Any = callback, _original: Any = original
-        ) -> None:
-            if stage != "fit" or not is_overridden("configure_model", pl_module):
-                _original(trainer, pl_module, stage)
-                return
-            _callback._average_model = AveragedModel(nn.Module())  # replaced by rebuild_averaged_copies
+
+def defer_copies_to_setup_end(callbacks: Sequence[Any]) -> Callable[[], None]:
+    """Make the averaging callbacks' ``setup`` leave the model alone: no whole-model copy, no ``configure_model``.
+
+    ``WeightAveraging.setup`` (for fit) builds the model by calling ``configure_model`` outside the strategy's
+    meta-device context and copies it; ``StochasticWeightAveraging.setup`` (every stage) deep-copies the module,
+    which FSDP2 refuses once the strategy has sharded it (a ``validate`` after ``fit`` on the same Trainer). Both
+    copies are thrown away after the strategy's setup anyway: a placeholder stands in until
+    :func:`rebuild_averaged_copies` makes the copy of this rank's part, and Lightning's own ``configure_model``
+    call builds the model under the strategy. A subclass with a ``setup`` of its own keeps it. Returns the undo
+    (call it at teardown).
+    """
+    own = {WeightAveraging: "fit", StochasticWeightAveraging: None}  # the class whose setup copies; at which stage
+    patched = []
+    for callback in callbacks:
+        kind = next((k for k in own if k is not None and isinstance(callback, k)), None)
+        if kind is None or "setup" in callback.__dict__ or type(callback).setup is not kind.setup:
+            continue
+        patched.append(callback)
+
+        def setup(trainer: Any, pl_module: Any, stage: str, _callback: Any = callback, _when: Any = own[kind]) -> None:
+            if _when is None or stage == _when:
+                _callback._average_model = _placeholder(_callback)  # replaced by rebuild_averaged_copies
 
         callback.setup = setup  # an instance attribute: Lightning looks the hook up on the object
 

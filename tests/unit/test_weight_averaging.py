@@ -100,22 +100,34 @@ class BuiltInInit(L.LightningModule):
         self.layer = nn.Linear(3, 3)
 
 
-def test_ema_setup_leaves_a_configure_model_build_to_the_strategy() -> None:
-    """Outside the strategy's meta-device context, EMA's setup would build the whole model for real and copy it on
-    every rank; deferred, the module stays unbuilt (Lightning's own configure_model call comes next) and a
-    placeholder copy waits for the rebuild. A module built in ``__init__`` and other stages keep the callback's
-    own setup; the undo restores it."""
-    ema, module = EMAWeightAveraging(), BuiltInConfigureModel()
-    undo = defer_copies_to_setup_end([ema, object()])
-    ema.setup(None, module, "fit")  # type: ignore[arg-type]
+def test_the_callbacks_setup_copies_are_deferred_to_the_rebuild() -> None:
+    """EMA's setup would build a ``configure_model`` model for real outside the strategy's meta-device context and
+    copy it; SWA's would deep-copy the module (FSDP2 refuses once it is sharded). Deferred, the module stays
+    unbuilt (Lightning's own configure_model call comes next) and a placeholder waits for the rebuild; a subclass
+    with a setup of its own keeps it; the undo restores the callbacks."""
+
+    class OwnSetup(EMAWeightAveraging):
+        def setup(self, trainer: object, pl_module: object, stage: str) -> None:
+            self.called = stage
+
+    ema, swa, own, module = (
+        EMAWeightAveraging(),
+        StochasticWeightAveraging(swa_lrs=0.1),
+        OwnSetup(),
+        BuiltInConfigureModel(),
+    )
+    undo = defer_copies_to_setup_end([ema, swa, own, object()])
+    for callback in (ema, swa, own):
+        callback.setup(None, module, "fit")  # type: ignore[arg-type]
     assert not hasattr(module, "layer")
-    assert averaging_callbacks([ema]) == [ema] and list(ema._average_model.parameters()) == []
-    ema.setup(None, BuiltInConfigureModel(), "validate")  # type: ignore[arg-type]  # not fit: no copy
-    built = BuiltInInit()
-    fresh = EMAWeightAveraging()
-    undo_fresh = defer_copies_to_setup_end([fresh])
-    fresh.setup(None, built, "fit")  # type: ignore[arg-type]
-    assert [p.shape for p in fresh._average_model.module.parameters()] == [p.shape for p in built.parameters()]
+    assert averaging_callbacks([ema, swa, own]) == [ema, swa] and own.called == "fit"
+    assert list(ema._average_model.parameters()) == [] and list(swa._average_model.parameters()) == []
+    later = StochasticWeightAveraging(swa_lrs=0.1)
+    undo_later = defer_copies_to_setup_end([later])
+    later.setup(None, BuiltInInit(), "validate")  # type: ignore[arg-type]  # SWA copies at every stage: deferred too
+    assert list(later._average_model.parameters()) == []
+    rebuild_averaged_copies([ema, swa, later], BuiltInInit())
+    assert all(len(list(copy.parameters())) == 2 for copy in (ema._average_model, swa._average_model))
     undo()
-    undo_fresh()
-    assert "setup" not in ema.__dict__ and "setup" not in fresh.__dict__
+    undo_later()
+    assert all("setup" not in c.__dict__ for c in (ema, swa, own, later))
