@@ -166,7 +166,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
         self._undo_split_backward = lambda: None  # compiled code under a two-pass backward (core/compile.py)
         self._undo_finetuning = lambda: None  # BaseFinetuning's parameter filter by identity (core/finetuning.py)
-        self._undo_deferred_copies = lambda: None  # EMA's setup copy deferred (core/weight_averaging.py)
+        self._undo_deferred_copies = lambda: None  # EMA's / SWA's setup copies deferred (core/weight_averaging.py)
         self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
@@ -317,9 +317,9 @@ class ThreeDStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        # Lightning calls the callbacks' setup next: EMA's would build a whole model to copy (core/weight_averaging.py)
+        # Lightning calls the callbacks' setup next: EMA's and SWA's copies are deferred (core/weight_averaging.py)
         self._undo_deferred_copies()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         self._undo_deferred_copies = defer_copies_to_setup_end(trainer.callbacks if trainer is not None else [])
         # ---- reliability: layout check (before the mesh), fail-fast watch
         self._reliability.on_process_group_ready(
@@ -714,7 +714,7 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         if self._reliability.refuse_save_after_failure(interrupted, sys.exc_info()[1], filepath):  # ---- reliability
             return
