@@ -77,6 +77,7 @@ from .core.parallelize import (
     describe_layout,
     plan_model,
 )
+from .core.pruning import prune_this_stage, refuse_pruning
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
 from .core.step import HeldGrads, ZeroGradHooks, previous_grads_discarded
@@ -167,6 +168,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._undo_split_backward = lambda: None  # compiled code under a two-pass backward (core/compile.py)
         self._undo_finetuning = lambda: None  # BaseFinetuning's parameter filter by identity (core/finetuning.py)
         self._undo_deferred_copies = lambda: None  # EMA's / SWA's setup copies deferred (core/weight_averaging.py)
+        self._undo_pruning = lambda: None  # ModelPruning's global pruning over the stages (core/pruning.py)
         self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
@@ -365,6 +367,9 @@ class ThreeDStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         rebuild_averaged_copies(trainer.callbacks, self.lightning_module)
         assert self.topology is not None
+        self._undo_pruning()
+        pp_group = self.device_mesh["pp"].get_group() if self.topology.pp > 1 else None
+        self._undo_pruning = prune_this_stage(trainer.callbacks, self.lightning_module, list(self.full_spec), pp_group)
         count_by_replica(trainer.callbacks, self.topology.world_size, self.topology.dp)
 
     @override
@@ -384,6 +389,9 @@ class ThreeDStrategy(ParallelStrategy):
                 "optimization; manual optimization (automatic_optimization=False) is not supported."
             )
         scaler_of(self.precision_plugin)  # a loss scaler other than torch.amp.GradScaler is refused
+        assert self.topology is not None
+        trainer = getattr(module, "_trainer", None)
+        refuse_pruning(trainer.callbacks if trainer is not None else [], self.topology.dp, self.topology.tp)
 
     def _parallelize(self) -> None:
         """Split, shard and wrap the LightningModule (once per module); see ``parallelize.py``."""
@@ -795,6 +803,8 @@ class ThreeDStrategy(ParallelStrategy):
         self._undo_finetuning = lambda: None
         self._undo_deferred_copies()
         self._undo_deferred_copies = lambda: None
+        self._undo_pruning()
+        self._undo_pruning = lambda: None
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from ..core.agreed import mark_agreed
 from ..core.partition import TensorSpec
 from ..core.rng import BodyRandomness
-from ..core.tied import assign, canonical_names
+from ..core.tied import assign, canonical_keys, canonical_names
 from ..core.topology import Topology
 from .named_state import (
     MODEL,
@@ -68,6 +68,7 @@ from .named_state import (
     saved_keys,
     saved_model_shapes,
     torch_optimizer_state,
+    unsaved_parameters,
 )
 from .resume import ResumePosition, rng_state, set_rng_state, source_rank, train_batch_size
 
@@ -205,6 +206,34 @@ def _gather_to_rank0(obj: Any) -> list[Any] | None:
     return out
 
 
+def _all_ranks(obj: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _check_optimizer_keys(names: Mapping[int, str], optimizers: Sequence[Any], metadata: Any, path: Path) -> None:
+    """Raise on every rank alike when an optimizer holds a parameter the checkpoint's optimizer did not (one
+    object all-gather: ranks hold different parameters), instead of leaving its state empty without a word."""
+    mine = {n: unsaved_parameters(names, o, f"optimizer_{n}", metadata) for n, o in enumerate(optimizers)}
+    unsaved = sorted({(n, fqn) for part in _all_ranks(mine) for n, fqns in part.items() for fqn in fqns})
+    if not unsaved:
+        return
+    listed = ", ".join(f"{fqn!r} (optimizer {n})" for n, fqn in unsaved[:5])
+    more = f" and {len(unsaved) - 5} more" if len(unsaved) > 5 else ""
+    raise mark_agreed(
+        KeyError(
+            f"lightning_3d: checkpoint {str(path)!r} has no optimizer state for {listed}{more}: the optimizer "
+            "returned by configure_optimizers holds parameters that the saved one did not (as one device's "
+            "optimizer.load_state_dict refuses groups of other sizes). Nothing was loaded. To start a new optimizer "
+            "from these weights, export them (python -m lightning_3d.checkpoint export CKPT model.pt) and train "
+            "with callbacks=[lightning_3d.checkpoint.LoadWeights('model.pt')] instead of resuming."
+        )
+    )
+
+
 def _layout(context: CheckpointContext) -> dict[str, Any]:
     dp, pp, tp = context.topology.shape
     return {"dp": dp, "pp": pp, "tp": tp, "world_size": context.topology.world_size, "stages": context.stages}
@@ -226,7 +255,9 @@ def save_checkpoint(
         _remove_path(staging)  # left by a save that was killed
         staging.mkdir(parents=True)
     context.barrier()
-    tensors: dict[str, Any] = {MODEL: checkpoint.pop("state_dict")}
+    # each tied weight once, canonically, also where a callback rebuilt the dict after the module's own hook ran
+    # (ModelPruning's permanent weights: ``lm_head.weight_orig`` becomes ``lm_head.weight`` there)
+    tensors: dict[str, Any] = {MODEL: dict(canonical_keys(checkpoint.pop("state_dict"), context.module))}
     optimizer_states = checkpoint.pop("optimizer_states", None)
     for i, state in enumerate(optimizer_states or []):
         tensors[f"optimizer_{i}"] = state
@@ -313,6 +344,7 @@ def load_checkpoint(
     for i in range(len(copies)):
         held = saved_keys(metadata, MODEL_COPY.format(i))
         state[MODEL_COPY.format(i)] = {k: torch.empty_like(v) for k, v in live.items() if k in held}
+    _check_optimizer_keys(names, optimizers, metadata, path)
     for i, optimizer in enumerate(optimizers):
         state[f"optimizer_{i}"] = optimizer_template(names, optimizer, f"optimizer_{i}", metadata)
     dcp.load(state, checkpoint_id=path)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..core.pruning import natural_name
 from ..core.tied import canonical_names
 
 MODEL = "state_dict"  # DCP key prefix of the model; ``optimizer_<i>`` for optimizer i
@@ -36,7 +37,12 @@ def model_state_dict(module: nn.Module) -> dict[str, Any]:
 def param_names(module: nn.Module) -> dict[int, str]:
     """Each parameter's name in ``module`` (the unsplit model's name), by object identity."""
     aliases = canonical_names(module)  # a tied weight is keyed by its canonical name (the first registered)
-    return {id(p): aliases.get(name, name) for name, p in module.named_parameters(remove_duplicate=False)}
+    names = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        # a weight pruned by torch.nn.utils.prune (``weight_orig``) by the name ModelPruning's checkpoints give it
+        plain = natural_name(module, name)
+        names[id(p)] = aliases.get(plain, plain)
+    return names
 
 
 def _name_of(names: Mapping[int, str], param: Tensor) -> str:
@@ -88,6 +94,18 @@ def optimizer_template(names: Mapping[int, str], optimizer: Any, prefix: str, me
                 else:
                     template[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     return template
+
+
+def unsaved_parameters(names: Mapping[int, str], optimizer: Any, prefix: str, metadata: Metadata) -> list[str]:
+    """The names of ``optimizer``'s parameters that the checkpoint's optimizer ``prefix`` did not hold (every
+    parameter an optimizer holds is saved with its group's hyperparameters, stepped or not)."""
+    saved = {
+        key[len(prefix) + len(".param_groups.") :].rpartition(".")[0]
+        for key in metadata.state_dict_metadata
+        if key.startswith(prefix + ".param_groups.")
+    }
+    live = [_name_of(names, param) for group in optimizer.param_groups for param in group["params"]]
+    return [fqn for fqn in dict.fromkeys(live) if fqn not in saved]
 
 
 def torch_optimizer_state(names: Mapping[int, str], optimizer: Any, flat: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,8 @@ the last epoch). Both copy the model before the strategy splits it; under the pi
 own stages' tensors. ``--callback finetune``: a ``BaseFinetuning`` that freezes the first block and the head
 before training and unfreezes them into a new parameter group at epoch 1 (Lightning's filter of the parameters
 already in the optimizer compared values with ``torch.equal``: a collective per pair on DTensors).
+``--callback prune`` / ``prune-global``: ``ModelPruning`` (L1, 30% at the end of every epoch, each tensor alone or
+all of them together), which lists the modules to prune before the strategy splits the model.
 
 ``--save DIR`` keeps ``last.ckpt`` there (EMA moves the trained weights to the checkpoint's
 ``current_model_state``, SWA keeps its average in its callback state), ``--resume`` continues from one, possibly
@@ -28,6 +30,7 @@ from lightning.pytorch.callbacks import (
     BaseFinetuning,
     EMAWeightAveraging,
     ModelCheckpoint,
+    ModelPruning,
     StochasticWeightAveraging,
 )
 
@@ -41,7 +44,10 @@ LAYOUTS = {
     "tp2pp2": {"tp": 2, "pp": 2},
     "pp2dp2": {"pp": 2},
     "pp2dp2fsdp": {"pp": 2, "data_parallel": "fsdp"},
+    "pp2": {"pp": 2},
+    "pp4": {"pp": 4},
 }
+WORLD = {"pp2": 2}  # processes per layout; 4 otherwise
 BATCH = 8
 
 
@@ -75,7 +81,7 @@ class Record(L.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
-    parser.add_argument("--callback", choices=["ema", "swa", "finetune"], required=True)
+    parser.add_argument("--callback", choices=["ema", "swa", "finetune", "prune", "prune-global"], required=True)
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--init", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -98,12 +104,15 @@ def main() -> None:
         kwargs: dict[str, object] = {"devices": 1}
         dp = 1
     else:
-        dp = 4 // (layout.get("tp", 1) * layout["pp"])
-        kwargs = {"devices": 4, "strategy": ThreeDStrategy(micro_batches=2, **layout)}
+        world = WORLD.get(args.layout, 4)
+        dp = world // (layout.get("tp", 1) * layout["pp"])
+        kwargs = {"devices": world, "strategy": ThreeDStrategy(micro_batches=max(2, layout["pp"]), **layout)}
     if args.callback == "ema":
         callback: L.Callback = EMAWeightAveraging(decay=0.5)
     elif args.callback == "swa":
         callback = StochasticWeightAveraging(swa_lrs=0.005, swa_epoch_start=1)
+    elif args.callback.startswith("prune"):
+        callback = ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=args.callback == "prune-global")
     else:
         callback = UnfreezeAtEpoch1()
     record = Record()

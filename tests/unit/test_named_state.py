@@ -25,6 +25,7 @@ from lightning_3d.checkpoint.named_state import (
     saved_keys,
     saved_model_shapes,
     torch_optimizer_state,
+    unsaved_parameters,
 )
 
 
@@ -201,6 +202,34 @@ def test_optimizer_template_shapes_tensors_like_the_saved_entries() -> None:
     assert template["state.0.weight.step"].shape == ()
     assert template["param_groups.0.weight.lr"] is None
     assert template["state.0.bias.exp_avg"].dtype == torch.float64
+
+
+def test_parameters_the_saved_optimizer_did_not_hold_are_named() -> None:
+    module = model()
+    metadata = Metadata(
+        {
+            "optimizer_0.param_groups.0.weight.lr": BytesStorageMetadata(),
+            "optimizer_0.param_groups.0.bias.lr": BytesStorageMetadata(),
+            "optimizer_0.state.1.weight.exp_avg": tensor_meta(1, 2),  # a state alone does not count
+            "optimizer_1.param_groups.1.bias.lr": BytesStorageMetadata(),  # another optimizer's
+        }
+    )
+    unsaved = unsaved_parameters(param_names(module), adam(module), "optimizer_0", metadata)
+    assert unsaved == ["1.weight", "1.bias"]
+    frozen = torch.optim.Adam(module[0].parameters())  # an optimizer of the saved parameters only
+    assert unsaved_parameters(param_names(module), frozen, "optimizer_0", metadata) == []
+
+
+def test_a_pruned_weight_is_keyed_by_its_permanent_name() -> None:
+    """torch.nn.utils.prune keeps a pruned ``weight`` as ``weight_orig``; ModelPruning's checkpoints hold
+    ``weight``, and a resumed model (not pruned yet) has ``weight``: the optimizer is keyed alike."""
+    module = model()
+    before = param_names(module)
+    torch.nn.utils.prune.l1_unstructured(module[1], "weight", amount=0.5)
+    assert module[1].weight_orig is not None
+    assert param_names(module) == before
+    module[0].register_parameter("scale_orig", nn.Parameter(torch.ones(1)))  # not pruned: its own name
+    assert param_names(module)[id(module[0].scale_orig)] == "0.scale_orig"
 
 
 def test_two_copies_of_a_tied_weight_load_states_of_their_own() -> None:
