@@ -15,10 +15,13 @@ from launch import run_lightning
 SCRIPT = "lightning_callbacks_run.py"
 
 
-def _run(tmp_path: Path, name: str, layout: str, callback: str, epochs: int, **paths: Path) -> list[dict]:
+def _run(
+    tmp_path: Path, name: str, layout: str, callback: str, epochs: int, anomaly: bool = False, **paths: Path
+) -> list[dict]:
     out = tmp_path / f"{name}.json"
     args = ["--layout", layout, "--callback", callback, "--epochs", epochs, "--init", tmp_path / "init.pt"]
     args += ["--out", out] + [a for key, value in paths.items() for a in (f"--{key}", value)]
+    args += ["--detect-anomaly"] if anomaly else []
     run_lightning(SCRIPT, args, timeout=120 if layout == "single" else 300)
     return json.loads(out.read_text())
 

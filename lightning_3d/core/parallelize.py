@@ -454,6 +454,8 @@ def build_stages(
     model under ``"fsdp"`` or ``"hsdp"`` is materialised directly as this rank's shards
     (``materialize.ShardedInit``)."""
     dp_plan = DataParallelPlan() if dp_plan is None else dp_plan
+    if mesh["tp"].size() > 1:  # Trainer(detect_anomaly=True) checks tensor-parallel gradients too
+        torch_compat.shard_nan_check()
     if model.split is not None:
         return _build_split_stages(
             module,

@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd.graph import increment_version
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -450,7 +450,39 @@ class ColwiseParallelWithInputHook(ColwiseParallel):
         return self.convert_input
 
 
+# ---------------------------------------------------------------------------------------------- DTensor operators
+def shard_nan_check() -> bool:
+    """Let autograd's anomaly detection check DTensor gradients for NaN (``Trainer(detect_anomaly=True)`` under
+    tensor parallelism); returns whether a rule was added.
+
+    The engine checks each backward output with ``aten._is_any_true``, for which DTensor has no sharding rule
+    (torch 2.13: "Operator aten._is_any_true.default does not have a sharding strategy registered"), so the first
+    backward through a tensor-parallel layer died. The rule added (with torch's public
+    ``experimental.register_sharding``) replicates the input first: a collective per checked gradient, only while
+    anomaly detection runs. Nothing is added where torch already has a rule.
+    """
+    from torch.distributed.tensor.experimental import register_sharding
+
+    op = torch.ops.aten._is_any_true.default
+    dispatcher = getattr(DTensor, "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
+    known = [getattr(propagator, name, {}) for name in ("op_strategy_funcs", "op_to_rules")]
+    if any(op in table for table in known):
+        return False
+
+    def replicated(tensor: Any) -> list[tuple[list[Any], list[Any]]]:
+        return [([Replicate()], [Replicate()])]
+
+    register_sharding(op)(replicated)
+    return True
+
+
 # ---------------------------------------------------------------------------------------------- pipeline stages
+def _without_anomaly_detection() -> contextlib.AbstractContextManager[Any]:
+    """Autograd's anomaly detection off (``Trainer(detect_anomaly=True)`` turns it on around the whole loop)."""
+    return torch.autograd.set_detect_anomaly(False)
+
+
 class PipelineStageWithShapeInferenceHook(PipelineStage):
     """A ``PipelineStage`` whose shape inference runs inside :meth:`shape_inference_context`.
 
@@ -468,8 +500,14 @@ class PipelineStageWithShapeInferenceHook(PipelineStage):
         return contextlib.nullcontext()
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
-        with self.shape_inference_context():
+        with self.shape_inference_context(), _without_anomaly_detection():
             return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # torch 2.13 infers the gradients' shapes by a backward of the inference forward, whose inputs on a later
+        # stage are uninitialised memory: NaN there means nothing, but Trainer(detect_anomaly=True) raised on it
+        with _without_anomaly_detection():
+            return super()._prepare_backward_infra(*args, **kwargs)
 
     def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         """torch's warm-up sends and receives to the neighbour stages, less those to a stage on this same rank.

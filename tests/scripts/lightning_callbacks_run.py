@@ -10,6 +10,8 @@ before training and unfreezes them into a new parameter group at epoch 1 (Lightn
 already in the optimizer compared values with ``torch.equal``: a collective per pair on DTensors).
 ``--callback prune`` / ``prune-global``: ``ModelPruning`` (L1, 30% at the end of every epoch, each tensor alone or
 all of them together), which lists the modules to prune before the strategy splits the model.
+``--callback none --detect-anomaly``: no such callback, ``Trainer(detect_anomaly=True)`` (``--nan-step N``: the
+loss of step N times NaN, which anomaly detection must report from the backward).
 
 ``--save DIR`` keeps ``last.ckpt`` there (EMA moves the trained weights to the checkpoint's
 ``current_model_state``, SWA keeps its average in its callback state), ``--resume`` continues from one, possibly
@@ -66,6 +68,18 @@ class UnfreezeAtEpoch1(BaseFinetuning):
             self.unfreeze_and_add_param_group(modules=modules, optimizer=optimizer, lr=0.005)
 
 
+class NanAtStep(NanoGPT):
+    """The loss times NaN at global step ``nan_step`` (after the model call: on the last stage)."""
+
+    nan_step = -1
+
+    def training_step(self, batch: object, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == self.nan_step:
+            loss = loss * torch.tensor(-1.0, dtype=loss.dtype).sqrt()
+        return loss
+
+
 class Record(L.Callback):
     def __init__(self) -> None:
         self.rows: list[dict[str, float]] = []
@@ -81,12 +95,15 @@ class Record(L.Callback):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
-    parser.add_argument("--callback", choices=["ema", "swa", "finetune", "prune", "prune-global"], required=True)
+    kinds = ["ema", "swa", "finetune", "prune", "prune-global", "none"]
+    parser.add_argument("--callback", choices=kinds, required=True)
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--init", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--resume", type=Path)
+    parser.add_argument("--detect-anomaly", action="store_true")
+    parser.add_argument("--nan-step", type=int, default=-1)
     parser.add_argument("--tied-finetune", action="store_true", help="finetune with the head tied to the embedding")
     args = parser.parse_args()
     torch.set_default_dtype(torch.float64)
@@ -94,7 +111,8 @@ def main() -> None:
     # a head tied to the embedding across stages, unfrozen by unfreezing the head alone, is refused (the first
     # stage's copy would stay frozen): ``--tied-finetune``
     finetune = args.callback == "finetune"
-    model = (TrainableOnly if finetune else NanoGPT)(build="init", tie=not finetune or args.tied_finetune)
+    model = (TrainableOnly if finetune else NanAtStep)(build="init", tie=not finetune or args.tied_finetune)
+    model.nan_step = args.nan_step
     if args.init.exists():
         model.load_state_dict(torch.load(args.init))
     else:
@@ -107,16 +125,17 @@ def main() -> None:
         world = WORLD.get(args.layout, 4)
         dp = world // (layout.get("tp", 1) * layout["pp"])
         kwargs = {"devices": world, "strategy": ThreeDStrategy(micro_batches=max(2, layout["pp"]), **layout)}
-    if args.callback == "ema":
-        callback: L.Callback = EMAWeightAveraging(decay=0.5)
-    elif args.callback == "swa":
-        callback = StochasticWeightAveraging(swa_lrs=0.005, swa_epoch_start=1)
-    elif args.callback.startswith("prune"):
-        callback = ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=args.callback == "prune-global")
-    else:
-        callback = UnfreezeAtEpoch1()
     record = Record()
-    callbacks = [callback, record]
+    callbacks: list[L.Callback] = [record]
+    if args.callback == "ema":
+        callbacks.insert(0, EMAWeightAveraging(decay=0.5))
+    elif args.callback == "swa":
+        callbacks.insert(0, StochasticWeightAveraging(swa_lrs=0.005, swa_epoch_start=1))
+    elif args.callback.startswith("prune"):
+        global_ = args.callback == "prune-global"
+        callbacks.insert(0, ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=global_))
+    elif finetune:
+        callbacks.insert(0, UnfreezeAtEpoch1())
     if args.save:
         callbacks.append(ModelCheckpoint(dirpath=args.save, save_last=True, save_top_k=0))
     trainer = L.Trainer(
@@ -130,6 +149,7 @@ def main() -> None:
         enable_checkpointing=args.save is not None,
         enable_model_summary=False,
         callbacks=callbacks,
+        detect_anomaly=args.detect_anomaly,
         **kwargs,
     )
     data = OrderedData("nano", batch_size=BATCH // dp, n=64, val_n=16)

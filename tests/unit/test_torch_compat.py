@@ -51,6 +51,14 @@ REPLACED = [
             ["self", "num_microbatches", "args", "kwargs"],
         ),
     ),
+    (
+        PipelineStage,
+        "_prepare_backward_infra",
+        (
+            ["self", "num_microbatches", "loss_fn", "target", "received_grad_meta", "loss_kwargs"],
+            ["self", "num_microbatches"],
+        ),
+    ),
     (PipelineStage, "_get_init_p2p_neighbors_ops", ["self"]),
     (ColwiseParallel, "_prepare_input_fn", ["input_layouts", "desired_input_layouts", "mod", "inputs", "device_mesh"]),
 ]
@@ -448,3 +456,20 @@ def test_fsdp_comm_buffers_show_the_reduce_scatter_input_in_flight(world_of_one)
     net.set_is_last_backward(True)
     net(torch.ones(3, 4)).sum().backward()
     assert torch_compat.fsdp_comm_buffers(net) == []
+
+
+def test_anomaly_detection_checks_dtensor_gradients(world_of_one):
+    """``Trainer(detect_anomaly=True)`` under tensor parallelism: autograd's NaN check of a DTensor gradient
+    (``aten._is_any_true``) had no sharding rule; with the rule a NaN is reported and a finite backward passes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch_compat.shard_nan_check()
+    assert torch_compat.shard_nan_check() is False  # once
+    mesh = init_device_mesh("cpu", (1,))
+    weight = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]).requires_grad_()
+    with torch.autograd.set_detect_anomaly(True):
+        (weight * 2).sum().full_tensor().backward()
+        assert weight.grad is not None
+        with pytest.raises(RuntimeError, match="returned nan values"):
+            (weight * torch.tensor(-1.0).sqrt()).sum().full_tensor().backward()
