@@ -289,14 +289,32 @@ def make_skeleton(module: nn.Module) -> nn.Module | str:
                 continue
             memo[id(value)] = value  # a tensor attribute, a trainer, a config: shared with the real module
     try:
-        skeleton = copy.deepcopy(module, memo)
-    except Exception as err:  # an attribute that cannot be copied (a lock, a file)
-        return f"the model could not be copied ({type(err).__name__}: {err})"
+        skeleton = copy.deepcopy(module, dict(memo))  # a copy: a failed deepcopy leaves entries behind
+    except Exception:  # a hook or attribute that cannot be copied: try again with the hooks shared
+        try:
+            skeleton = copy.deepcopy(module, {**memo, **_shared_hooks(module)})
+        except Exception as err:  # an attribute that cannot be copied (a lock, a file)
+            return f"the model could not be copied ({type(err).__name__}: {err})"
     if "_trainer" in vars(module):  # LightningModule.__getstate__ drops the trainer reference; keep it
         skeleton.__dict__["_trainer"] = module.__dict__["_trainer"]
     skeleton.__dict__["log"] = _no_log
     skeleton.__dict__["log_dict"] = _no_log
     return skeleton
+
+
+def _shared_hooks(module: nn.Module) -> dict[int, Any]:
+    """A deepcopy memo entry for every hook registered on ``module``'s modules: the copy calls the same hooks.
+
+    Some hooks hold what cannot be copied: Lightning's ``PyTorchProfiler`` wraps each module's forward in
+    ``record_function`` hooks whose open records refuse ``deepcopy``, which left the stage-boundary check to the
+    first step's real forward under the profiler. Shared, such a hook records the copy's fake forward too."""
+    shared: dict[int, Any] = {}
+    for sub in module.modules():
+        for name, value in vars(sub).items():
+            if name.startswith("_") and "hooks" in name and isinstance(value, dict):
+                for hook in value.values():
+                    shared[id(hook)] = hook
+    return shared
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

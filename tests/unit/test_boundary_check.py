@@ -211,6 +211,43 @@ def test_the_first_step_check_runs_training_step_on_fakes() -> None:
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in skeleton.modules())
 
 
+class _Uncopyable:
+    """What Lightning's ``PyTorchProfiler`` hooks hold (open ``record_function`` records): refuses ``deepcopy``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise RuntimeError("Tried to deepcopy object which does not have a __getstate__ method defined!")
+
+    def hook(self, module: nn.Module, args: tuple) -> None:
+        self.calls += 1
+
+
+class _Copyable:
+    def hook(self, module: nn.Module, args: tuple) -> None:
+        pass
+
+
+def test_a_hook_that_cannot_be_copied_is_shared_and_the_check_still_runs() -> None:
+    lit = LitNet("skip")
+    recorder = _Uncopyable()
+    for module in lit.modules():
+        module.register_forward_pre_hook(recorder.hook)
+    skeleton = make_skeleton(lit)
+    assert not isinstance(skeleton, str), skeleton  # was: "the model could not be copied (RuntimeError: ...)"
+    with pytest.raises(ValueError, match=r"between net\.wte and net\.h\.2"):
+        check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,))
+    assert recorder.calls > 0  # the shared hook ran on the copy's fake forward
+
+    plain = LitNet()
+    plain.net.register_forward_pre_hook(_Copyable().hook)  # copyable hooks are copied, as before
+    copied = make_skeleton(plain)
+    assert not isinstance(copied, str)
+    (original,), (copy,) = plain.net._forward_pre_hooks.values(), copied.net._forward_pre_hooks.values()
+    assert isinstance(copy.__self__, _Copyable) and copy.__self__ is not original.__self__
+
+
 def test_the_first_step_check_refuses_a_skip_across_stages() -> None:
     skeleton = make_skeleton(LitNet("skip"))
     with pytest.raises(ValueError) as err:
