@@ -10,6 +10,8 @@ and the predictions of each data-parallel replica (its share of the samples, in 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -57,3 +59,34 @@ def test_evaluation_matches_single_device(eval_reference, tmp_path, tp, pp, dp):
     expected = ref["predict"][0::dp]
     assert got["predict"].shape == expected.shape
     torch.testing.assert_close(got["predict"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2pp2", "pp2dp2"])
+def test_state_kept_by_the_step_counts_each_micro_batch_once(tmp_path, layout):
+    """A block-container model (the per-stage step path) without sanity validation: the training accuracy's epoch
+    value, the validation and test accuracies equal one device's (float64, 1e-10), and the list that
+    ``validation_step`` appends to holds one entry per micro-batch on the last stage (mean: the batch's, at tp2 x
+    pp2; each replica's own half at dp2, as under DDP). Before the fix torch's shape-inference forward ran the last
+    stage's step once more on uninitialised memory at the first training and validation batch: the training
+    accuracy counted micro-batch 0 twice (0.0347 against 0.03125) and the list held a fifth entry, NaN."""
+
+    def run(name: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        args = ["--layout", name, "--init", tmp_path / "init.pt", "--out", out]
+        run_lightning("eval_state_run.py", args, timeout=120 if name == "single" else 300)
+        return json.loads(out.read_text())
+
+    ref, got = run("single"), run(layout)
+    for key in ("train_acc", "val_acc", "test_acc"):
+        assert _close(got[key], ref[key], 1e-10), (key, got, ref)
+    (ref_list,) = ref["val_lists"]
+    assert ref_list[0]["entries"] == 2 and len(got["val_lists"]) == 2, got  # two last-stage ranks
+    for lists in got["val_lists"]:
+        assert [epoch["entries"] for epoch in lists] == [4], lists  # 2 batches x 2 micro-batches, no fifth
+        assert all(epoch["mean"] == epoch["mean"] for epoch in lists), lists  # no NaN
+    if layout == "tp2pp2":
+        assert all(_close(lists[0]["mean"], ref_list[0]["mean"], 1e-10) for lists in got["val_lists"]), got
+    else:  # the replicas' halves average to the whole
+        halves = [lists[0]["mean"] for lists in got["val_lists"]]
+        assert _close(sum(halves) / 2, ref_list[0]["mean"], 1e-10), (halves, ref_list)

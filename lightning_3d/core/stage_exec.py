@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import torch_compat
 from .agreed import mark_agreed
@@ -411,6 +412,8 @@ class StageExecutor:
         micro_batch = slice_batch(self._batch, chunk * length, length, self._total)
         received = inputs[0] if stage > 0 and inputs else None
         last = stage == self.num_stages - 1
+        if inferring and last:
+            return _inferred_loss(received, inputs)
         record = last and not inferring
         logging = self._recorder.recording(length) if record else silenced(self.module)
         checking = stage not in self._checked and torch.is_grad_enabled()
@@ -441,14 +444,26 @@ class StageExecutor:
                 f"{type(self.module).__name__}.{self._hook} returned without running the blocks of pipeline stage "
                 f"{stage}; under pipeline parallelism every {self._hook} must run the model once. {BLOCKS_CONTRACT}"
             )
-        if inferring:
-            loss = extract_loss(result, self._hook) if self._train else None
-            return (loss * 0.0).reshape(1) if isinstance(loss, torch.Tensor) else torch.zeros(1, device=_device(inputs))
         loss = micro_batch_loss(
             result, self._hook, self._train, self.logs, self.outputs, length, length / self._total * self._scale
         )
         # a (1,)-shaped output, so that torch can join the micro-batches' outputs (loss_fn sums it back)
         return torch.zeros(1, device=_device(inputs)) if loss is None else loss.reshape(1)
+
+
+def _inferred_loss(received: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What the last stage returns to torch's shape inference, without running the user's step.
+
+    The step's code after the model call (a torchmetrics ``update``, ``self.outputs.append(...)``) runs on the last
+    stage only and must see each micro-batch once; torch's inference forward on the first micro-batch would have
+    run it once more: the first evaluation (or training) batch of every fit / validate / test counted micro-batch 0
+    twice in such state (hidden under sanity validation, whose epoch absorbed it). The last stage's output is a
+    loss-shaped ``(1,)`` tensor that nothing receives; torch 2.13 then infers the input gradients' shapes from a
+    backward of it, so it depends on the received activation (a zero gradient of its shape and dtype)."""
+    if received is not None and received.is_floating_point() and received.requires_grad:
+        local = received.to_local() if isinstance(received, DTensor) else received
+        return (local * 0).sum().reshape(1)
+    return torch.zeros(1, device=_device(inputs))
 
 
 def _device(inputs: Sequence[torch.Tensor]) -> torch.device | None:

@@ -96,6 +96,37 @@ def test_last_stage_takes_the_received_tensor_and_returns_the_weighted_loss() ->
     assert logs.entries["train_loss"].weight == 2.0
 
 
+def test_shape_inference_runs_the_step_on_every_stage_but_the_last() -> None:
+    """torch's shape inference (no chunk): the first stage runs the step up to its blocks (it must send their
+    output's shape); the last stage answers without running the step, whose code after the model call (metric
+    updates, lists) must see each micro-batch once, with a (1,) tensor whose gradient reaches the received one."""
+    calls: list[str] = []
+
+    class Counting(Net):
+        def training_step(self, batch, batch_idx):
+            calls.append("before the model")
+            loss = super().training_step(batch, batch_idx)
+            calls.append("after the model")
+            return loss
+
+    for stage_index in (0, 1):
+        calls.clear()
+        model = Counting()
+        executor, stage = stage_of(model, stage_index)
+        executor.begin("training_step", model.training_step, batch(), (0,), 4, 2, 1.0, True)
+        executor.on_chunk(stage_index, None)
+        received = torch.randn(2, 4, requires_grad=True)
+        out = stage(torch.arange(0, 2) if stage_index == 0 else received)
+        if stage_index == 0:
+            assert calls == ["before the model"] and out.shape == (2, 4)
+        else:
+            assert calls == [] and out.shape == (1,)
+            (grad,) = torch.autograd.grad(out.sum(), received)
+            assert grad.shape == received.shape and not grad.any()
+        logs, outputs = executor.finish()
+        assert not logs.entries and not outputs
+
+
 def run_last_stage(model: Net) -> torch.Tensor:
     """The last of two stages on the first micro-batch of two, fed a received activation."""
     executor, stage = stage_of(model, 1)

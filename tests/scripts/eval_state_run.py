@@ -1,0 +1,116 @@
+"""State the user's step keeps after the model call, without sanity validation, against one device (float64).
+
+A nanoGPT (blocks in a ``ModuleList``: the per-stage step path) with torchmetrics accuracies in training (epoch value)
+and validation, and a list that ``validation_step`` appends each batch's loss to (the Lightning 2 recipe for an
+epoch-end value), ``num_sanity_val_steps=0``; then ``trainer.test``. Rank 0 writes to ``OUT``
+the epoch accuracies, the test accuracy, and each last-stage rank's list (entries and mean) per validation epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torchmetrics.classification import MulticlassAccuracy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_3d import ThreeDStrategy
+
+from models import NanoGPT, OrderedData
+
+LAYOUTS = {"single": None, "tp2pp2": {"tp": 2, "pp": 2}, "pp2dp2": {"pp": 2}}
+BATCH = 8
+
+
+class Counted(NanoGPT):
+    def __init__(self) -> None:
+        super().__init__(build="init")
+        self.train_acc = MulticlassAccuracy(num_classes=self.vocab, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=self.vocab, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=self.vocab, average="micro")
+        self.val_losses: list[torch.Tensor] = []
+        self.seen: list[dict[str, float]] = []  # per validation epoch: the list's length and mean
+
+    def _logits(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        return self(x).reshape(-1, self.vocab), y.reshape(-1)
+
+    def training_step(self, batch, batch_idx):
+        logits, y = self._logits(batch)
+        self.train_acc.update(logits, y)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    def validation_step(self, batch, batch_idx):
+        logits, y = self._logits(batch)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        self.val_acc.update(logits, y)
+        self.log("val_acc", self.val_acc)
+        self.val_losses.append(loss.detach())
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        # the list is the last stage's (the other stages' steps stop at their blocks): kept per rank, not logged
+        self.seen.append(
+            {"entries": len(self.val_losses), "mean": float(torch.stack(self.val_losses).mean())}
+            if self.val_losses
+            else {}
+        )
+        self.val_losses.clear()
+
+    def test_step(self, batch, batch_idx):
+        logits, y = self._logits(batch)
+        self.test_acc.update(logits, y)
+        self.log("test_acc", self.test_acc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--init", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.float64)
+    L.seed_everything(0)
+    model = Counted()
+    if args.init.exists():
+        model.load_state_dict(torch.load(args.init))
+    else:
+        torch.save(model.state_dict(), args.init)
+    layout = LAYOUTS[args.layout]
+    dp = 1 if layout is None else 4 // (layout.get("tp", 1) * layout["pp"])
+
+    kwargs = {"devices": 1} if layout is None else {"devices": 4, "strategy": ThreeDStrategy(micro_batches=2, **layout)}
+    fit = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+    data = OrderedData("nano", batch_size=BATCH // dp, n=64, val_n=16)
+    fit.fit(model, datamodule=data)
+    row: dict[str, object] = {k: float(fit.callback_metrics[k]) for k in ("train_acc", "val_acc")}
+    (result,) = fit.test(model, datamodule=data, verbose=False)
+    row["test_acc"] = result["test_acc"]
+    seen: list[object] = [model.seen]
+    if torch.distributed.is_initialized():  # every rank's lists; the last stage's hold entries
+        seen = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(seen, model.seen)
+    row["val_lists"] = [s for s in seen if s and s[0]]
+    if fit.global_rank == 0:
+        args.out.write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
