@@ -320,6 +320,15 @@ class StageExecutor:
         current = self.current
         if current is None or block is not current.first_block or current.received is None:
             return None
+        if current.started:  # a second model call in one step (generate(), a second forward pass)
+            raise ValueError(
+                f"lightning_3d: {type(self.module).__name__}.{self._hook} ran the model a second time on pipeline "
+                f"stage {current.stage}; under pipeline parallelism a step runs the model once per micro-batch (the "
+                "stage gets one received activation per micro-batch, so a second call cannot be fed). Generation "
+                "(Hugging Face generate() runs the model once per new token) and other repeated calls need pp=1: "
+                "tensor and data parallelism run them unchanged, so generate in a run at pp=1 (a trainer.validate / "
+                f"predict of the checkpoint with ThreeDStrategy(tp=..., pp=1)). {BLOCKS_CONTRACT}"
+            )
         current.started = True
         if args and isinstance(args[0], torch.Tensor):
             return (current.received, *args[1:]), kwargs

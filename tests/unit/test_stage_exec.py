@@ -127,6 +127,24 @@ def test_shape_inference_runs_the_step_on_every_stage_but_the_last() -> None:
         assert not logs.entries and not outputs
 
 
+def test_a_second_model_call_in_one_step_is_refused_with_the_alternative() -> None:
+    """generate() and other repeated calls: the last stage cannot feed a second call (it failed deep inside the
+    model, "The size of tensor a (8) must match the size of tensor b (4)", for a Hugging Face generate())."""
+
+    class Twice(Net):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self(x)
+            return F.cross_entropy(self(x), y)
+
+    model = Twice()
+    executor, stage = stage_of(model, 1)
+    executor.begin("training_step", model.training_step, batch(), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(1, 0)
+    with pytest.raises(ValueError, match=r"Twice\.training_step ran the model a second time on pipeline stage 1"):
+        stage(torch.randn(2, 4, requires_grad=True))
+
+
 def run_last_stage(model: Net) -> torch.Tensor:
     """The last of two stages on the first micro-batch of two, fed a received activation."""
     executor, stage = stage_of(model, 1)
