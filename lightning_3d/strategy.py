@@ -65,7 +65,7 @@ from .core.agreed import mark_agreed
 from .core.compile import CompiledBlocks, compile_kwargs, for_split_backward
 from .core.finetuning import filter_by_identity_while_running
 from .core.grad_norm import clip_grads_, clip_grads_by_value_, global_grad_norm
-from .core.hook_logs import HookLogs
+from .core.hook_logs import HookLogs, relay_epoch_end
 from .core.loss_scale import LossScaler, scaler_of
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
 from .core.optim import optimizer_for_dtensors
@@ -169,6 +169,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._undo_finetuning = lambda: None  # BaseFinetuning's parameter filter by identity (core/finetuning.py)
         self._undo_deferred_copies = lambda: None  # EMA's / SWA's setup copies deferred (core/weight_averaging.py)
         self._undo_pruning = lambda: None  # ModelPruning's global pruning over the stages (core/pruning.py)
+        self._undo_epoch_end = lambda: None  # epoch-end hooks' logs from the last stage (core/hook_logs.py)
         self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
@@ -367,9 +368,16 @@ class ThreeDStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         rebuild_averaged_copies(trainer.callbacks, self.lightning_module)
         assert self.topology is not None
+        self._undo_epoch_end()
+        plan = self.stage_plan
+        if plan is not None and self.topology.pp > 1:  # epoch-end hooks log the last stage's values everywhere
+            ranks = plan.stage_to_rank or list(range(plan.num_stages))
+            holds_last = ranks[-1] == self.device_mesh["pp"].get_local_rank()
+            pp_group = self.device_mesh["pp"].get_group()
+            self._undo_epoch_end = relay_epoch_end(self.lightning_module, holds_last, pp_group)
         self._undo_pruning()
-        pp_group = self.device_mesh["pp"].get_group() if self.topology.pp > 1 else None
-        self._undo_pruning = prune_this_stage(trainer.callbacks, self.lightning_module, list(self.full_spec), pp_group)
+        group = self.device_mesh["pp"].get_group() if self.topology.pp > 1 else None
+        self._undo_pruning = prune_this_stage(trainer.callbacks, self.lightning_module, list(self.full_spec), group)
         count_by_replica(trainer.callbacks, self.topology.world_size, self.topology.dp)
 
     @override
@@ -805,6 +813,8 @@ class ThreeDStrategy(ParallelStrategy):
         self._undo_deferred_copies = lambda: None
         self._undo_pruning()
         self._undo_pruning = lambda: None
+        self._undo_epoch_end()
+        self._undo_epoch_end = lambda: None
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -65,11 +65,16 @@ def test_evaluation_matches_single_device(eval_reference, tmp_path, tp, pp, dp):
 @pytest.mark.parametrize("layout", ["tp2pp2", "pp2dp2"])
 def test_state_kept_by_the_step_counts_each_micro_batch_once(tmp_path, layout):
     """A block-container model (the per-stage step path) without sanity validation: the training accuracy's epoch
-    value, the validation and test accuracies equal one device's (float64, 1e-10), and the list that
-    ``validation_step`` appends to holds one entry per micro-batch on the last stage (mean: the batch's, at tp2 x
-    pp2; each replica's own half at dp2, as under DDP). Before the fix torch's shape-inference forward ran the last
-    stage's step once more on uninitialised memory at the first training and validation batch: the training
-    accuracy counted micro-batch 0 twice (0.0347 against 0.03125) and the list held a fifth entry, NaN."""
+    value, the validation and test accuracies equal one device's (float64, 1e-10); the list that
+    ``validation_step`` appends to holds one entry per micro-batch on the last stage (mean: the batch's at tp2 x
+    pp2; each replica's own half at dp2, as under DDP); and Lightning's documented epoch-end recipe (stack the list
+    in ``on_*_epoch_end`` and log its mean) logs what one device logs (``sync_dist=True`` for training; without it
+    validation logs replica 0's mean at dp2, as DDP's rank 0 does).
+
+    Before the fixes torch's shape-inference forward ran the last stage's step once more on uninitialised memory
+    at the first training and validation batch (the training accuracy counted micro-batch 0 twice, 0.0347 against
+    0.03125, and the list held a fifth entry, NaN), and the recipe died on the first stage's ranks, where the list
+    is empty (*"stack expects a non-empty TensorList"*)."""
 
     def run(name: str) -> dict:
         out = tmp_path / f"{name}.json"
@@ -78,15 +83,18 @@ def test_state_kept_by_the_step_counts_each_micro_batch_once(tmp_path, layout):
         return json.loads(out.read_text())
 
     ref, got = run("single"), run(layout)
-    for key in ("train_acc", "val_acc", "test_acc"):
+    for key in ("train_acc", "val_acc", "test_acc", "train_epoch_average"):
         assert _close(got[key], ref[key], 1e-10), (key, got, ref)
     (ref_list,) = ref["val_lists"]
     assert ref_list[0]["entries"] == 2 and len(got["val_lists"]) == 2, got  # two last-stage ranks
     for lists in got["val_lists"]:
         assert [epoch["entries"] for epoch in lists] == [4], lists  # 2 batches x 2 micro-batches, no fifth
         assert all(epoch["mean"] == epoch["mean"] for epoch in lists), lists  # no NaN
+    assert _close(ref["val_epoch_average"], ref_list[0]["mean"], 1e-12)
     if layout == "tp2pp2":
         assert all(_close(lists[0]["mean"], ref_list[0]["mean"], 1e-10) for lists in got["val_lists"]), got
-    else:  # the replicas' halves average to the whole
+        assert _close(got["val_epoch_average"], ref["val_epoch_average"], 1e-10), got
+    else:  # the replicas' halves average to the whole; rank 0 logs replica 0's
         halves = [lists[0]["mean"] for lists in got["val_lists"]]
         assert _close(sum(halves) / 2, ref_list[0]["mean"], 1e-10), (halves, ref_list)
+        assert got["val_epoch_average"] in halves and not _close(halves[0], halves[1], 1e-6), (got, halves)

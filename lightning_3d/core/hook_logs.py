@@ -1,4 +1,5 @@
-"""``self.log`` in the gradient hooks under a pipeline: what one device would log, on every rank.
+"""``self.log`` in the gradient hooks and the epoch-end hooks under a pipeline: what one device would log, on every
+rank (the epoch-end hooks: :func:`relay_epoch_end`).
 
 On one device ``on_before_backward``, ``on_after_backward``, ``on_before_optimizer_step`` and
 ``configure_gradient_clipping`` see the whole model. A pipeline rank holds one stage, so the values these hooks
@@ -29,7 +30,7 @@ import contextlib
 import math
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,3 +198,100 @@ class HookLogs:
                     "trainer.strategy.grad_norm().",
                     stacklevel=2,
                 )
+
+
+# ------------------------------------------------------------------------------------------ epoch-end hooks
+EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
+_REPORTED: set[str] = set()  # hooks whose error off the last stage was reported (once per process)
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """What one pipeline rank's epoch-end hook did: whether the rank holds the last stage, its recorded
+    ``self.log`` calls, and the error it raised (``"Type: message"``, or ``None``)."""
+
+    last: bool
+    calls: list[Logged]
+    error: str | None
+
+
+def merge_epoch_end(outcomes: Sequence[EpochEnd]) -> list[Logged]:
+    """The calls every rank logs after an epoch-end hook: the last stage's, then keys only other stages logged
+    (in rank order). The step's code after the model call runs on the last stage only, so what the hook reads
+    from the step's state (a list of losses, a running sum) is the last stage's; a value computed elsewhere from
+    the same state would be computed from nothing."""
+    merged = [call for outcome in outcomes if outcome.last for call in outcome.calls]
+    seen = {(call.fx, call.name) for call in merged}
+    for outcome in outcomes:
+        for call in outcome.calls:
+            if (call.fx, call.name) not in seen:
+                seen.add((call.fx, call.name))
+                merged.append(call)
+    return merged
+
+
+def relay_epoch_end(module: LightningModule, holds_last: bool, pp_group: dist.ProcessGroup) -> Callable[[], None]:
+    """Under pp > 1: the LightningModule's epoch-end hooks (those it overrides) log on every rank what the last
+    stage's run of the hook logged, and an error raised only where the last stage is not held is not fatal.
+
+    Lightning's documented recipe for an epoch-end value appends each step's loss to a list and stacks it in
+    ``on_validation_epoch_end``. The step's code after the model call runs on the last stage only, so on the other
+    stages' ranks (rank 0, which logs, among them) the list was empty and the hook died (*"stack expects a
+    non-empty TensorList"*), or logged a mean of nothing (NaN). Each hook now runs on every rank as before, with its
+    ``self.log`` calls recorded; the pipeline group shares the outcomes (one ``all_gather_object`` per hook call,
+    once per epoch), and every rank logs :func:`merge_epoch_end`. An error on a rank without the last stage is
+    reported once (by global rank 0) and dropped when the last stage's hook succeeded; an error on the last stage
+    is raised there, and on the other ranks of its pipeline as a ``RuntimeError`` that quotes it. torchmetrics
+    objects logged there go to Lightning at once, as before.
+
+    Returns:
+        The undo (the hooks unwrapped), for teardown.
+    """
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    wrapped: list[str] = []
+    for name in EPOCH_END_HOOKS:
+        if not is_overridden(name, module, LightningModule):
+            continue
+        hook = getattr(module, name)
+
+        def relayed(*args: Any, _hook: Callable[..., Any] = hook, _name: str = name, **kwargs: Any) -> Any:
+            recorder = Recorder(module)
+            error: Exception | None = None
+            result = None
+            with recorder.recording():
+                try:
+                    result = _hook(*args, **kwargs)
+                except Exception as err:
+                    error = err
+            mine = EpochEnd(holds_last, recorder.calls, None if error is None else f"{type(error).__name__}: {error}")
+            gathered: list[EpochEnd | None] = [None] * dist.get_world_size(pp_group)
+            dist.all_gather_object(gathered, mine, group=pp_group)
+            outcomes = [g for g in gathered if g is not None]
+            failed_last = next((o.error for o in outcomes if o.last and o.error is not None), None)
+            if error is not None and holds_last:
+                raise error
+            if failed_last is not None:
+                raise RuntimeError(
+                    f"lightning_3d: {type(module).__name__}.{_name} failed on the last pipeline stage: {failed_last}"
+                ) from error
+            replay(module, merge_epoch_end(outcomes))
+            if error is not None and _name not in _REPORTED and dist.get_rank() == 0:
+                _REPORTED.add(_name)
+                warnings.warn(
+                    f"lightning_3d: {type(module).__name__}.{_name} raised {mine.error} on a rank without the last "
+                    "pipeline stage. Your step's code after the model call runs on the last stage only, so state it "
+                    "keeps on the module (a list that validation_step appends to) is empty on the other stages; "
+                    "the values the last stage's run of the hook logged are logged on every rank instead.",
+                    stacklevel=2,
+                )
+            return result
+
+        setattr(module, name, relayed)
+        wrapped.append(name)
+
+    def undo() -> None:
+        for name in wrapped:
+            module.__dict__.pop(name, None)
+
+    return undo

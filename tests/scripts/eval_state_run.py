@@ -1,9 +1,10 @@
 """State the user's step keeps after the model call, without sanity validation, against one device (float64).
 
 A nanoGPT (blocks in a ``ModuleList``: the per-stage step path) with torchmetrics accuracies in training (epoch value)
-and validation, and a list that ``validation_step`` appends each batch's loss to (the Lightning 2 recipe for an
-epoch-end value), ``num_sanity_val_steps=0``; then ``trainer.test``. Rank 0 writes to ``OUT``
-the epoch accuracies, the test accuracy, and each last-stage rank's list (entries and mean) per validation epoch.
+and validation, and Lightning's documented recipe for epoch-end values: ``training_step`` / ``validation_step``
+append each loss to a list, ``on_train_epoch_end`` / ``on_validation_epoch_end`` log the stacked mean (training
+with ``sync_dist=True``), ``num_sanity_val_steps=0``; then ``trainer.test``. Rank 0 writes to ``OUT`` the logged
+values, the test accuracy, and each last-stage rank's validation list (entries and mean) per epoch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Counted(NanoGPT):
         self.val_acc = MulticlassAccuracy(num_classes=self.vocab, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=self.vocab, average="micro")
         self.val_losses: list[torch.Tensor] = []
+        self.train_losses: list[torch.Tensor] = []
         self.seen: list[dict[str, float]] = []  # per validation epoch: the list's length and mean
 
     def _logits(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +45,13 @@ class Counted(NanoGPT):
         logits, y = self._logits(batch)
         self.train_acc.update(logits, y)
         self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
-        return torch.nn.functional.cross_entropy(logits, y)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        self.train_losses.append(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.log("train_epoch_average", torch.stack(self.train_losses).mean(), sync_dist=True)
+        self.train_losses.clear()
 
     def validation_step(self, batch, batch_idx):
         logits, y = self._logits(batch)
@@ -54,12 +62,13 @@ class Counted(NanoGPT):
         return loss
 
     def on_validation_epoch_end(self) -> None:
-        # the list is the last stage's (the other stages' steps stop at their blocks): kept per rank, not logged
+        # the list is the last stage's (the other stages' steps stop at their blocks): its entries per rank
         self.seen.append(
             {"entries": len(self.val_losses), "mean": float(torch.stack(self.val_losses).mean())}
             if self.val_losses
             else {}
         )
+        self.log("val_epoch_average", torch.stack(self.val_losses).mean())  # Lightning's recipe, as it is
         self.val_losses.clear()
 
     def test_step(self, batch, batch_idx):
@@ -100,7 +109,8 @@ def main() -> None:
 
     data = OrderedData("nano", batch_size=BATCH // dp, n=64, val_n=16)
     fit.fit(model, datamodule=data)
-    row: dict[str, object] = {k: float(fit.callback_metrics[k]) for k in ("train_acc", "val_acc")}
+    keys = ("train_acc", "val_acc", "train_epoch_average", "val_epoch_average")
+    row: dict[str, object] = {k: float(fit.callback_metrics[k]) for k in keys}
     (result,) = fit.test(model, datamodule=data, verbose=False)
     row["test_acc"] = result["test_acc"]
     seen: list[object] = [model.seen]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule
 
-from lightning_3d.core.hook_logs import HookLogs, Logged, Recorder, merge
+from lightning_3d.core.hook_logs import EpochEnd, HookLogs, Logged, Recorder, merge, merge_epoch_end, relay_epoch_end
 
 FX = "on_before_optimizer_step"
 
@@ -98,3 +98,52 @@ def test_windows_follow_the_overridden_hooks_of_module_and_callbacks() -> None:
     assert logs.active(_LogsBeforeStep(), []) == {"optimizer_step"}
     assert logs.active(_Module(), [_WatchesBackward()]) == {"backward"}
     assert logs.active(_LogsBeforeStep(), [Callback(), _WatchesBackward()]) == {"backward", "optimizer_step"}
+
+
+# ------------------------------------------------------------------------------------------ epoch-end hooks
+END = "on_validation_epoch_end"
+
+
+def test_epoch_end_logs_are_the_last_stages_then_keys_only_others_logged() -> None:
+    first = EpochEnd(False, [logged("avg", float("nan"), END), logged("lr", 0.1, END)], "RuntimeError: empty")
+    last = EpochEnd(True, [logged("avg", 2.5, END)], None)
+    merged = merge_epoch_end([first, last])
+    assert [(c.name, c.value) for c in merged] == [("avg", 2.5), ("lr", 0.1)]
+
+
+class _EpochEndRecipe(LightningModule):
+    """Lightning's documented recipe: a list filled by the step (the last stage's only), stacked at epoch end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_epoch_average", torch.stack(self.outputs).mean())
+        self.outputs.clear()
+
+
+def test_the_epoch_end_recipe_off_the_last_stage_logs_and_warns_and_on_it_raises(gloo_world, monkeypatch) -> None:
+    """One rank, one pipeline group: holding no last stage its empty list's error is reported and dropped (what
+    it logged, nothing here, is replayed); holding the last stage the error is its own and raised."""
+    import lightning_3d.core.hook_logs as hook_logs
+
+    module = _EpochEndRecipe()
+    replayed: list[list[Logged]] = []
+    monkeypatch.setattr(hook_logs, "replay", lambda module, calls: replayed.append(list(calls)))
+    monkeypatch.setattr(hook_logs, "_REPORTED", set())
+    undo = relay_epoch_end(module, holds_last=False, pp_group=gloo_world)
+    assert "on_validation_epoch_end" in vars(module) and "on_train_epoch_end" not in vars(module)  # overridden only
+    with pytest.warns(UserWarning, match="raised RuntimeError: stack expects a non-empty TensorList on a rank"):
+        module.on_validation_epoch_end()
+    assert replayed == [[]]
+    module._current_fx_name = END
+    module.outputs = [torch.tensor(1.0), torch.tensor(2.0)]
+    module.on_validation_epoch_end()  # no error: its own value
+    assert [(c.name, c.value) for c in replayed[-1]] == [("val_epoch_average", 1.5)]
+    undo()
+    assert "on_validation_epoch_end" not in vars(module)
+
+    relay_epoch_end(module, holds_last=True, pp_group=gloo_world)
+    with pytest.raises(RuntimeError, match="stack expects a non-empty TensorList"):
+        module.on_validation_epoch_end()
