@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import warnings
 from collections.abc import Generator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +62,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from . import checkpoint as ckpt
+from .checkpoint import hf as ckpt_hf
 from .core import partition
 from .core.agreed import mark_agreed
 from .core.compile import CompiledBlocks, compile_kwargs, for_split_backward
@@ -170,6 +173,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._undo_deferred_copies = lambda: None  # EMA's / SWA's setup copies deferred (core/weight_averaging.py)
         self._undo_pruning = lambda: None  # ModelPruning's global pruning over the stages (core/pruning.py)
         self._undo_epoch_end = lambda: None  # epoch-end hooks' logs from the last stage (core/hook_logs.py)
+        self._undo_save_guard = lambda: None  # save_pretrained of a split model refused (checkpoint/hf.py)
         self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
@@ -375,10 +379,23 @@ class ThreeDStrategy(ParallelStrategy):
             holds_last = ranks[-1] == self.device_mesh["pp"].get_local_rank()
             pp_group = self.device_mesh["pp"].get_group()
             self._undo_epoch_end = relay_epoch_end(self.lightning_module, holds_last, pp_group)
+        self._undo_save_guard()
+        if self.topology.world_size > 1:  # a Hugging Face model's save_pretrained would write this rank's part
+            self._undo_save_guard = ckpt_hf.guard_save_pretrained(self.lightning_module, self._rank_part())
         self._undo_pruning()
         group = self.device_mesh["pp"].get_group() if self.topology.pp > 1 else None
         self._undo_pruning = prune_this_stage(trainer.callbacks, self.lightning_module, list(self.full_spec), group)
         count_by_replica(trainer.callbacks, self.topology.world_size, self.topology.dp)
+
+    def _rank_part(self) -> str:
+        """This rank's part of the model, in words (for messages)."""
+        assert self.topology is not None
+        coords = self.topology.coordinates(self.global_rank)
+        plan = self.stage_plan
+        ranks = [] if plan is None else (plan.stage_to_rank or list(range(plan.num_stages)))
+        held = [stage for stage, rank in enumerate(ranks) if rank == coords["pp"]]
+        stages = f"pipeline stage(s) {held} of {len(ranks)}" if len(ranks) > 1 else "the whole pipeline"
+        return f"its part of the model ({stages}, tensor-parallel shard {coords['tp']} of {self.topology.tp})"
 
     @override
     def model_to_device(self) -> None:
@@ -675,6 +692,34 @@ class ThreeDStrategy(ParallelStrategy):
         assert self.lightning_module is not None  # (a tied weight may come under either or both of its names)
         return load_full_state_dict(self.lightning_module, state_dict, full_keys=self.full_spec.keys(), strict=strict)
 
+    def save_hf(self, path: str | os.PathLike, module_attr: str | None = None) -> Path | None:
+        """Write the Hugging Face model the LightningModule holds as a ``from_pretrained`` folder, as its own
+        ``save_pretrained`` writes it on one device (collective: call it on every rank; rank 0 writes).
+
+        Args:
+            path: the folder to write.
+            module_attr: the model's attribute path in the LightningModule, when it holds several.
+
+        Returns:
+            ``path`` on rank 0, ``None`` elsewhere.
+        """
+        assert self.lightning_module is not None
+        attr, model = ckpt_hf.hf_model_attr(self.lightning_module, module_attr)  # every rank: the same error
+        state = self.full_state_dict()
+        error: Exception | None = None
+        out: Path | None = None
+        if self.global_rank == 0 and state is not None:
+            try:
+                out = ckpt_hf.export_hf(state, path, model.config, module_attr=attr)
+            except Exception as exc:  # told to the other ranks before it is raised
+                error = exc
+        message = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"lightning_3d: rank 0 failed to write the Hugging Face folder {str(path)!r}: {message}")
+        return out
+
     def full_state_dict(self) -> dict[str, Tensor] | None:
         """The single-device state dict of the whole model, on global rank 0 (``None`` elsewhere), tied weights
         under each of their names as in one process. Collective."""
@@ -815,6 +860,8 @@ class ThreeDStrategy(ParallelStrategy):
         self._undo_pruning = lambda: None
         self._undo_epoch_end()
         self._undo_epoch_end = lambda: None
+        self._undo_save_guard()
+        self._undo_save_guard = lambda: None
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None

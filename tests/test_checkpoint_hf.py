@@ -24,7 +24,9 @@ from lightning_3d.checkpoint.__main__ import main as checkpoint_cli
 from lightning_3d.checkpoint.hf import (
     HF_CONFIG_KEY,
     export_hf,
+    guard_save_pretrained,
     hf_configs,
+    hf_model_attr,
     infer_prefix,
     is_hf_folder,
     read_hf_folder,
@@ -141,3 +143,49 @@ def test_export_refuses_untied_values_of_tied_weights_and_unknown_prefix(tmp_pat
     assert infer_prefix({"x.a.weight": 0, "x.b.weight": 0, "y.a.weight": 0}, keys) == "x."
     with pytest.raises(ValueError, match="several prefixes"):
         infer_prefix({"x.a.weight": 0, "x.b.weight": 0, "y.a.weight": 0, "y.b.weight": 0}, keys)
+
+
+def test_save_pretrained_guard_and_model_attr(tmp_path: Path) -> None:
+    holder = Holder(seed=0)
+    assert hf_model_attr(holder) == ("model", holder.model)
+    with pytest.raises(ValueError, match="'other' is not one of them"):
+        hf_model_attr(holder, "other")
+    undo = guard_save_pretrained(holder, "its part of the model (pipeline stage(s) [0] of 2)")
+    with pytest.raises(RuntimeError, match=r"self\.model\.save_pretrained\('.*'\) on this rank would write its part"):
+        holder.model.save_pretrained(tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    holder.model.save_pretrained(tmp_path / "given", state_dict=holder.model.state_dict())  # gathered by the caller
+    assert is_hf_folder(tmp_path / "given")
+    undo()
+    holder.model.save_pretrained(tmp_path / "after")
+    assert is_hf_folder(tmp_path / "after")
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
+
+
+@pytest.mark.slow
+def test_save_hf_during_fit_writes_what_one_device_writes_and_save_pretrained_is_refused(tmp_path: Path) -> None:
+    """``trainer.strategy.save_hf`` at tp2 x pp2, called on every rank in ``on_train_start`` and ``on_train_end``:
+    the folders load with ``from_pretrained`` and hold the single-device ``save_pretrained`` folders' weights
+    (bitwise before training; within 1e-4 after two float32 steps). The model's own ``save_pretrained`` on rank 0
+    is refused with the way that works (it wrote pipeline stage 0's layers alone, the others newly initialised)."""
+    from launch import run_lightning
+
+    init = tmp_path / "init.pt"
+    run_lightning("save_hf_run.py", ["--layout", "single", "--init", init, "--out", tmp_path / "ref"], timeout=120)
+    run_lightning("save_hf_run.py", ["--layout", "tp2pp2", "--init", init, "--out", tmp_path / "got"], timeout=300)
+    for name, tolerance in (("start", 0.0), ("end", 1e-4)):
+        ref, got = _weights(tmp_path / "ref" / name), _weights(tmp_path / "got" / name)
+        assert set(got) == set(ref), name
+        worst = max(float((got[k] - ref[k]).abs().max()) for k in ref)
+        assert worst <= tolerance, (name, worst)
+    args = ["--layout", "tp2pp2", "--init", init, "--out", tmp_path / "plain", "--plain"]
+    result = run_lightning("save_hf_run.py", args, timeout=300, check=False)
+    assert result.returncode != 0 and not (tmp_path / "plain" / "end").exists()
+    assert "self.model.save_pretrained(" in result.output
+    assert "would write its part of the model (pipeline stage(s) [0] of 2, tensor-parallel shard 0 of 2)" in (
+        result.output
+    )
+    assert "Call trainer.strategy.save_hf(path) instead, on every rank" in result.output

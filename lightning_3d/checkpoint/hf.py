@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -268,3 +268,57 @@ __all__ = [
     "is_hf_folder",
     "read_hf_folder",
 ]
+
+
+def hf_model_attr(module: nn.Module, module_attr: str | None = None) -> tuple[str, nn.Module]:
+    """The attribute path and the module of the Hugging Face model in ``module`` (``module_attr`` names it when
+    there are several).
+
+    Raises:
+        ValueError: none, or several and ``module_attr`` not one of them.
+    """
+    models = hf_models(module)
+    if module_attr is not None and module_attr.strip(".") in models:
+        return module_attr.strip("."), models[module_attr.strip(".")]
+    if module_attr is None and len(models) == 1:
+        return next(iter(models.items()))
+    names = ", ".join(repr(name) for name in models) or "none"
+    raise ValueError(
+        f"lightning_3d: {type(module).__name__} holds these Hugging Face models: {names}; "
+        + ("pass module_attr= to name one." if module_attr is None else f"{module_attr!r} is not one of them.")
+    )
+
+
+def guard_save_pretrained(module: nn.Module, where: str) -> Callable[[], None]:
+    """While ``ThreeDStrategy`` runs a split or sharded model: a Hugging Face model's own ``save_pretrained``
+    (without ``state_dict=``) raises with the way that works instead of writing this rank's part.
+
+    The Hugging Face habit, ``if self.global_rank == 0: self.model.save_pretrained(path)`` in ``on_train_end``,
+    wrote pipeline stage 0's weights alone at pp2 (the folder loaded, with the other layers newly initialised and a
+    "MISSING" report) and died at dp2 ("Attempted to access the data pointer on an invalid python storage").
+    ``where`` names this rank's part in the message. Returns the undo (for teardown).
+    """
+    undo: list[Callable[[], None]] = []
+    for attr, model in hf_models(module).items():
+        original = model.save_pretrained
+
+        def guarded(save_directory: Any, *args: Any, _original: Any = original, _attr: str = attr, **kw: Any) -> Any:
+            if kw.get("state_dict") is not None:  # the caller gathered the weights itself
+                return _original(save_directory, *args, **kw)
+            target = f"self.{_attr}" if _attr else "self"
+            raise RuntimeError(
+                f"lightning_3d: {target}.save_pretrained({str(save_directory)!r}) on this rank would write {where} "
+                "only: ThreeDStrategy has split and sharded the model. Call trainer.strategy.save_hf(path) instead, "
+                "on every rank (it gathers the whole model, and rank 0 writes the folder with the model's own "
+                "save_pretrained); or export a checkpoint afterwards: python -m lightning_3d.checkpoint export-hf "
+                "CKPT_DIR OUT_DIR."
+            )
+
+        model.save_pretrained = guarded
+        undo.append(lambda _model=model: _model.__dict__.pop("save_pretrained", None))
+
+    def undo_all() -> None:
+        for step in undo:
+            step()
+
+    return undo_all
