@@ -65,7 +65,8 @@ def test_evaluation_matches_single_device(eval_reference, tmp_path, tp, pp, dp):
 @pytest.mark.parametrize("layout", ["tp2pp2", "pp2dp2"])
 def test_state_kept_by_the_step_counts_each_micro_batch_once(tmp_path, layout):
     """A block-container model (the per-stage step path) without sanity validation: the training accuracy's epoch
-    value, the validation and test accuracies equal one device's (float64, 1e-10); the list that
+    value, the validation and test accuracies, and the last step's macro F1 and precision (tensors a
+    ``MetricCollection``'s forward returned, logged) equal one device's (float64, 1e-10); the list that
     ``validation_step`` appends to holds one entry per micro-batch on the last stage (mean: the batch's at tp2 x
     pp2; each replica's own half at dp2, as under DDP); and Lightning's documented epoch-end recipe (stack the list
     in ``on_*_epoch_end`` and log its mean) logs what one device logs (``sync_dist=True`` for training; without it
@@ -74,7 +75,7 @@ def test_state_kept_by_the_step_counts_each_micro_batch_once(tmp_path, layout):
     Before the fixes torch's shape-inference forward ran the last stage's step once more on uninitialised memory
     at the first training and validation batch (the training accuracy counted micro-batch 0 twice, 0.0347 against
     0.03125, and the list held a fifth entry, NaN), and the recipe died on the first stage's ranks, where the list
-    is empty (*"stack expects a non-empty TensorList"*)."""
+    is empty (*"stack expects a non-empty TensorList"*); the macro values were the mean of the micro-batches'."""
 
     def run(name: str) -> dict:
         out = tmp_path / f"{name}.json"
@@ -83,7 +84,7 @@ def test_state_kept_by_the_step_counts_each_micro_batch_once(tmp_path, layout):
         return json.loads(out.read_text())
 
     ref, got = run("single"), run(layout)
-    for key in ("train_acc", "val_acc", "test_acc", "train_epoch_average"):
+    for key in ("train_acc", "val_acc", "test_acc", "train_epoch_average", "train_f1", "train_prec"):
         assert _close(got[key], ref[key], 1e-10), (key, got, ref)
     (ref_list,) = ref["val_lists"]
     assert ref_list[0]["entries"] == 2 and len(got["val_lists"]) == 2, got  # two last-stage ranks

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ class _Entry:
     total: Number = 0.0  # weighted sum (mean), sum, or extreme; a device tensor for tensor values (never read here)
     weight: float = 0.0
     metric: str | None = None  # attribute path of a Metric, for metric entries
+    value_of: str | None = None  # a tensor that Metric's forward returned: logged as its value over the batch
 
 
 def _combine(reduce_fx: str, a: Number, b: Number) -> Number:
@@ -82,11 +83,21 @@ class StepLogs:
     loss_dtype: torch.dtype | None = None
     metric_batch: dict[str, Any] = field(default_factory=dict)  # batch states of updated metrics
 
-    def add(self, name: str, value: Any, kwargs: dict[str, Any], samples: int, metric_path: str | None) -> None:
+    def add(
+        self,
+        name: str,
+        value: Any,
+        kwargs: dict[str, Any],
+        samples: int,
+        metric_path: str | None,
+        value_of: str | None = None,
+    ) -> None:
         """Record one ``self.log`` call of one micro-batch (``samples`` samples).
 
         A tensor value stays a tensor on its device (a float64 scalar): combining it with earlier micro-batches
-        is tensor arithmetic, so recording never waits for the device.
+        is tensor arithmetic, so recording never waits for the device. ``value_of``: the tensor is what that
+        Metric's ``forward`` returned for the micro-batch (its value over the whole batch replaces the combination
+        when the metric's batch state is known, see :func:`replay`).
         """
         reduce_fx = _reduce_name(kwargs.get("reduce_fx", "mean"))
         weight = float(kwargs.get("batch_size") or samples)
@@ -106,10 +117,12 @@ class StepLogs:
             number = number * weight
         entry = self.entries.get(name)
         if entry is None:
-            self.entries[name] = _Entry(reduce_fx, clean, dtype, number, weight)
+            self.entries[name] = _Entry(reduce_fx, clean, dtype, number, weight, value_of=value_of)
             return
         entry.weight += weight
         entry.total = _combine(reduce_fx, entry.total, number)
+        if entry.value_of != value_of:  # not the same metric's output in every micro-batch
+            entry.value_of = None
 
     def add_loss(self, loss: torch.Tensor, samples: int) -> None:
         """Record one micro-batch's loss (weighted by its samples; kept on the device)."""
@@ -155,7 +168,9 @@ class LogRecorder:
         self.module = module
         self.logs = logs
         self.samples = 0
-        self._metric_paths = {id(m): n for n, m in module.named_modules() if isinstance(m, Metric)}
+        self._metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}
+        self._metric_paths = {id(m): n for n, m in self._metrics.items()}
+        self._outputs: dict[int, str] = {}  # id of a tensor a Metric's forward returned -> the metric's path
 
     def _log(self, name: str, value: Any, **kwargs: Any) -> None:
         path = None
@@ -163,16 +178,29 @@ class LogRecorder:
             path = kwargs.get("metric_attribute") or self._metric_paths.get(id(value))
             if path is None:
                 raise ValueError(f"self.log({name!r}, metric): the Metric must be an attribute of the LightningModule.")
-        self.logs.add(name, value, kwargs, self.samples, path)
+        value_of = self._outputs.get(id(value)) if isinstance(value, torch.Tensor) else None
+        self.logs.add(name, value, kwargs, self.samples, path, value_of=value_of)
+
+    def _remember(self, metric: Metric, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            self._outputs[id(output)] = self._metric_paths[id(metric)]
 
     @contextlib.contextmanager
     def recording(self, samples: int) -> Iterator[None]:
+        """Record the module's ``self.log`` calls of one micro-batch of ``samples`` samples; a tensor its metrics'
+        ``forward`` returned (``self.log("f1", self.f1(preds, y))``, ``self.log_dict(collection(preds, y))``) is
+        remembered as that metric's, whose value over the batch is then logged (a macro F1 is not the mean of the
+        micro-batches' F1s)."""
         self.samples = samples
         self.module.__dict__["log"] = self._log
+        handles = [metric.register_forward_hook(self._remember) for metric in self._metrics.values()]
         try:
             yield
         finally:
             self.module.__dict__.pop("log", None)
+            for handle in handles:
+                handle.remove()
+            self._outputs.clear()
 
 
 @contextlib.contextmanager
@@ -352,9 +380,12 @@ def common_schema(parts: list[StepLogs]) -> Schema | None:
     return first if all(schema_of(p) == first for p in parts[1:]) else None  # compared, never hashed
 
 
-def replay(module: LightningModule, logs: StepLogs, metrics: dict[str, Metric]) -> None:
+def replay(
+    module: LightningModule, logs: StepLogs, metrics: dict[str, Metric], values: Mapping[str, Any] | None = None
+) -> None:
     """Log the combined values through the real ``LightningModule.log`` (no further syncing; tensors stay on
-    the device until Lightning reads them)."""
+    the device until Lightning reads them). ``values``: the metrics' values over the batch (all replicas), which
+    replace the combination of a logged tensor their ``forward`` returned."""
     for name, entry in logs.entries.items():
         kwargs = dict(entry.kwargs)
         kwargs["reduce_fx"] = entry.reduce_fx
@@ -365,6 +396,9 @@ def replay(module: LightningModule, logs: StepLogs, metrics: dict[str, Metric]) 
             LightningModule.log(module, name, metrics[entry.metric], **kwargs)
             continue
         value = entry.total / entry.weight if entry.reduce_fx == "mean" else entry.total
+        batch_value = None if values is None or entry.value_of is None else values.get(entry.value_of)
+        if isinstance(batch_value, torch.Tensor) and batch_value.numel() == 1:
+            value = batch_value.reshape(())
         if isinstance(value, torch.Tensor):
             dtype = entry.dtype or torch.get_default_dtype()
             LightningModule.log(module, name, value.to(device=module.device, dtype=dtype), **kwargs)

@@ -278,6 +278,7 @@ class BatchRunner:
         local_outputs = merge_outputs(step_outputs, sizes) if last and not train else None
         local_logs = replace(step_logs, metric_batch=metric_batch) if last else None
         logs, flag_values = self._exchange(hook, local_logs, held, flags)
+        values: dict[str, Any] | None = None
         if logs is None and not self._needs_relay() and not self.metrics:
             assert local_logs is not None  # every rank holds the last stage of the only replica
             logs, broadcast_outputs = local_logs, None
@@ -291,7 +292,7 @@ class BatchRunner:
             metric_sync.set_step_values(self.metrics, values)
         else:
             broadcast_outputs = None
-        replay(module, logs, self.metrics)
+        replay(module, logs, self.metrics, values)
         return BatchResult(logs, local_outputs if last else broadcast_outputs, held, flag_values)
 
     def _needs_relay(self) -> bool:

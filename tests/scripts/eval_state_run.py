@@ -1,10 +1,11 @@
 """State the user's step keeps after the model call, without sanity validation, against one device (float64).
 
 A nanoGPT (blocks in a ``ModuleList``: the per-stage step path) with torchmetrics accuracies in training (epoch value)
-and validation, and Lightning's documented recipe for epoch-end values: ``training_step`` / ``validation_step``
-append each loss to a list, ``on_train_epoch_end`` / ``on_validation_epoch_end`` log the stacked mean (training
-with ``sync_dist=True``), ``num_sanity_val_steps=0``; then ``trainer.test``. Rank 0 writes to ``OUT`` the logged
-values, the test accuracy, and each last-stage rank's validation list (entries and mean) per epoch.
+and validation; a ``MetricCollection`` of macro F1 and precision whose forward's tensors training logs per step;
+and Lightning's documented recipe for epoch-end values: ``training_step`` / ``validation_step`` append each loss to
+a list, ``on_train_epoch_end`` / ``on_validation_epoch_end`` log the stacked mean (training with
+``sync_dist=True``); ``num_sanity_val_steps=0``; then ``trainer.test``. Rank 0 writes to ``OUT`` the logged values,
+the test accuracy, and each last-stage rank's validation list (entries and mean) per epoch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
@@ -33,6 +35,11 @@ class Counted(NanoGPT):
         self.train_acc = MulticlassAccuracy(num_classes=self.vocab, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=self.vocab, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=self.vocab, average="micro")
+        macro = {
+            "f1": MulticlassF1Score(self.vocab, average="macro"),
+            "prec": MulticlassPrecision(self.vocab, average="macro"),
+        }
+        self.train_macro = MetricCollection(macro, prefix="train_")  # compute groups on (torchmetrics' default)
         self.val_losses: list[torch.Tensor] = []
         self.train_losses: list[torch.Tensor] = []
         self.seen: list[dict[str, float]] = []  # per validation epoch: the list's length and mean
@@ -45,6 +52,8 @@ class Counted(NanoGPT):
         logits, y = self._logits(batch)
         self.train_acc.update(logits, y)
         self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        # the tensors the collection's forward returns (its docs' recipe): the batch's macro values, not a micro-batch's
+        self.log_dict(self.train_macro(logits, y), on_step=True, on_epoch=False)
         loss = torch.nn.functional.cross_entropy(logits, y)
         self.train_losses.append(loss.detach())
         return loss
@@ -109,7 +118,7 @@ def main() -> None:
 
     data = OrderedData("nano", batch_size=BATCH // dp, n=64, val_n=16)
     fit.fit(model, datamodule=data)
-    keys = ("train_acc", "val_acc", "train_epoch_average", "val_epoch_average")
+    keys = ("train_acc", "val_acc", "train_epoch_average", "val_epoch_average", "train_f1", "train_prec")
     row: dict[str, object] = {k: float(fit.callback_metrics[k]) for k in keys}
     (result,) = fit.test(model, datamodule=data, verbose=False)
     row["test_acc"] = result["test_acc"]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
-from torchmetrics import MeanMetric
+from torchmetrics import MaxMetric, MeanMetric
 
 from lightning_3d.core.log_relay import LogRecorder, StepLogs, merge, relay, replay, silenced
 
@@ -213,6 +213,38 @@ def test_replay_logs_the_combined_values(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls[1][1] == pytest.approx(3.0) and not isinstance(calls[1][1], torch.Tensor)
     _, v, kw = calls[2]
     assert v is module.metric and kw["metric_attribute"] == "metric" and kw["batch_size"] == 4
+
+
+class ForwardLogging(LightningModule):
+    """Logs what its metric's forward returns (a micro-batch's max), and a tensor derived from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peak = MaxMetric()
+
+    def step(self, x: torch.Tensor) -> None:
+        value = self.peak(x)
+        self.log("peak", value)
+        self.log("peak_x2", value * 2)
+
+
+def test_a_tensor_a_metrics_forward_returned_is_logged_as_the_metrics_batch_value(monkeypatch) -> None:
+    """The micro-batches' maxima 3 and 9 average to 6; the batch's max, 9, is what one device logs."""
+    module = ForwardLogging()
+    logs = StepLogs()
+    recorder = LogRecorder(module, logs)
+    for x in (torch.tensor([1.0, 3.0]), torch.tensor([9.0, 2.0])):
+        with recorder.recording(2):
+            module.step(x)
+    assert not module.peak._forward_hooks  # removed after each micro-batch
+    assert logs.entries["peak"].value_of == "peak" and logs.entries["peak_x2"].value_of is None
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(LightningModule, "log", lambda self, name, v, **kw: calls.append((name, float(v))))
+    replay(module, logs, {}, {"peak": torch.tensor(9.0)})
+    assert calls == [("peak", 9.0), ("peak_x2", 12.0)]  # the derived tensor keeps the micro-batches' mean
+    calls.clear()
+    replay(module, logs, {}, None)  # no batch value known (a metric whose state does not merge): the mean
+    assert calls == [("peak", 6.0), ("peak_x2", 12.0)]
 
 
 # ------------------------------------------------------------------------------------ device tensors, packed relay
