@@ -64,7 +64,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .checkpoint import hf as ckpt_hf
 from .core import partition
-from .core.agreed import mark_agreed
+from .core.agreed import mark_agreed, on_rank0_told
 from .core.compile import CompiledBlocks, compile_kwargs, for_split_backward
 from .core.finetuning import filter_by_identity_while_running
 from .core.grad_norm import clip_grads_, clip_grads_by_value_, global_grad_norm
@@ -705,20 +705,13 @@ class ThreeDStrategy(ParallelStrategy):
         """
         assert self.lightning_module is not None
         attr, model = ckpt_hf.hf_model_attr(self.lightning_module, module_attr)  # every rank: the same error
-        state = self.full_state_dict()
-        error: Exception | None = None
-        out: Path | None = None
-        if self.global_rank == 0 and state is not None:
-            try:
-                out = ckpt_hf.export_hf(state, path, model.config, module_attr=attr)
-            except Exception as exc:  # told to the other ranks before it is raised
-                error = exc
-        message = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        if message is not None:
-            raise RuntimeError(f"lightning_3d: rank 0 failed to write the Hugging Face folder {str(path)!r}: {message}")
-        return out
+        state = self.full_state_dict()  # the whole model on rank 0 (collective)
+
+        def write() -> Path:
+            assert state is not None
+            return ckpt_hf.export_hf(state, path, model.config, module_attr=attr)
+
+        return on_rank0_told(self.global_rank == 0, self.broadcast, write, f"write the Hugging Face folder {path!s}")
 
     def full_state_dict(self) -> dict[str, Tensor] | None:
         """The single-device state dict of the whole model, on global rank 0 (``None`` elsewhere), tied weights

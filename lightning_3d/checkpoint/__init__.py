@@ -48,7 +48,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from ..core.agreed import mark_agreed
+from ..core.agreed import mark_agreed, on_rank0_told
 from ..core.partition import TensorSpec
 from ..core.rng import BodyRandomness
 from ..core.tied import assign, canonical_keys, canonical_names
@@ -267,8 +267,8 @@ def save_checkpoint(
         tensors[MODEL_COPY.format(i)] = pop_path(checkpoint, where)
     rng = _gather_to_rank0(rng_state(context.device, context.randomness))
     dcp.save(tensors, checkpoint_id=staging)
-    failure: BaseException | None = None
-    if is_rank0:
+
+    def finish() -> None:
         trainer = context.module.trainer
         checkpoint[SECTION] = {
             "format": FORMAT,
@@ -278,16 +278,10 @@ def save_checkpoint(
             "keys": list(context.full_spec),
             "model_copies": [list(where) for where in copies],
         }
-        try:
-            _write_meta(checkpoint, staging / META_FILE)
-            _publish(staging, path)
-        except Exception as exc:  # tell the other ranks before raising
-            failure = exc
-    message = context.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        raise failure
-    if message is not None:
-        raise RuntimeError(f"lightning_3d: rank 0 failed to finish the checkpoint {str(path)!r}: {message}")
+        _write_meta(checkpoint, staging / META_FILE)
+        _publish(staging, path)
+
+    on_rank0_told(is_rank0, context.broadcast, finish, f"finish the checkpoint {str(path)!r}")
 
 
 def load_checkpoint(

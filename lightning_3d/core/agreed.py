@@ -8,7 +8,8 @@ not stop the other ranks for it (they may still be inside the collective that le
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 _AGREED_ATTR = "_lightning_3d_agreed"
 E = TypeVar("E", bound=BaseException)
@@ -30,3 +31,29 @@ def is_agreed(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__
     return False
+
+
+T = TypeVar("T")
+
+
+def on_rank0_told(is_rank0: bool, broadcast: Callable[[Any], Any], write: Callable[[], T], what: str) -> T | None:
+    """Run ``write`` on rank 0 only, then tell every rank whether it failed (collective: ``broadcast`` sends rank 0's
+    object to all), so no rank waits at a later collective for a rank 0 that died: rank 0 raises its own error, the
+    others a ``RuntimeError`` quoting it (``what``: what rank 0 failed to do, for that message).
+
+    Returns:
+        ``write()``'s result on rank 0, ``None`` elsewhere.
+    """
+    failure: Exception | None = None
+    out: T | None = None
+    if is_rank0:
+        try:
+            out = write()
+        except Exception as exc:  # told to the other ranks before it is raised
+            failure = exc
+    message = broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise RuntimeError(f"lightning_3d: rank 0 failed to {what}: {message}")
+    return out

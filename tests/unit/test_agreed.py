@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_3d.core.agreed import is_agreed, mark_agreed
+from lightning_3d.core.agreed import is_agreed, mark_agreed, on_rank0_told
 
 
 def test_mark_returns_the_same_exception_marked() -> None:
@@ -53,3 +53,23 @@ def test_a_chain_without_a_mark_is_not_agreed() -> None:
 
 def test_base_exceptions_can_be_marked() -> None:
     assert is_agreed(mark_agreed(KeyboardInterrupt()))
+
+
+def test_rank0_writes_and_every_rank_hears_of_its_failure() -> None:
+    """A one-object broadcast stands for rank 0's: rank 0 runs the write and raises its own error; another rank
+    runs nothing and raises one that quotes it; without a failure rank 0 gets the result and the others None."""
+    sent: list[object] = []
+
+    def from_rank0(obj: object) -> object:  # rank 0's object as every rank receives it
+        return sent[0] if sent else obj
+
+    assert on_rank0_told(True, from_rank0, lambda: 7, "write x") == 7
+    assert on_rank0_told(False, from_rank0, lambda: pytest.fail("runs on rank 0 only"), "write x") is None
+
+    def broken() -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        on_rank0_told(True, lambda obj: sent.append(obj) or obj, broken, "write x")
+    with pytest.raises(RuntimeError, match="lightning_3d: rank 0 failed to write x: OSError: disk full"):
+        on_rank0_told(False, from_rank0, lambda: None, "write x")
