@@ -1,5 +1,6 @@
 """The user's step inside the pipeline: the warning for random draws made before the body; autograd's anomaly
-detection (``Trainer(detect_anomaly=True)``) through the pipeline and tensor parallelism."""
+detection (``Trainer(detect_anomaly=True)``) through the pipeline and tensor parallelism; ``trainer.should_stop`` set
+by the step after the model call."""
 
 from __future__ import annotations
 
@@ -46,3 +47,35 @@ def test_detect_anomaly_matches_one_device_and_reports_nan(tmp_path: Path) -> No
     assert result.returncode != 0 and not (tmp_path / "nan.json").exists()
     assert "RuntimeError: Function 'MulBackward0' returned nan values in its 0th output." in result.output
     assert "failed at global step 2" in result.output
+
+
+def _stop_run(tmp_path: Path, layout: str, when: str, metric: bool) -> list[dict]:
+    out = tmp_path / f"{layout}_{when}"
+    args = ["--layout", layout, "--when", when, "--init", tmp_path / "init.pt", "--out", out]
+    run_lightning(
+        "should_stop_run.py", [*args, *(["--metric"] if metric else [])], timeout=120 if layout == "single" else 300
+    )
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "when", "metric"), [("tp2pp2", "batch", False), ("pp2dp2", "loss", True)])
+def test_should_stop_set_after_the_model_call_stops_every_rank(
+    tmp_path: Path, layout: str, when: str, metric: bool
+) -> None:
+    """``self.trainer.should_stop = True`` in ``training_step`` after ``self(x)``: that code runs on the last stage
+    only, and the other stages went on to the next batch and waited for it until the train timeout (every layout
+    with pp > 1). Now the request travels with the batch's logs (in the packed tensor, or with the metrics' states
+    by object) and every rank stops after the same batch. At a fixed batch the run matches one device (float64,
+    1e-10); on a loss threshold each micro-batch's loss is compared (a micro-batch below it whenever the batch's mean
+    is), on any replica, so the run stops at one device's step or earlier."""
+    (ref,) = _stop_run(tmp_path, "single", when, metric)
+    got = _stop_run(tmp_path, layout, when, metric)
+    assert len(got) == 4 and all(row == got[0] for row in got), got  # every rank stopped after the same batch
+    assert 0 < ref["step"] < 18, ref  # one device stopped early (3 epochs x 6 batches otherwise)
+    if when == "batch":
+        assert got[0]["step"] == ref["step"] == 6 + 3, (got[0], ref)
+        for key, value in ref["metrics"].items():
+            assert abs(got[0]["metrics"][key] - value) <= 1e-10 * abs(value), (key, got[0], ref)
+    else:
+        assert 0 < got[0]["step"] <= ref["step"], (got[0], ref)

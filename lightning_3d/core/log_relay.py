@@ -82,6 +82,7 @@ class StepLogs:
     loss_weight: float = 0.0
     loss_dtype: torch.dtype | None = None
     metric_batch: dict[str, Any] = field(default_factory=dict)  # batch states of updated metrics
+    stop: bool = False  # the step set ``trainer.should_stop`` (code after the model call runs on the last stage only)
 
     def add(
         self,
@@ -151,6 +152,7 @@ def merge(parts: list[StepLogs]) -> StepLogs:
         out.loss_total = out.loss_total + part.loss_total
         out.loss_weight += part.loss_weight
         out.loss_dtype = out.loss_dtype or part.loss_dtype
+        out.stop = out.stop or part.stop
         for name, entry in part.entries.items():
             mine = out.entries.get(name)
             if mine is None:
@@ -308,14 +310,15 @@ def unpack(rows: torch.Tensor, schema: Schema) -> StepLogs:
 class PackedRelay:
     """``self.log`` values (and a few flags) to every rank with ONE all-reduce per batch and one read of its head.
 
-    Every rank contributes a vector ``[changed, flags..., replica 0's values, replica 1's values, ...]`` to a
+    Every rank contributes a vector ``[changed, stop, flags..., replica 0's values, replica 1's values, ...]`` to a
     SUM all-reduce over all ranks: one rank per data-parallel replica (the last stage's tensor-parallel rank 0)
     writes its replica's values in its row, every other entry is zero, so the sum is a gather. The layout of a
     row is the schema cached from an earlier batch (``schemas``, the same on every rank); a contributor whose logs
     do not fit it sets ``changed`` and the caller falls back to the object relay for that batch (``relay``), then
-    caches the new schema. The flags (e.g. per-stage non-finite gradients) are summed over every rank.
+    caches the new schema. ``stop`` (the step set ``trainer.should_stop``: ``StepLogs.stop``) and the flags (e.g.
+    per-stage non-finite gradients) are summed over every rank.
 
-    Reading ``[changed, flags...]`` is the batch's one host synchronisation; the values stay on the device.
+    Reading ``[changed, stop, flags...]`` is the batch's one host synchronisation; the values stay on the device.
     """
 
     schemas: dict[str, Schema | None] = field(default_factory=dict)
@@ -346,15 +349,17 @@ class PackedRelay:
             n_flags: number of flags (the same on every rank).
 
         Returns:
-            The combined logs (``None`` when the schema changed: use the object relay and ``remember``) and the
-            summed flags, read on the host.
+            The combined logs (``None`` when the schema changed: use the object relay and ``remember``) with
+            ``stop`` set when any rank's step set it, and the summed flags, read on the host.
         """
         schema = self.schemas.get(key)
         width = schema.width if schema is not None else 0
-        head = 1 + n_flags
+        head = 2 + n_flags
         vector = torch.zeros(head + replicas * width, dtype=torch.float64, device=device)
+        if logs is not None and logs.stop:
+            vector[1] = 1.0
         if flags is not None:
-            vector[1:head] = flags.to(device=device, dtype=torch.float64)
+            vector[2:head] = flags.to(device=device, dtype=torch.float64)
         if contributor:
             assert logs is not None
             if schema is not None and schema_of(logs) == schema:
@@ -366,8 +371,10 @@ class PackedRelay:
             dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group)
         head_values = vector[:head].tolist()  # the one host synchronisation of the batch
         if head_values[0] or schema is None:
-            return None, head_values[1:]
-        return unpack(vector[head:].view(replicas, width), schema), head_values[1:]
+            return None, head_values[2:]
+        combined = unpack(vector[head:].view(replicas, width), schema)
+        combined.stop = head_values[1] > 0
+        return combined, head_values[2:]
 
     def remember(self, key: str, parts_schema: Schema | None) -> None:
         """After an object relay: the schema every replica had (``None``: they differed, or metrics)."""

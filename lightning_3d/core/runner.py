@@ -254,6 +254,8 @@ class BatchRunner:
                 self.stepper.begin(hook, step_fn, batch, rest, total, n_micro, scale, train)
                 if runtime.has_last:
                     self._batch_metrics.begin()
+                trainer = module._trainer
+                stop_before = trainer is not None and trainer.should_stop
                 runtime.run(
                     stage_input,
                     sample_index,
@@ -276,7 +278,10 @@ class BatchRunner:
         last = runtime.has_last
         sizes = [total // n_micro] * n_micro
         local_outputs = merge_outputs(step_outputs, sizes) if last and not train else None
-        local_logs = replace(step_logs, metric_batch=metric_batch) if last else None
+        # `trainer.should_stop = True` from code after the model call ran on the last stage only: it reaches every
+        # rank with the logs (else the other stages would start the next batch and wait for ever)
+        stop = last and trainer is not None and trainer.should_stop and not stop_before
+        local_logs = replace(step_logs, metric_batch=metric_batch, stop=stop) if last else None
         logs, flag_values = self._exchange(hook, local_logs, held, flags)
         values: dict[str, Any] | None = None
         if logs is None and not self._needs_relay() and not self.metrics:
@@ -293,6 +298,8 @@ class BatchRunner:
         else:
             broadcast_outputs = None
         replay(module, logs, self.metrics, values)
+        if logs.stop and trainer is not None:
+            trainer.should_stop = True
         return BatchResult(logs, local_outputs if last else broadcast_outputs, held, flag_values)
 
     def _needs_relay(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from typing import Any
 
@@ -114,6 +115,14 @@ def test_merge_min_and_loss() -> None:
 def test_merge_keeps_keys_logged_on_one_replica_only() -> None:
     merged = merge([logs_of([("a", 1.0, {}, 1)]), logs_of([("b", 2.0, {}, 1)])])
     assert list(merged.entries) == ["a", "b"]
+
+
+def test_merge_stops_when_any_replica_asked() -> None:
+    """``trainer.should_stop`` set by one replica's step stops every rank (``StepLogs.stop``)."""
+    asked = dataclasses.replace(logs_of([("a", 1.0, {}, 1)]), stop=True)
+    assert merge([logs_of([("a", 1.0, {}, 1)]), asked]).stop
+    assert not merge([logs_of([("a", 1.0, {}, 1)]), logs_of([("a", 2.0, {}, 1)])]).stop
+    assert asked.to_host().stop  # and it survives the object relay's copy
 
 
 def test_merge_does_not_modify_its_inputs() -> None:
@@ -319,6 +328,10 @@ def test_packed_exchange_alone_and_on_a_schema_change(gloo_world: dist.ProcessGr
     other = logs_of([("m", torch.tensor(2.0), {}, 2), ("new", 1.0, {}, 2)])
     out, _ = relay_.exchange("training_step", other, None, contributor=True, **kwargs)
     assert out is None  # a new key: the object relay for this batch
+    assert not relay_.exchange("training_step", logs, None, contributor=True, **kwargs)[0].stop
+    stopping = dataclasses.replace(logs, stop=True)
+    out, got = relay_.exchange("training_step", stopping, flags, contributor=False, **kwargs)
+    assert out is not None and out.stop and got == [0.0, 1.0]  # a non-contributing last-stage rank (tp > 0) asks too
 
 
 def test_common_schema_of_replicas() -> None:
