@@ -80,6 +80,7 @@ from .core.parallelize import (
     describe_layout,
     plan_model,
 )
+from .core.patches import Patches
 from .core.pruning import prune_this_stage, refuse_pruning
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
@@ -168,12 +169,13 @@ class ThreeDStrategy(ParallelStrategy):
         self._tied: TiedWeights | None = None
         self._tied_checked_epoch = -1  # the epoch whose first step compared the tied copies' requires_grad
         self._compiled: CompiledBlocks | None = None  # blocks under torch.compile (the compile setting)
-        self._undo_split_backward = lambda: None  # compiled code under a two-pass backward (core/compile.py)
-        self._undo_finetuning = lambda: None  # BaseFinetuning's parameter filter by identity (core/finetuning.py)
-        self._undo_deferred_copies = lambda: None  # EMA's / SWA's setup copies deferred (core/weight_averaging.py)
-        self._undo_pruning = lambda: None  # ModelPruning's global pruning over the stages (core/pruning.py)
-        self._undo_epoch_end = lambda: None  # epoch-end hooks' logs from the last stage (core/hook_logs.py)
-        self._undo_save_guard = lambda: None  # save_pretrained of a split model refused (checkpoint/hf.py)
+        # What this fit changed on callbacks, the module and torch, each with its undo (core/patches.py):
+        # "split_backward": compiled code under a two-pass backward (core/compile.py); "finetuning": BaseFinetuning's
+        # parameter filter by identity (core/finetuning.py); "deferred_copies": EMA's / SWA's setup copies deferred
+        # (core/weight_averaging.py); "pruning": ModelPruning per stage (core/pruning.py); "epoch_end": epoch-end
+        # hooks' logs from the last stage (core/hook_logs.py); "save_guard": save_pretrained of a split model
+        # refused (checkpoint/hf.py)
+        self._patches = Patches()
         self.loss_scaler: LossScaler | None = None  # precision="16-mixed": the plugin's GradScaler, agreed overflow
         # ---- reliability: consistency check, timeouts, non-finite agreement, fail-fast (reliability.py)
         self._reliability = Reliability(self.settings)
@@ -325,9 +327,8 @@ class ThreeDStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         # Lightning calls the callbacks' setup next: EMA's and SWA's copies are deferred (core/weight_averaging.py)
-        self._undo_deferred_copies()
         trainer = getattr(self.lightning_module, "_trainer", None)
-        self._undo_deferred_copies = defer_copies_to_setup_end(trainer.callbacks if trainer is not None else [])
+        self._patches.install("deferred_copies", defer_copies_to_setup_end, trainer.callbacks if trainer else [])
         # ---- reliability: layout check (before the mesh), fail-fast watch
         self._reliability.on_process_group_ready(
             self.topology, self.root_device, self.global_rank, self.barrier, self._launched_processes
@@ -352,10 +353,8 @@ class ThreeDStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         # compiled code under a two-pass backward, for this fit (a later fit of the same Trainer sets it again)
-        self._undo_split_backward()
-        self._undo_split_backward = for_split_backward(self.settings.splits_backward())
-        self._undo_finetuning()
-        self._undo_finetuning = filter_by_identity_while_running(trainer.callbacks)
+        self._patches.install("split_backward", for_split_backward, self.settings.splits_backward())
+        self._patches.install("finetuning", filter_by_identity_while_running, trainer.callbacks)
         self._tied_checked_epoch = -1
         if self.runner is None:
             self._parallelize()
@@ -372,19 +371,19 @@ class ThreeDStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         rebuild_averaged_copies(trainer.callbacks, self.lightning_module)
         assert self.topology is not None
-        self._undo_epoch_end()
+        self._patches.lift("epoch_end")
         plan = self.stage_plan
         if plan is not None and self.topology.pp > 1:  # epoch-end hooks log the last stage's values everywhere
             ranks = plan.stage_to_rank or list(range(plan.num_stages))
             holds_last = ranks[-1] == self.device_mesh["pp"].get_local_rank()
             pp_group = self.device_mesh["pp"].get_group()
-            self._undo_epoch_end = relay_epoch_end(self.lightning_module, holds_last, pp_group)
-        self._undo_save_guard()
+            self._patches.install("epoch_end", relay_epoch_end, self.lightning_module, holds_last, pp_group)
+        self._patches.lift("save_guard")
         if self.topology.world_size > 1:  # a Hugging Face model's save_pretrained would write this rank's part
-            self._undo_save_guard = ckpt_hf.guard_save_pretrained(self.lightning_module, self._rank_part())
-        self._undo_pruning()
+            self._patches.install("save_guard", ckpt_hf.guard_save_pretrained, self.lightning_module, self._rank_part())
         group = self.device_mesh["pp"].get_group() if self.topology.pp > 1 else None
-        self._undo_pruning = prune_this_stage(trainer.callbacks, self.lightning_module, list(self.full_spec), group)
+        spec = list(self.full_spec)
+        self._patches.install("pruning", prune_this_stage, trainer.callbacks, self.lightning_module, spec, group)
         count_by_replica(trainer.callbacks, self.topology.world_size, self.topology.dp)
 
     def _rank_part(self) -> str:
@@ -843,18 +842,7 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._reliability.teardown()  # ---- reliability
-        self._undo_split_backward()
-        self._undo_split_backward = lambda: None
-        self._undo_finetuning()
-        self._undo_finetuning = lambda: None
-        self._undo_deferred_copies()
-        self._undo_deferred_copies = lambda: None
-        self._undo_pruning()
-        self._undo_pruning = lambda: None
-        self._undo_epoch_end()
-        self._undo_epoch_end = lambda: None
-        self._undo_save_guard()
-        self._undo_save_guard = lambda: None
+        self._patches.lift_all()
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None
