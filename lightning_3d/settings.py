@@ -22,6 +22,7 @@ from .core.checkpointing import checkpoint_every
 from .core.compile import compile_kwargs
 from .core.csv_schedule import check_fits, is_csv_schedule, read_csv_schedule
 from .core.fsdp import FSDP_UNITS
+from .core.loss_weights import LOSS_WEIGHTINGS
 from .core.pipeline import (
     ZERO_BUBBLE_SCHEDULES,
     check_schedule_name,
@@ -168,6 +169,13 @@ class ThreeDSettings:
             gathered through the step. Combines with activation checkpointing (whose recomputation gathers a
             block's units at once) and ``compile`` (a compiled block breaks into a piece per unit). Parameter names
             and checkpoints do not change. Refused with ``data_parallel="replicate"``. See ``core/fsdp.py``.
+        loss_weighting: what each micro-batch's (and data-parallel replica's) mean loss counts for in the batch's:
+            ``"samples"`` (its share of the batch's samples), ``"labels"`` (its share of the batch's label tokens,
+            ``labels != -100`` in a mapping batch; ``"shifted_labels"``: of ``labels[..., 1:]``, a causal LM's
+            targets) or ``"auto"`` (default: label tokens, shifted as Hugging Face's Trainer decides, for a module
+            holding a Hugging Face model, whose loss is a mean over them; samples otherwise). With label tokens
+            the gradients and the logged loss are one device's token mean over the whole batch, however the
+            labels are padded or masked. See ``core/loss_weights.py``.
     """
 
     tp: int = 1
@@ -198,6 +206,7 @@ class ThreeDSettings:
     fsdp_reshard_after_forward: bool | None = None
     fsdp_reshard_after_backward: bool | None = None
     fsdp_unit: str = "block"
+    loss_weighting: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -225,6 +234,10 @@ class ThreeDSettings:
         if self.on_nonfinite not in NONFINITE_MODES:
             raise ValueError(
                 f"ThreeDStrategy: on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}."
+            )
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(
+                f"ThreeDStrategy: loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}."
             )
         for name in TIMEOUT_FIELDS:
             object.__setattr__(self, name, _check_timeout(name, getattr(self, name)))

@@ -70,6 +70,7 @@ from .core.finetuning import filter_by_identity_while_running
 from .core.grad_norm import clip_grads_, clip_grads_by_value_, global_grad_norm
 from .core.hook_logs import HookLogs, relay_epoch_end
 from .core.loss_scale import LossScaler, scaler_of
+from .core.loss_weights import label_count_for
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
 from .core.optim import optimizer_for_dtensors
 from .core.parallelize import (
@@ -497,6 +498,7 @@ class ThreeDStrategy(ParallelStrategy):
             self.micro_batches,
             randomness=self.body_randomness,
             executor=built.executor,
+            label_count=label_count_for(module, s.loss_weighting),
         )
         self._reliability.on_model_ready(module, built.stages, model.stage_plan.num_stages)  # ---- reliability
         self._layout = layout

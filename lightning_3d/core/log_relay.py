@@ -58,6 +58,12 @@ def _combine(reduce_fx: str, a: Number, b: Number) -> Number:
     return max(a, b) if reduce_fx == "max" else min(a, b)
 
 
+def _weighted(number: Number, weight: torch.Tensor) -> torch.Tensor:
+    """``number * weight``, 0 where ``weight`` is 0 (a mean over no label tokens is NaN, and counts for nothing)."""
+    weight = weight.to(torch.float64)
+    return torch.where(weight != 0, number * weight, torch.zeros_like(weight))
+
+
 def _host(value: Number) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
@@ -92,13 +98,16 @@ class StepLogs:
         samples: int,
         metric_path: str | None,
         value_of: str | None = None,
+        count_as: torch.Tensor | None = None,
     ) -> None:
         """Record one ``self.log`` call of one micro-batch (``samples`` samples).
 
         A tensor value stays a tensor on its device (a float64 scalar): combining it with earlier micro-batches
         is tensor arithmetic, so recording never waits for the device. ``value_of``: the tensor is what that
         Metric's ``forward`` returned for the micro-batch (its value over the whole batch replaces the combination
-        when the metric's batch state is known, see :func:`replay`).
+        when the metric's batch state is known, see :func:`replay`). ``count_as``: a mean's weight in this
+        micro-batch's place in the combination (its label tokens' share, ``core/loss_weights.py``; 0 drops a NaN
+        of a micro-batch without labels); ``weight``, the samples Lightning averages batches by, stays.
         """
         reduce_fx = _reduce_name(kwargs.get("reduce_fx", "mean"))
         weight = float(kwargs.get("batch_size") or samples)
@@ -115,7 +124,7 @@ class StepLogs:
         else:
             dtype, number = None, float(value)
         if reduce_fx == "mean":
-            number = number * weight
+            number = number * weight if count_as is None else _weighted(number, count_as)
         entry = self.entries.get(name)
         if entry is None:
             self.entries[name] = _Entry(reduce_fx, clean, dtype, number, weight, value_of=value_of)
@@ -125,9 +134,11 @@ class StepLogs:
         if entry.value_of != value_of:  # not the same metric's output in every micro-batch
             entry.value_of = None
 
-    def add_loss(self, loss: torch.Tensor, samples: int) -> None:
-        """Record one micro-batch's loss (weighted by its samples; kept on the device)."""
-        self.loss_total = self.loss_total + loss.detach().reshape(()).to(torch.float64) * samples
+    def add_loss(self, loss: torch.Tensor, samples: int, count_as: torch.Tensor | None = None) -> None:
+        """Record one micro-batch's loss (weighted by its samples, or by ``count_as`` in their place: its label
+        tokens' share, ``core/loss_weights.py``; kept on the device)."""
+        number = loss.detach().reshape(()).to(torch.float64)
+        self.loss_total = self.loss_total + (number * samples if count_as is None else _weighted(number, count_as))
         self.loss_weight += samples
         self.loss_dtype = loss.dtype
 
@@ -173,6 +184,7 @@ class LogRecorder:
         self._metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}
         self._metric_paths = {id(m): n for n, m in self._metrics.items()}
         self._outputs: dict[int, str] = {}  # id of a tensor a Metric's forward returned -> the metric's path
+        self.count_as: torch.Tensor | None = None  # the micro-batch's label-token weight (see StepLogs.add)
 
     def _log(self, name: str, value: Any, **kwargs: Any) -> None:
         path = None
@@ -181,19 +193,21 @@ class LogRecorder:
             if path is None:
                 raise ValueError(f"self.log({name!r}, metric): the Metric must be an attribute of the LightningModule.")
         value_of = self._outputs.get(id(value)) if isinstance(value, torch.Tensor) else None
-        self.logs.add(name, value, kwargs, self.samples, path, value_of=value_of)
+        count_as = self.count_as if kwargs.get("batch_size") is None else None  # a batch_size given: as it says
+        self.logs.add(name, value, kwargs, self.samples, path, value_of=value_of, count_as=count_as)
 
     def _remember(self, metric: Metric, args: Any, output: Any) -> None:
         if isinstance(output, torch.Tensor):
             self._outputs[id(output)] = self._metric_paths[id(metric)]
 
     @contextlib.contextmanager
-    def recording(self, samples: int) -> Iterator[None]:
+    def recording(self, samples: int, count_as: torch.Tensor | None = None) -> Iterator[None]:
         """Record the module's ``self.log`` calls of one micro-batch of ``samples`` samples; a tensor its metrics'
         ``forward`` returned (``self.log("f1", self.f1(preds, y))``, ``self.log_dict(collection(preds, y))``) is
         remembered as that metric's, whose value over the batch is then logged (a macro F1 is not the mean of the
-        micro-batches' F1s)."""
-        self.samples = samples
+        micro-batches' F1s). ``count_as``: under label-token weighting, what the means logged without a
+        ``batch_size`` count for in the batch's (a token mean, as the loss's)."""
+        self.samples, self.count_as = samples, count_as
         self.module.__dict__["log"] = self._log
         handles = [metric.register_forward_hook(self._remember) for metric in self._metrics.values()]
         try:

@@ -23,6 +23,7 @@ from torchmetrics import Metric
 from . import metric_sync
 from .agreed import mark_agreed
 from .log_relay import PackedRelay, StepLogs, common_schema, relay, replay
+from .loss_weights import LabelCount, MicroBatchWeights, micro_batch_weights
 from .partition import BodyRef
 from .pipeline import PipelineRuntime, StageSpec, micro_batch_problem, min_micro_batches, stage_ranks
 from .rng import BodyRandomness
@@ -97,6 +98,9 @@ class BatchRunner:
         schedule: training schedule name.
         micro_batches: micro-batches per (full) batch.
         randomness: the stages' random streams (see ``rng.py``).
+        executor: the user's step on every stage (a model split at its blocks), else ``body`` is used.
+        label_count: weight micro-batches by their label tokens, counted so (``loss_weights.py``); ``None``: by
+            samples.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class BatchRunner:
         micro_batches: int,
         randomness: BodyRandomness | None = None,
         executor: StageExecutor | None = None,
+        label_count: LabelCount | None = None,
     ) -> None:
         self.module, self.body, self.mesh = module, body, mesh
         self.device = device
@@ -140,6 +145,7 @@ class BatchRunner:
             randomness=randomness,
             on_chunk=executor.on_chunk if executor is not None else None,
         )
+        self._label_count = label_count
         self.metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}
         metric_sync.use_group(self.metrics, mesh["dp"].get_group())
         self._batch_metrics = metric_sync.BatchMetrics(self.metrics)
@@ -251,7 +257,8 @@ class BatchRunner:
                     stage_input = None
                 if isinstance(self.stepper, StepAdapter):
                     self.stepper.index = sample_index
-                self.stepper.begin(hook, step_fn, batch, rest, total, n_micro, scale, train)
+                weights = self._weights(hook, batch, total, n_micro) if runtime.has_last else None
+                self.stepper.begin(hook, step_fn, batch, rest, total, n_micro, scale, train, weights)
                 if runtime.has_last:
                     self._batch_metrics.begin()
                 trainer = module._trainer
@@ -301,6 +308,15 @@ class BatchRunner:
         if logs.stop and trainer is not None:
             trainer.should_stop = True
         return BatchResult(logs, local_outputs if last else broadcast_outputs, held, flag_values)
+
+    def _weights(self, hook: str, batch: Any, total: int, n_micro: int) -> MicroBatchWeights | None:
+        """The last stage's label-token weights of the batch's micro-batches (``None``: weighted by samples).
+        Collective over the last stage's data-parallel group (whose ranks all see batches with labels or all
+        without)."""
+        if self._label_count is None or hook == "predict_step":
+            return None
+        counts = self._label_count.per_micro_batch(batch, n_micro)
+        return None if counts is None else micro_batch_weights(counts, total, self.dp, self._dp_group)
 
     def _needs_relay(self) -> bool:
         """Whether the logs must cross ranks: the last stage is elsewhere, or other replicas logged too."""

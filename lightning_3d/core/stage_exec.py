@@ -38,7 +38,8 @@ from .agreed import mark_agreed
 from .blocks import BLOCKS_CONTRACT, ModelSplit
 from .boundary_check import check_first_step
 from .log_relay import LogRecorder, StepLogs, silenced
-from .step import extract_loss, micro_batch_loss, slice_batch
+from .loss_weights import MicroBatchWeights
+from .step import count_of, extract_loss, slice_batch, step_micro_batch_loss
 
 
 class _StageDone(BaseException):
@@ -189,13 +190,14 @@ class StageExecutor:
         self._skeleton = skeleton
         self.logs = StepLogs()
         self.outputs: list[Any] = []
-        self._recorder = LogRecorder(module, self.logs)
+        self.recorder = LogRecorder(module, self.logs)
         self._step_fn: Callable[..., Any] | None = None
         self._batch: Any = None
         self._rest: tuple[Any, ...] = ()
         self._total = 0
         self._n_micro = 1
         self._scale: float | torch.Tensor = 1.0
+        self._weights: MicroBatchWeights | None = None
         self._train = True
         self._hook = "training_step"
         container = split.container
@@ -384,12 +386,15 @@ class StageExecutor:
         n_micro: int,
         scale: float | torch.Tensor,
         train: bool,
+        weights: MicroBatchWeights | None = None,
     ) -> None:
-        """Set up one batch of ``hook`` (``total`` samples in ``n_micro`` equal micro-batches)."""
+        """Set up one batch of ``hook`` (``total`` samples in ``n_micro`` equal micro-batches); ``weights``: the
+        micro-batches' label-token weights (``None``: by samples)."""
         self._hook, self._step_fn, self._batch, self._rest = hook, step_fn, batch, rest
         self._total, self._n_micro, self._scale, self._train = total, n_micro, scale, train
+        self._weights = weights
         self.logs = StepLogs()
-        self._recorder.logs = self.logs
+        self.recorder.logs = self.logs
         self.outputs = []
         self.chunk.clear()
 
@@ -424,7 +429,7 @@ class StageExecutor:
         if inferring and last:
             return _inferred_loss(received, inputs)
         record = last and not inferring
-        logging = self._recorder.recording(length) if record else silenced(self.module)
+        logging = self.recorder.recording(length, count_of(self._weights, chunk)) if record else silenced(self.module)
         checking = stage not in self._checked and torch.is_grad_enabled()
         with self._arranged(stage, received, checking), logging:
             try:
@@ -453,8 +458,17 @@ class StageExecutor:
                 f"{type(self.module).__name__}.{self._hook} returned without running the blocks of pipeline stage "
                 f"{stage}; under pipeline parallelism every {self._hook} must run the model once. {BLOCKS_CONTRACT}"
             )
-        loss = micro_batch_loss(
-            result, self._hook, self._train, self.logs, self.outputs, length, length / self._total * self._scale
+        loss = step_micro_batch_loss(
+            result,
+            self.recorder,
+            hook=self._hook,
+            train=self._train,
+            outputs=self.outputs,
+            chunk=chunk,
+            length=length,
+            total=self._total,
+            scale=self._scale,
+            weights=self._weights,
         )
         # a (1,)-shaped output, so that torch can join the micro-batches' outputs (loss_fn sums it back)
         return torch.zeros(1, device=_device(inputs)) if loss is None else loss.reshape(1)

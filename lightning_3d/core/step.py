@@ -31,6 +31,7 @@ from lightning.pytorch import LightningModule
 
 from . import torch_compat
 from .log_relay import LogRecorder, StepLogs, silenced
+from .loss_weights import MicroBatchWeights
 from .partition import CONTRACT, BodyRef
 
 
@@ -188,12 +189,13 @@ class StepAdapter:
         self._device = device
         self.logs = StepLogs()
         self.outputs: list[Any] = []
-        self._recorder = LogRecorder(module, self.logs)
+        self.recorder = LogRecorder(module, self.logs)
         self._step_fn: Callable[..., Any] | None = None
         self._step_args: tuple[Any, ...] = ()
         self._batch: Any = None
         self._total = 0
         self._scale: float | torch.Tensor = 1.0
+        self._weights: MicroBatchWeights | None = None
         self._train = True
         self._hook = "training_step"
         self.index: torch.Tensor | None = None  # the batch's sample index (``BatchRunner.run`` sets it)
@@ -208,12 +210,14 @@ class StepAdapter:
         n_micro: int,
         scale: float | torch.Tensor,
         train: bool,
+        weights: MicroBatchWeights | None = None,
     ) -> None:
-        """Set up one batch (``n_micro`` is implied by the sample index the schedule hands each call)."""
+        """Set up one batch (``n_micro`` is implied by the sample index the schedule hands each call);
+        ``weights``: the micro-batches' label-token weights (``None``: by samples)."""
         self._hook, self._step_fn, self._batch, self._step_args = hook, step_fn, batch, rest
-        self._total, self._scale, self._train = total, scale, train
+        self._total, self._scale, self._train, self._weights = total, scale, train, weights
         self.logs = StepLogs()
-        self._recorder.logs = self.logs
+        self.recorder.logs = self.logs
         self.outputs = []
 
     def finish(self) -> tuple[StepLogs, list[Any]]:
@@ -247,12 +251,21 @@ class StepAdapter:
             # a view would bypass the data-parallel wrapper's backward hook.
             return output.clone() if isinstance(output, torch.Tensor) and torch_compat.is_view(output) else output
 
-        with body_replaced(self.body, stub), self._recorder.recording(length):
+        with body_replaced(self.body, stub), self.recorder.recording(length, count_of(self._weights, start // length)):
             result = self._step_fn(micro_batch, *self._step_args)
         if not called:
             raise ValueError(f"{self._hook} did not call the body {self.body.fqn!r}. {CONTRACT}")
-        loss = micro_batch_loss(
-            result, self._hook, self._train, self.logs, self.outputs, length, length / self._total * self._scale
+        loss = step_micro_batch_loss(
+            result,
+            self.recorder,
+            hook=self._hook,
+            train=self._train,
+            outputs=self.outputs,
+            chunk=start // length,
+            length=length,
+            total=self._total,
+            scale=self._scale,
+            weights=self._weights,
         )
         return torch.zeros(()) if loss is None else loss
 
@@ -274,19 +287,28 @@ class StepAdapter:
 
 
 def micro_batch_loss(
-    result: Any, hook: str, train: bool, logs: StepLogs, outputs: list[Any], samples: int, weight: float
+    result: Any,
+    hook: str,
+    train: bool,
+    logs: StepLogs,
+    outputs: list[Any],
+    samples: int,
+    weight: float | torch.Tensor,
+    count_as: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """What the schedule takes from the user's step on one micro-batch.
 
     In evaluation the step's output is kept in ``outputs`` (and a scalar loss among it recorded in ``logs``) and
     ``None`` is returned; in training the loss is checked, recorded and returned times ``weight`` (the
-    micro-batch's share of the batch, over ``accumulate_grad_batches``).
+    micro-batch's share of the batch, over ``accumulate_grad_batches``; a tensor under label-token weighting,
+    ``core/loss_weights.py``, where 0 makes the loss of a micro-batch without labels, NaN, count for nothing).
+    ``count_as``: what the loss counts for in the batch's mean loss in place of ``samples`` (label tokens).
     """
     if not train:
         outputs.append(result)
         loss = extract_loss(result, hook) if isinstance(result, (torch.Tensor, Mapping)) else None
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            logs.add_loss(loss, samples)
+            logs.add_loss(loss, samples, count_as)
         return None
     loss = extract_loss(result, hook)
     if loss is None:
@@ -299,8 +321,38 @@ def micro_batch_loss(
             f"{hook} must return a scalar loss computed from the model's output (got shape "
             f"{tuple(loss.shape)}, requires_grad={loss.requires_grad})."
         )
-    logs.add_loss(loss, samples)
-    return loss * weight
+    logs.add_loss(loss, samples, count_as)
+    if not isinstance(weight, torch.Tensor):
+        return loss * weight
+    weight = weight.to(loss.dtype)
+    return torch.where(weight != 0, loss * weight, torch.zeros_like(loss))
+
+
+def count_of(weights: MicroBatchWeights | None, chunk: int) -> torch.Tensor | None:
+    """What micro-batch ``chunk``'s logged means count for in the batch's (``None``: its samples)."""
+    return None if weights is None else weights.log[chunk]
+
+
+def step_micro_batch_loss(
+    result: Any,
+    recorder: LogRecorder,
+    *,
+    hook: str,
+    train: bool,
+    outputs: list[Any],
+    chunk: int,
+    length: int,
+    total: int,
+    scale: float | torch.Tensor,
+    weights: MicroBatchWeights | None,
+) -> torch.Tensor | None:
+    """``micro_batch_loss`` for micro-batch ``chunk`` (``length`` of the batch's ``total`` samples) of a batch
+    weighted by samples (``weights=None``) or by label tokens (the recorder's ``count_as`` was set for the step's
+    logs: ``count_of``)."""
+    if weights is None:
+        return micro_batch_loss(result, hook, train, recorder.logs, outputs, length, length / total * scale)
+    grad, log = weights.grad[chunk] * scale, weights.log[chunk]
+    return micro_batch_loss(result, hook, train, recorder.logs, outputs, length, grad, log)
 
 
 def merge_outputs(outputs: list[Any], sizes: Sequence[int] | None = None) -> Any:

@@ -50,8 +50,15 @@ def test_defaults():
     assert (s.process_group_backend, s.print_layout) == (None, True)
     assert s.compile is False and s.stages is None and s.activation_checkpointing is None
     assert s.data_parallel == "replicate" and s.dp_shard is None and s.grad_reduce_dtype is None
-    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 28
+    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 29
     assert s.fsdp_reshard_after_forward is None and s.fsdp_reshard_after_backward is None and s.fsdp_unit == "block"
+    assert s.loss_weighting == "auto"
+
+
+def test_loss_weighting_names_are_checked():
+    with pytest.raises(ValueError, match=r"loss_weighting must be one of \('auto', 'samples', 'labels'"):
+        ThreeDSettings(loss_weighting="tokens")
+    assert ThreeDSettings(loss_weighting="shifted_labels").loss_weighting == "shifted_labels"
 
 
 def test_micro_batches_default_to_the_schedules_minimum():
