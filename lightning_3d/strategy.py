@@ -378,7 +378,8 @@ class ThreeDStrategy(ParallelStrategy):
             ranks = plan.stage_to_rank or list(range(plan.num_stages))
             holds_last = ranks[-1] == self.device_mesh["pp"].get_local_rank()
             pp_group = self.device_mesh["pp"].get_group()
-            self._patches.install("epoch_end", relay_epoch_end, self.lightning_module, holds_last, pp_group)
+            module, callbacks = self.lightning_module, trainer.callbacks
+            self._patches.install("epoch_end", relay_epoch_end, module, holds_last, pp_group, callbacks)
         self._patches.lift("save_guard")
         if self.topology.world_size > 1:  # a Hugging Face model's save_pretrained would write this rank's part
             self._patches.install("save_guard", ckpt_hf.guard_save_pretrained, self.lightning_module, self._rank_part())

@@ -70,12 +70,14 @@ def test_state_kept_by_the_step_counts_each_micro_batch_once(tmp_path, layout):
     ``validation_step`` appends to holds one entry per micro-batch on the last stage (mean: the batch's at tp2 x
     pp2; each replica's own half at dp2, as under DDP); and Lightning's documented epoch-end recipe (stack the list
     in ``on_*_epoch_end`` and log its mean) logs what one device logs (``sync_dist=True`` for training; without it
-    validation logs replica 0's mean at dp2, as DDP's rank 0 does).
+    validation logs replica 0's mean at dp2, as DDP's rank 0 does), from the module's hook and from a callback of
+    the user's alike.
 
     Before the fixes torch's shape-inference forward ran the last stage's step once more on uninitialised memory
     at the first training and validation batch (the training accuracy counted micro-batch 0 twice, 0.0347 against
     0.03125, and the list held a fifth entry, NaN), and the recipe died on the first stage's ranks, where the list
-    is empty (*"stack expects a non-empty TensorList"*); the macro values were the mean of the micro-batches'."""
+    is empty (*"stack expects a non-empty TensorList"*), as did the callback until 2026-12-05; the macro values
+    were the mean of the micro-batches'."""
 
     def run(name: str) -> dict:
         out = tmp_path / f"{name}.json"
@@ -84,6 +86,8 @@ def test_state_kept_by_the_step_counts_each_micro_batch_once(tmp_path, layout):
         return json.loads(out.read_text())
 
     ref, got = run("single"), run(layout)
+    for row in (ref, got):  # the user's callback read the last stage's list (it died on rank 0's empty one)
+        assert row["val_callback_average"] == row["val_epoch_average"], row
     for key in ("train_acc", "val_acc", "test_acc", "train_epoch_average", "train_f1", "train_prec"):
         assert _close(got[key], ref[key], 1e-10), (key, got, ref)
     (ref_list,) = ref["val_lists"]

@@ -202,7 +202,6 @@ class HookLogs:
 
 # ------------------------------------------------------------------------------------------ epoch-end hooks
 EPOCH_END_HOOKS = ("on_train_epoch_end", "on_validation_epoch_end", "on_test_epoch_end")
-_REPORTED: set[str] = set()  # hooks whose error off the last stage was reported (once per process)
 
 
 @dataclass(frozen=True)
@@ -230,68 +229,91 @@ def merge_epoch_end(outcomes: Sequence[EpochEnd]) -> list[Logged]:
     return merged
 
 
-def relay_epoch_end(module: LightningModule, holds_last: bool, pp_group: dist.ProcessGroup) -> Callable[[], None]:
-    """Under pp > 1: the LightningModule's epoch-end hooks (those it overrides) log on every rank what the last
-    stage's run of the hook logged, and an error raised only where the last stage is not held is not fatal.
+def _is_users(callback: Any) -> bool:
+    """A callback of the user's (Lightning's own read the relayed metrics and agree over ranks themselves)."""
+    return not type(callback).__module__.startswith(("lightning.", "pytorch_lightning."))
+
+
+def relay_epoch_end(
+    module: LightningModule, holds_last: bool, pp_group: dist.ProcessGroup, callbacks: Sequence[Any] = ()
+) -> Callable[[], None]:
+    """Under pp > 1: the epoch-end hooks that the LightningModule or a callback of the user's overrides log on every
+    rank what the last stage's run of the hook logged, and an error raised only where the last stage is not held is
+    not fatal.
 
     Lightning's documented recipe for an epoch-end value appends each step's loss to a list and stacks it in
     ``on_validation_epoch_end``. The step's code after the model call runs on the last stage only, so on the other
     stages' ranks (rank 0, which logs, among them) the list was empty and the hook died (*"stack expects a
-    non-empty TensorList"*), or logged a mean of nothing (NaN). Each hook now runs on every rank as before, with its
-    ``self.log`` calls recorded; the pipeline group shares the outcomes (one ``all_gather_object`` per hook call,
-    once per epoch), and every rank logs :func:`merge_epoch_end`. An error on a rank without the last stage is
-    reported once (by global rank 0) and dropped when the last stage's hook succeeded; an error on the last stage
-    is raised there, and on the other ranks of its pipeline as a ``RuntimeError`` that quotes it. torchmetrics
-    objects logged there go to Lightning at once, as before.
+    non-empty TensorList"*), or logged a mean of nothing (NaN); so did a callback reading that list. Each hook now
+    runs on every rank as before, with its ``self.log`` / ``pl_module.log`` calls recorded; the pipeline group
+    shares the outcomes (one ``all_gather_object`` per hook call, once per epoch), and every rank logs
+    :func:`merge_epoch_end`. An error on a rank without the last stage is reported once per hook (by global rank 0)
+    and dropped when the last stage's hook succeeded; an error on the last stage is raised there, and on the other
+    ranks of its pipeline as a ``RuntimeError`` that quotes it. torchmetrics objects logged there go to Lightning at
+    once, as before. Lightning's own callbacks are left as they are.
 
     Returns:
         The undo (the hooks unwrapped), for teardown.
     """
+    from lightning.pytorch import Callback
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    wrapped: list[str] = []
-    for name in EPOCH_END_HOOKS:
-        if not is_overridden(name, module, LightningModule):
-            continue
-        hook = getattr(module, name)
-
-        def relayed(*args: Any, _hook: Callable[..., Any] = hook, _name: str = name, **kwargs: Any) -> Any:
-            recorder = Recorder(module)
-            error: Exception | None = None
-            result = None
-            with recorder.recording():
-                try:
-                    result = _hook(*args, **kwargs)
-                except Exception as err:
-                    error = err
-            mine = EpochEnd(holds_last, recorder.calls, None if error is None else f"{type(error).__name__}: {error}")
-            gathered: list[EpochEnd | None] = [None] * dist.get_world_size(pp_group)
-            dist.all_gather_object(gathered, mine, group=pp_group)
-            outcomes = [g for g in gathered if g is not None]
-            failed_last = next((o.error for o in outcomes if o.last and o.error is not None), None)
-            if error is not None and holds_last:
-                raise error
-            if failed_last is not None:
-                raise RuntimeError(
-                    f"lightning_3d: {type(module).__name__}.{_name} failed on the last pipeline stage: {failed_last}"
-                ) from error
-            replay(module, merge_epoch_end(outcomes))
-            if error is not None and _name not in _REPORTED and dist.get_rank() == 0:
-                _REPORTED.add(_name)
-                warnings.warn(
-                    f"lightning_3d: {type(module).__name__}.{_name} raised {mine.error} on a rank without the last "
-                    "pipeline stage. Your step's code after the model call runs on the last stage only, so state it "
-                    "keeps on the module (a list that validation_step appends to) is empty on the other stages; "
-                    "the values the last stage's run of the hook logged are logged on every rank instead.",
-                    stacklevel=2,
-                )
-            return result
-
-        setattr(module, name, relayed)
-        wrapped.append(name)
+    reported: set[str] = set()  # hooks whose error off the last stage was reported
+    owners: list[tuple[Any, type]] = [(module, LightningModule)]
+    owners += [(callback, Callback) for callback in callbacks if _is_users(callback)]
+    wrapped: list[tuple[Any, str]] = []
+    for owner, base in owners:
+        for name in EPOCH_END_HOOKS:
+            if is_overridden(name, owner, base):
+                what = f"{type(owner).__name__}.{name}"
+                setattr(owner, name, _relayed(getattr(owner, name), what, module, holds_last, pp_group, reported))
+                wrapped.append((owner, name))
 
     def undo() -> None:
-        for name in wrapped:
-            module.__dict__.pop(name, None)
+        for owner, name in wrapped:
+            owner.__dict__.pop(name, None)
 
     return undo
+
+
+def _relayed(
+    hook: Callable[..., Any],
+    what: str,
+    module: LightningModule,
+    holds_last: bool,
+    pp_group: dist.ProcessGroup,
+    reported: set[str],
+) -> Callable[..., Any]:
+    """``hook`` (``what``, in messages) run with ``module``'s logs recorded and relayed (``relay_epoch_end``)."""
+
+    def relayed(*args: Any, **kwargs: Any) -> Any:
+        recorder = Recorder(module)
+        error: Exception | None = None
+        result = None
+        with recorder.recording():
+            try:
+                result = hook(*args, **kwargs)
+            except Exception as err:
+                error = err
+        mine = EpochEnd(holds_last, recorder.calls, None if error is None else f"{type(error).__name__}: {error}")
+        gathered: list[EpochEnd | None] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(gathered, mine, group=pp_group)
+        outcomes = [g for g in gathered if g is not None]
+        failed_last = next((o.error for o in outcomes if o.last and o.error is not None), None)
+        if error is not None and holds_last:
+            raise error
+        if failed_last is not None:
+            raise RuntimeError(f"lightning_3d: {what} failed on the last pipeline stage: {failed_last}") from error
+        replay(module, merge_epoch_end(outcomes))
+        if error is not None and what not in reported and dist.get_rank() == 0:
+            reported.add(what)
+            warnings.warn(
+                f"lightning_3d: {what} raised {mine.error} on a rank without the last pipeline stage. Your step's "
+                "code after the model call runs on the last stage only, so state it keeps on the module (a list "
+                "that validation_step appends to) is empty on the other stages; the values the last stage's run "
+                "of the hook logged are logged on every rank instead.",
+                stacklevel=2,
+            )
+        return result
+
+    return relayed

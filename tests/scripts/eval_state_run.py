@@ -4,7 +4,8 @@ A nanoGPT (blocks in a ``ModuleList``: the per-stage step path) with torchmetric
 and validation; a ``MetricCollection`` of macro F1 and precision whose forward's tensors training logs per step;
 and Lightning's documented recipe for epoch-end values: ``training_step`` / ``validation_step`` append each loss to
 a list, ``on_train_epoch_end`` / ``on_validation_epoch_end`` log the stacked mean (training with
-``sync_dist=True``); ``num_sanity_val_steps=0``; then ``trainer.test``. Rank 0 writes to ``OUT`` the logged values,
+``sync_dist=True``), and a callback of the user's that logs the stacked mean of the validation list too;
+``num_sanity_val_steps=0``; then ``trainer.test``. Rank 0 writes to ``OUT`` the logged values,
 the test accuracy, and each last-stage rank's validation list (entries and mean) per epoch.
 """
 
@@ -86,6 +87,13 @@ class Counted(NanoGPT):
         self.log("test_acc", self.test_acc)
 
 
+class ReadsTheList(L.Callback):
+    """A callback of the user's reading the module's list at epoch end (Lightning runs it before the module's)."""
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("val_callback_average", torch.stack(pl_module.val_losses).mean())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
@@ -113,12 +121,14 @@ def main() -> None:
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
+        callbacks=[ReadsTheList()],
         **kwargs,
     )
 
     data = OrderedData("nano", batch_size=BATCH // dp, n=64, val_n=16)
     fit.fit(model, datamodule=data)
     keys = ("train_acc", "val_acc", "train_epoch_average", "val_epoch_average", "train_f1", "train_prec")
+    keys += ("val_callback_average",)
     row: dict[str, object] = {k: float(fit.callback_metrics[k]) for k in keys}
     (result,) = fit.test(model, datamodule=data, verbose=False)
     row["test_acc"] = result["test_acc"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -131,7 +132,6 @@ def test_the_epoch_end_recipe_off_the_last_stage_logs_and_warns_and_on_it_raises
     module = _EpochEndRecipe()
     replayed: list[list[Logged]] = []
     monkeypatch.setattr(hook_logs, "replay", lambda module, calls: replayed.append(list(calls)))
-    monkeypatch.setattr(hook_logs, "_REPORTED", set())
     undo = relay_epoch_end(module, holds_last=False, pp_group=gloo_world)
     assert "on_validation_epoch_end" in vars(module) and "on_train_epoch_end" not in vars(module)  # overridden only
     with pytest.warns(UserWarning, match="raised RuntimeError: stack expects a non-empty TensorList on a rank"):
@@ -147,3 +147,35 @@ def test_the_epoch_end_recipe_off_the_last_stage_logs_and_warns_and_on_it_raises
     relay_epoch_end(module, holds_last=True, pp_group=gloo_world)
     with pytest.raises(RuntimeError, match="stack expects a non-empty TensorList"):
         module.on_validation_epoch_end()
+
+
+class _ReadsTheList(Callback):
+    """A callback of the user's reading the module's list (the last stage's only) at epoch end."""
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        pl_module.log("from_callback", torch.stack(pl_module.outputs).sum())
+
+
+def test_a_users_callback_is_relayed_and_lightnings_own_are_not(gloo_world, monkeypatch) -> None:
+    """Off the last stage the callback's error is reported once and dropped; Lightning's ModelCheckpoint (which
+    overrides on_train_epoch_end) keeps its own method."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    import lightning_3d.core.hook_logs as hook_logs
+
+    module, callback, checkpoint = _EpochEndRecipe(), _ReadsTheList(), ModelCheckpoint()
+    replayed: list[list[Logged]] = []
+    monkeypatch.setattr(hook_logs, "replay", lambda module, calls: replayed.append(list(calls)))
+    undo = relay_epoch_end(module, holds_last=False, pp_group=gloo_world, callbacks=[callback, checkpoint])
+    assert "on_validation_epoch_end" in vars(callback) and "on_train_epoch_end" not in vars(checkpoint)
+    with pytest.warns(UserWarning, match=r"_ReadsTheList.on_validation_epoch_end raised RuntimeError: stack"):
+        callback.on_validation_epoch_end(None, module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once per hook
+        callback.on_validation_epoch_end(None, module)
+    module._current_fx_name = END
+    module.outputs = [torch.tensor(1.0), torch.tensor(2.0)]
+    callback.on_validation_epoch_end(None, module)
+    assert [(c.name, c.value) for c in replayed[-1]] == [("from_callback", 3.0)]
+    undo()
+    assert "on_validation_epoch_end" not in vars(callback)
