@@ -45,14 +45,49 @@ Initializer = Callable[[nn.Module], None]
 
 def library_initializers(root: nn.Module) -> dict[int, Initializer]:
     """Modules that a library initialises itself, by ``id``: every module inside a Hugging Face model is initialised
-    by that model's own ``_init_weights`` (RMSNorm, rotary tables and all), as ``from_config`` would."""
+    by that model's own ``_init_weights`` (RMSNorm, rotary tables and all), as ``from_config`` would; a PEFT LoRA
+    layer's adapters as PEFT initialises them (:class:`AdapterInit`)."""
     out: dict[int, Initializer] = {}
     for _, model in root.named_modules():  # pre-order: the outermost Hugging Face model wins
         init = getattr(model, "_init_weights", None)
         if callable(init) and hasattr(model, "config") and hasattr(model, "base_model_prefix"):
             for sub in model.modules():
                 out.setdefault(id(sub), init)
+    for _, holder in root.named_modules():  # a PEFT model (PeftModel, LoraModel) keeps its adapters' configs
+        configs = getattr(holder, "peft_config", None)
+        if isinstance(configs, Mapping):
+            for sub in holder.modules():
+                if callable(getattr(sub, "reset_lora_parameters", None)) and isinstance(
+                    getattr(sub, "lora_A", None), nn.ModuleDict
+                ):
+                    out[id(sub)] = AdapterInit(configs)
     return out
+
+
+@dataclass(frozen=True)
+class AdapterInit:
+    """PEFT's initialisation of a LoRA layer's adapters, run after its children's (``lora_A`` and ``lora_B`` are
+    ``nn.Linear`` s inside a Hugging Face model, whose ``_init_weights`` draws both from a normal): ``lora_B`` zero,
+    so that the adapted model starts as the base model, ``lora_A`` as the adapter's ``init_lora_weights`` says
+    (``True``: Kaiming-uniform, ``"gaussian"``; ``False`` leaves them random), by PEFT's own
+    ``reset_lora_parameters``. Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, EVA, CorDA,
+    DoRA's magnitudes) cannot be computed on the meta device: refused, naming the layer."""
+
+    configs: Mapping[str, Any]
+
+    def __call__(self, layer: nn.Module) -> None:
+        for adapter in layer.lora_A:  # type: ignore[union-attr]
+            flag = getattr(self.configs.get(adapter), "init_lora_weights", True)
+            dora = bool(getattr(layer, "use_dora", {}).get(adapter, False))
+            if dora or not (isinstance(flag, bool) or flag == "gaussian"):
+                what = "use_dora=True" if dora else f"init_lora_weights={flag!r}"
+                raise ValueError(
+                    f"lightning_3d: the LoRA adapter {adapter!r} of a {type(layer).__name__} was built on the meta "
+                    f"device (in configure_model) with {what}, which PEFT computes from the base layer's weights; "
+                    "those do not exist on the meta device. Build the PEFT model in __init__ (on real weights), or "
+                    "use init_lora_weights=True or 'gaussian'."
+                )
+            layer.reset_lora_parameters(adapter, flag)  # type: ignore[operator]
 
 
 def check_materializable(module: nn.Module, prefix: str, initializers: Mapping[int, Initializer] | None = None) -> None:
@@ -118,7 +153,9 @@ def materialize(
     for name, sub in reversed(named):  # reverse pre-order: children before parents
         library_init = initializers.get(id(sub))
         if library_init is not None:
-            if id(sub) not in fresh_ids:
+            # a library's initialiser covers the module's own tensors; PEFT's, the adapters inside the LoRA layer
+            covered = sub.modules() if isinstance(library_init, AdapterInit) else [sub]
+            if not any(id(s) in fresh_ids for s in covered):
                 continue
             init: Callable[[], Any] = lambda sub=sub, library_init=library_init: library_init(sub)  # noqa: E731
         else:

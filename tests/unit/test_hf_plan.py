@@ -283,3 +283,27 @@ def test_generic_name_replaces_layer_numbers_only() -> None:
     assert generic_name("model.layers.12.mlp.w1") == "model.layers.*.mlp.w1"
     assert generic_name("h.0") == "h.*"
     assert generic_name("w2") == "w2"
+
+
+def test_a_lora_layers_style_goes_to_its_base_and_the_adapter_on_the_sharded_side() -> None:
+    """PEFT wraps q_proj / o_proj in LoRA layers: a column-parallel base shards ``lora_B`` with it (``lora_A`` stays
+    replicated), a row-parallel base shards ``lora_A`` (``lora_B`` replicated); layers without adapters as before."""
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(tiny("llama"), LoraConfig(r=2, target_modules=["q_proj", "o_proj"]))
+    got = styles(hf_tp_plan(Root(peft), tp=2))
+    layer = "model.base_model.model.model.layers.0"
+    assert got[f"{layer}.self_attn.q_proj.base_layer"] == got[f"{layer}.self_attn.q_proj.lora_B.default"] == "colwise"
+    assert got[f"{layer}.self_attn.o_proj.base_layer"] == got[f"{layer}.self_attn.o_proj.lora_A.default"] == "rowwise"
+    assert (
+        f"{layer}.self_attn.q_proj.lora_A.default" not in got and f"{layer}.self_attn.o_proj.lora_B.default" not in got
+    )
+    assert f"{layer}.self_attn.q_proj" not in got and got[f"{layer}.self_attn.k_proj"] == "colwise"
+
+
+def test_lora_on_a_sharded_embedding_is_refused() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(tiny("llama"), LoraConfig(r=2, target_modules=["embed_tokens"]))
+    with pytest.raises(ValueError, match=r"is a LoRA layer on an embedding .* Leave the embedding out of the LoRA"):
+        hf_tp_plan(Root(peft), tp=2)

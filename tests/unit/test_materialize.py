@@ -369,3 +369,37 @@ def test_gathers_silence_only_dtensors_sequential_collective_warning() -> None:
         other.removeHandler(handler)
     assert seen == ["kept", "after"]
     assert logger.level == before
+
+
+def _meta_lora(**config: object) -> nn.Module:
+    import sys
+    from pathlib import Path
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from models import hf_config
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(hf_config("llama", layers=1))
+        return get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], **config))
+
+
+def test_lora_adapters_built_on_meta_start_as_peft_makes_them() -> None:
+    """The model's ``_init_weights`` draws ``lora_B`` from a normal; PEFT's initialisation, run after it, zeroes it."""
+    from lightning_3d.core.materialize import library_initializers
+
+    model = _meta_lora(init_lora_weights="gaussian")
+    materialize(model, torch.device("cpu"), 0, "", initializers=library_initializers(model))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert torch.equal(layer.lora_B["default"].weight, torch.zeros_like(layer.lora_B["default"].weight))
+    assert layer.lora_A["default"].weight.std() > 0 and not layer.base_layer.weight.is_meta
+
+
+def test_lora_initialised_from_the_base_weights_is_refused_on_meta() -> None:
+    from lightning_3d.core.materialize import library_initializers
+
+    model = _meta_lora(init_lora_weights="pissa")
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa', which PEFT computes from the base layer"):
+        materialize(model, torch.device("cpu"), 0, "", initializers=library_initializers(model))

@@ -548,6 +548,7 @@ def hf_tp_plan(root: nn.Module, tp: int) -> HFPlan | None:
             if not entries:
                 continue
         entries = _with_learned_activations(model, entries, who)
+        entries = _with_adapters(model, entries, who)
         _check_modules(model, entries, who)
         check_divisible(model, entries, tp, f"{who}{f' ({prefix})' if prefix else ''}")
         plan.models[prefix] = who
@@ -561,6 +562,45 @@ def hf_tp_plan(root: nn.Module, tp: int) -> HFPlan | None:
         return None
     _resolve_ties(root, plan)
     return plan
+
+
+def _lora_adapters(module: nn.Module) -> list[str] | None:
+    """The adapter names of a PEFT LoRA layer (a wrapper holding ``base_layer`` and ``lora_A`` / ``lora_B``
+    ``ModuleDict`` s), or ``None`` for any other module."""
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    if not isinstance(getattr(module, "base_layer", None), nn.Module) or not isinstance(lora_a, nn.ModuleDict):
+        return None
+    return [name for name in lora_a if isinstance(lora_b, nn.ModuleDict) and name in lora_b]
+
+
+def _with_adapters(model: nn.Module, entries: dict[str, HFEntry], who: str) -> dict[str, HFEntry]:
+    """``entries`` with each PEFT LoRA layer's style moved to what it wraps, Megatron's LoRA layout (and PEFT's own
+    under Hugging Face's tensor parallelism): a column-parallel base layer's ``lora_B`` is column-parallel too and
+    its ``lora_A`` replicated (its input is replicated, the gradient the sharded ``lora_B`` hands back is summed
+    over tp); a row-parallel base layer's ``lora_A`` is row-parallel (its output all-reduced) and its ``lora_B``
+    replicated. Each adapter's output then has the base layer's layout, and ``base + B(A(x))`` adds alike shards.
+
+    Raises:
+        ValueError: a LoRA layer on an embedding (its adapters are parameters, not modules) under a sharding style.
+    """
+    modules = dict(model.named_modules())
+    out: dict[str, HFEntry] = {}
+    for name, entry in entries.items():
+        adapters = _lora_adapters(modules[name])
+        direction = SUPPORTED_STYLES.get(entry.style, ("", ()))[0]
+        if adapters is None or direction not in ("col", "row"):
+            out[name] = entry
+            continue
+        if module_kind(modules[f"{name}.base_layer"]) == "embedding":
+            raise ValueError(
+                f"{who} tensor-parallel plan: {name} is a LoRA layer on an embedding ({entry.style!r}); its adapters "
+                "cannot be sharded with it. Leave the embedding out of the LoRA target_modules, or use tp=1."
+            )
+        source = f"{entry.source}, moved to the LoRA layer's base and adapters"
+        out[f"{name}.base_layer"] = HFEntry(entry.style, source)
+        for adapter in adapters:
+            out[f"{name}.{'lora_B' if direction == 'col' else 'lora_A'}.{adapter}"] = HFEntry(entry.style, source)
+    return out
 
 
 _ACTIVATION_NAMES = frozenset(["act", "act_fn", "activation", "activation_fn", "act_func"])

@@ -1,0 +1,143 @@
+"""A PEFT LoRA Llama (adapters on q/v/o and the MLP's down projection: column- and row-parallel base layers) built
+in ``configure_model``, against one device (float64).
+
+On fit start each rank reports whether its LoRA ``B`` matrices are zero and its ``A`` matrices not (PEFT's
+initialisation; on the meta device the model's ``_init_weights`` drew both from a normal), then the 3D run loads one
+device's initial weights (``strategy.load_full_state_dict``) and trains four AdamW steps on the adapters only, with
+the step's own float64 loss. Rank 0 writes to ``OUT`` every rank's report, the logged training losses, the
+validation loss, and the largest differences from one device's final weights, adapters and frozen base apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_3d import ThreeDStrategy
+
+from models import OrderedData, hf_config
+
+LAYOUTS = {"single": None, "tp2pp2": {"tp": 2, "pp": 2}, "pp2fsdp": {"pp": 2, "data_parallel": "fsdp"}}
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+class LoRALlama(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_config(hf_config("llama"), attn_implementation="eager")
+        self.model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.train_losses.append(float(self.trainer.callback_metrics["train_loss"]))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Start(L.Callback):
+    """Report PEFT's initialisation as built, then start the 3D run from one device's initial weights."""
+
+    def __init__(self, init: Path) -> None:
+        self.init = init
+        self.report: dict[str, object] = {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        named = [(n, _local(p.detach())) for n, p in pl_module.named_parameters() if "lora_" in n]
+        self.report = {
+            "adapters": len(named),
+            "b_zero": all(bool((p == 0).all()) for n, p in named if "lora_B" in n),
+            "a_nonzero": all(bool((p != 0).any()) for n, p in named if "lora_A" in n),
+        }
+        if trainer.world_size == 1:
+            torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.init)
+        else:
+            assert trainer.strategy.load_full_state_dict(torch.load(self.init)).loaded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    parser.add_argument("--init", type=Path, required=True)
+    parser.add_argument("--ref", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.float64)
+    L.seed_everything(0)
+    layout = LAYOUTS[args.layout]
+    dp = 1 if layout is None else 4 // (layout.get("tp", 1) * layout["pp"])
+    kwargs = (
+        {"devices": 1}
+        if layout is None
+        else {"devices": 4, "strategy": ThreeDStrategy(micro_batches=2, train_timeout=120, **layout)}
+    )
+    start = Start(args.init)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        precision="64-true",
+        max_epochs=1,
+        limit_train_batches=4,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        callbacks=[start],
+        **kwargs,
+    )
+    model = LoRALlama()
+    trainer.fit(model, datamodule=OrderedData("llama", batch_size=8 // dp, n=64, val_n=16))
+    reports = [start.report]
+    if dist.is_initialized():
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, start.report)
+    final = trainer.strategy.full_state_dict() if layout is not None else model.state_dict()
+    if trainer.global_rank != 0:
+        return
+    row = {"reports": reports, "train": model.train_losses, "val": float(trainer.callback_metrics["val_loss"])}
+    if args.ref is None:
+        torch.save({k: v.detach().clone() for k, v in final.items()}, args.out.with_suffix(".pt"))
+    else:
+        ref, init = torch.load(args.ref), torch.load(args.init)
+        adapters = [k for k in ref if "lora_" in k]
+        row["adapter_diff"] = max(float((final[k] - ref[k]).abs().max()) for k in adapters)
+        row["adapters_moved"] = max(float((ref[k] - init[k]).abs().max()) for k in adapters)
+        row["base_diff"] = max(float((final[k] - init[k]).abs().max()) for k in ref if k not in adapters)
+    args.out.write_text(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()

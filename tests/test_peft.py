@@ -1,0 +1,39 @@
+"""PEFT LoRA on a Hugging Face Llama at tp2 x pp2 and pp2 x FSDP dp2, against one device (float64)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch import run_lightning
+
+
+def _run(tmp_path: Path, layout: str) -> dict:
+    out = tmp_path / f"{layout}.json"
+    args = ["--layout", layout, "--init", tmp_path / "init.pt", "--out", out]
+    if layout != "single":
+        args += ["--ref", tmp_path / "single.pt"]
+    run_lightning("lora_run.py", args, timeout=120 if layout == "single" else 300)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2pp2", "pp2fsdp"])
+def test_lora_adapters_start_as_peft_makes_them_and_train_as_on_one_device(tmp_path: Path, layout: str) -> None:
+    """Built in ``configure_model`` (on the meta device), the adapters start as PEFT makes them: ``B`` zero, so the
+    adapted model is the base model (the model's own ``_init_weights`` drew ``B`` from a normal before, on every
+    layout). At tp2 the plan's styles go to the LoRA layer's base and adapters (column-parallel base: ``B`` sharded
+    with it; row-parallel: ``A``); before, setup refused *"style 'colwise' on ...q_proj (Linear) applies to linear
+    and conv1d modules only"*. Four AdamW steps on the adapters: the losses and adapters match one device to
+    round-off, the frozen base does not move."""
+    ref, got = _run(tmp_path, "single"), _run(tmp_path, layout)
+    for report in ref["reports"] + got["reports"]:
+        assert report["adapters"] > 0 and report["b_zero"] and report["a_nonzero"], got["reports"]
+    assert len(got["train"]) == 4
+    for a, b in zip(got["train"], ref["train"], strict=True):
+        assert abs(a - b) <= 1e-12 * abs(b), (got["train"], ref["train"])
+    assert abs(got["val"] - ref["val"]) <= 1e-12 * abs(ref["val"]), (got["val"], ref["val"])
+    assert got["adapters_moved"] > 1e-3 and got["adapter_diff"] < 1e-12, got
+    assert got["base_diff"] == 0.0, got
