@@ -696,7 +696,8 @@ class ThreeDStrategy(ParallelStrategy):
 
     def save_hf(self, path: str | os.PathLike, module_attr: str | None = None) -> Path | None:
         """Write the Hugging Face model the LightningModule holds as a ``from_pretrained`` folder, as its own
-        ``save_pretrained`` writes it on one device (collective: call it on every rank; rank 0 writes).
+        ``save_pretrained`` writes it on one device (collective: call it on every rank; rank 0 writes). A PEFT
+        model (``get_peft_model``) is written as its ``save_pretrained`` does: its adapters.
 
         Args:
             path: the folder to write.
@@ -706,12 +707,12 @@ class ThreeDStrategy(ParallelStrategy):
             ``path`` on rank 0, ``None`` elsewhere.
         """
         assert self.lightning_module is not None
-        attr, model = ckpt_hf.hf_model_attr(self.lightning_module, module_attr)  # every rank: the same error
+        saved = ckpt_hf.model_to_save(self.lightning_module, module_attr)  # every rank: the same error
         state = self.full_state_dict()  # the whole model on rank 0 (collective)
 
         def write() -> Path:
             assert state is not None
-            return ckpt_hf.export_hf(state, path, model.config, module_attr=attr)
+            return saved.write(state, path)
 
         return on_rank0_told(self.global_rank == 0, self.broadcast, write, f"write the Hugging Face folder {path!s}")
 
@@ -845,7 +846,8 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._reliability.teardown()  # ---- reliability
-        self._patches.lift_all()
+        # the model stays split and sharded after teardown: its save_pretrained stays refused (until a next setup)
+        self._patches.lift_all(keep=("save_guard",))
         if self.lightning_module is not None and self._example_input is not None:
             self.lightning_module._example_input_array = self._example_input
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -27,7 +27,8 @@ def test_lora_adapters_start_as_peft_makes_them_and_train_as_on_one_device(tmp_p
     layout). At tp2 the plan's styles go to the LoRA layer's base and adapters (column-parallel base: ``B`` sharded
     with it; row-parallel: ``A``); before, setup refused *"style 'colwise' on ...q_proj (Linear) applies to linear
     and conv1d modules only"*. Four AdamW steps on the adapters: the losses and adapters match one device to
-    round-off, the frozen base does not move."""
+    round-off, the frozen base does not move. ``strategy.save_hf`` writes the adapters as one device's
+    ``save_pretrained``; rank 0's own ``self.model.save_pretrained`` is refused (it wrote stage 0's adapters alone)."""
     ref, got = _run(tmp_path, "single"), _run(tmp_path, layout)
     for report in ref["reports"] + got["reports"]:
         assert report["adapters"] > 0 and report["b_zero"] and report["a_nonzero"], got["reports"]
@@ -37,3 +38,6 @@ def test_lora_adapters_start_as_peft_makes_them_and_train_as_on_one_device(tmp_p
     assert abs(got["val"] - ref["val"]) <= 1e-12 * abs(ref["val"]), (got["val"], ref["val"])
     assert got["adapters_moved"] > 1e-3 and got["adapter_diff"] < 1e-12, got
     assert got["base_diff"] == 0.0, got
+    # the adapters written by strategy.save_hf are one device's save_pretrained's (pp2 wrote stage 0's 16 of 32)
+    assert got["saved_keys_equal"] and got["saved_diff"] < 1e-12 and got["saved_config_equal"], got
+    assert "self.model.save_pretrained(" in got["refused"] and "trainer.strategy.save_hf(path)" in got["refused"]

@@ -26,9 +26,11 @@ Command line::
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,69 @@ def hf_models(module: nn.Module) -> dict[str, nn.Module]:
     from lightning_3d.core.tensor_parallel.hf_plan import find_hf_models
 
     return dict(find_hf_models(module))
+
+
+def peft_models(module: nn.Module) -> dict[str, nn.Module]:
+    """The outermost PEFT models in ``module`` (a ``PeftModel``: ``peft_config`` and ``save_pretrained``, which
+    writes the adapters), by attribute path (``""``: the module itself)."""
+    found: dict[str, nn.Module] = {}
+    for name, sub in module.named_modules():
+        if any(name.startswith(f"{outer}.") or not outer for outer in found):
+            continue
+        if isinstance(getattr(sub, "peft_config", None), Mapping) and callable(getattr(sub, "save_pretrained", None)):
+            found[name] = sub
+    return found
+
+
+@dataclass(frozen=True)
+class ModelToSave:
+    """What ``ThreeDStrategy.save_hf`` writes: a Hugging Face model as a ``from_pretrained`` folder, or a PEFT
+    model's adapters as its ``save_pretrained`` writes them (``adapter_config.json`` and the adapters' weights)."""
+
+    attr: str  # its attribute path in the LightningModule
+    model: nn.Module
+    peft: bool
+
+    def write(self, state: Mapping[str, Any], path: str | os.PathLike) -> Path:
+        """Write it from the LightningModule's full state dict ``state`` (rank 0)."""
+        if not self.peft:
+            return export_hf(state, path, self.model.config, module_attr=self.attr)
+        prefix = f"{self.attr}." if self.attr else ""
+        own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        # PEFT picks the adapters' entries by visiting the model's LoRA layers: this rank's model holds its stage's
+        # only (pp2 wrote half of them), so a whole stand-in on the meta device is visited instead
+        _peft_on_meta(self.model).save_pretrained(str(path), state_dict=own)
+        return Path(path)
+
+
+def _peft_on_meta(peft_model: nn.Module) -> nn.Module:
+    """A structure-only copy of a PEFT model, whole (its base model rebuilt from its config on the meta device, the
+    same adapters added), for PEFT's ``save_pretrained`` to visit."""
+    from peft import get_peft_model
+
+    base = peft_model.get_base_model()  # type: ignore[operator]
+    configs = {name: copy.deepcopy(config) for name, config in peft_model.peft_config.items()}  # type: ignore[union-attr]
+    names = list(configs)
+    with torch.device("meta"):
+        skeleton = type(base)(copy.deepcopy(base.config))
+        whole = get_peft_model(skeleton, configs[names[0]], adapter_name=names[0])
+        for name in names[1:]:
+            whole.add_adapter(name, configs[name])
+    return whole
+
+
+def model_to_save(module: nn.Module, module_attr: str | None = None) -> ModelToSave:
+    """The model ``save_hf`` writes: the PEFT model ``module_attr`` names, or the only one; else the Hugging Face
+    model (:func:`hf_model_attr`, which raises when there is none or ``module_attr`` names none)."""
+    peft = peft_models(module)
+    key = module_attr.strip(".") if module_attr is not None else None
+    if key is not None and key in peft:
+        return ModelToSave(key, peft[key], True)
+    if key is None and len(peft) == 1:
+        attr, model = next(iter(peft.items()))
+        return ModelToSave(attr, model, True)
+    attr, model = hf_model_attr(module, module_attr)
+    return ModelToSave(attr, model, False)
 
 
 def hf_configs(module: nn.Module) -> dict[str, dict[str, Any]]:
@@ -291,7 +356,8 @@ def hf_model_attr(module: nn.Module, module_attr: str | None = None) -> tuple[st
 
 def guard_save_pretrained(module: nn.Module, where: str) -> Callable[[], None]:
     """While ``ThreeDStrategy`` runs a split or sharded model: a Hugging Face model's own ``save_pretrained``
-    (without ``state_dict=``) raises with the way that works instead of writing this rank's part.
+    (without ``state_dict=``), or a PEFT model's (which writes the adapters), raises with the way that works instead
+    of writing this rank's part (a PEFT model at pp2 wrote stage 0's adapters alone).
 
     The Hugging Face habit, ``if self.global_rank == 0: self.model.save_pretrained(path)`` in ``on_train_end``,
     wrote pipeline stage 0's weights alone at pp2 (the folder loaded, with the other layers newly initialised and a
@@ -299,7 +365,7 @@ def guard_save_pretrained(module: nn.Module, where: str) -> Callable[[], None]:
     ``where`` names this rank's part in the message. Returns the undo (for teardown).
     """
     undo: list[Callable[[], None]] = []
-    for attr, model in hf_models(module).items():
+    for attr, model in {**hf_models(module), **peft_models(module)}.items():
         original = model.save_pretrained
 
         def guarded(save_directory: Any, *args: Any, _original: Any = original, _attr: str = attr, **kw: Any) -> Any:

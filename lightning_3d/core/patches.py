@@ -9,7 +9,7 @@ them all, newest first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 Undo = Callable[[], None]
@@ -35,11 +35,12 @@ class Patches:
         if undo is not None:
             undo()
 
-    def lift_all(self) -> None:
-        """Undo every patch, the newest first. Each is forgotten before its undo runs, so a failing undo is not
-        retried and the older ones still run; the first error is raised after all of them ran."""
+    def lift_all(self, keep: Collection[str] = ()) -> None:
+        """Undo every patch but those named in ``keep``, the newest first. Each is forgotten before its undo runs, so
+        a failing undo is not retried and the older ones still run; the first error is raised after all of them
+        ran."""
         error: BaseException | None = None
-        for name in reversed(list(self._undo)):
+        for name in reversed([n for n in self._undo if n not in keep]):
             try:
                 self.lift(name)
             except Exception as exc:  # the others must still be undone

@@ -5,7 +5,9 @@ On fit start each rank reports whether its LoRA ``B`` matrices are zero and its 
 initialisation; on the meta device the model's ``_init_weights`` drew both from a normal), then the 3D run loads one
 device's initial weights (``strategy.load_full_state_dict``) and trains four AdamW steps on the adapters only, with
 the step's own float64 loss. Rank 0 writes to ``OUT`` every rank's report, the logged training losses, the
-validation loss, and the largest differences from one device's final weights, adapters and frozen base apart.
+validation loss, and the largest differences from one device's final weights, adapters and frozen base apart. At the
+end the adapters are written as one device writes them (``save_pretrained`` there, ``strategy.save_hf`` here, after
+rank 0's ``self.model.save_pretrained`` was refused), and the two files compared.
 """
 
 from __future__ import annotations
@@ -125,9 +127,21 @@ def main() -> None:
         reports = [None] * dist.get_world_size()
         dist.all_gather_object(reports, start.report)
     final = trainer.strategy.full_state_dict() if layout is not None else model.state_dict()
+    adapters_dir = args.out.with_suffix(".adapters")
+    refused = None
+    if layout is None:
+        model.model.save_pretrained(str(adapters_dir))
+    else:
+        if trainer.global_rank == 0:  # the Hugging Face habit: it would write this rank's stage alone
+            try:
+                model.model.save_pretrained(str(adapters_dir))
+            except RuntimeError as err:
+                refused = str(err)
+        trainer.strategy.save_hf(adapters_dir)  # collective: every adapter, as one device writes them
     if trainer.global_rank != 0:
         return
     row = {"reports": reports, "train": model.train_losses, "val": float(trainer.callback_metrics["val_loss"])}
+    row["refused"] = refused
     if args.ref is None:
         torch.save({k: v.detach().clone() for k, v in final.items()}, args.out.with_suffix(".pt"))
     else:
@@ -136,6 +150,19 @@ def main() -> None:
         row["adapter_diff"] = max(float((final[k] - ref[k]).abs().max()) for k in adapters)
         row["adapters_moved"] = max(float((ref[k] - init[k]).abs().max()) for k in adapters)
         row["base_diff"] = max(float((final[k] - init[k]).abs().max()) for k in ref if k not in adapters)
+        from safetensors.torch import load_file
+
+        mine = load_file(str(adapters_dir / "adapter_model.safetensors"))
+        theirs = load_file(str(args.ref.with_suffix(".adapters") / "adapter_model.safetensors"))
+        row["saved_keys_equal"] = sorted(mine) == sorted(theirs)
+        row["saved_diff"] = max(float((mine[k] - theirs[k]).abs().max()) for k in theirs if k in mine)
+        configs = [
+            json.loads((d / "adapter_config.json").read_text())
+            for d in (adapters_dir, args.ref.with_suffix(".adapters"))
+        ]
+        for config in configs:  # a set in PEFT: its order is the hash seed's
+            config["target_modules"] = sorted(config["target_modules"])
+        row["saved_config_equal"] = configs[0] == configs[1]
     args.out.write_text(json.dumps(row))
 
 

@@ -55,3 +55,12 @@ def test_a_failing_undo_does_not_stop_the_others() -> None:
     with pytest.raises(RuntimeError, match="undo failed"):
         patches.lift_all()
     assert log == ["+a", "+c", "-c", "-a"] and patches.names() == []
+
+
+def test_lift_all_keeps_what_it_is_told_to_keep() -> None:
+    log: list[str] = []
+    patches = Patches()
+    for name in ("a", "b"):
+        patches.install(name, _patch, log, name)
+    patches.lift_all(keep=("a",))
+    assert log == ["+a", "+b", "-b"] and patches.names() == ["a"]
