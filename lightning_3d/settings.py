@@ -173,7 +173,8 @@ class ThreeDSettings:
             ``"samples"`` (its share of the batch's samples), ``"labels"`` (its share of the batch's label tokens,
             ``labels != -100`` in a mapping batch; ``"shifted_labels"``: of ``labels[..., 1:]``, a causal LM's
             targets) or ``"auto"`` (default: label tokens, shifted as Hugging Face's Trainer decides, for a module
-            holding a Hugging Face model, whose loss is a mean over them; samples otherwise). With label tokens
+            holding a Hugging Face model whose loss is a mean over them: a causal or masked LM, a token classifier;
+            samples otherwise). With label tokens
             the gradients and the logged loss are one device's token mean over the whole batch, however the
             labels are padded or masked. See ``core/loss_weights.py``.
     """

@@ -20,7 +20,9 @@ with ``num_items_in_batch``:
 ``C`` sums the replicas' counts: one all-reduce of a device scalar over the last stage's data-parallel group per
 batch (no host synchronisation). Which tokens count follows Hugging Face's Trainer: a ``shift_labels`` entry as
 given; else ``labels``, shifted by one (``labels[..., 1:]``) when the model's loss is a causal LM's (its
-``loss_type`` maps to ``ForCausalLMLoss``, and it is not an encoder-decoder), as that loss shifts them.
+``loss_type`` maps to ``ForCausalLMLoss``, and it is not an encoder-decoder), as that loss shifts them. Under
+``"auto"`` only models whose own loss is a token mean are weighted so (a sequence classifier's loss is a mean
+over samples, whatever the batch's ``labels`` hold).
 """
 
 from __future__ import annotations
@@ -66,29 +68,34 @@ class LabelCount:
 def label_count_for(module: nn.Module, weighting: str) -> LabelCount | None:
     """How ``module``'s batches' label tokens are counted under ``weighting`` (``None``: by samples).
 
-    ``"auto"`` counts them for a module holding a Hugging Face model (its loss type says whether they shift) and
-    weights by samples otherwise; ``"labels"`` / ``"shifted_labels"`` count them for any module whose batches
-    hold ``labels``."""
+    ``"auto"`` counts them for a module holding a Hugging Face model whose loss is a mean over label tokens (causal
+    and masked LMs, token classifiers; its loss type says whether they shift) and weights by samples otherwise;
+    ``"labels"`` / ``"shifted_labels"`` count them for any module whose batches hold ``labels``."""
     if weighting == "samples":
         return None
     if weighting in ("labels", "shifted_labels"):
         return LabelCount(shifted=weighting == "shifted_labels")
-    models = find_hf_models(module)
-    if not models:
+    kinds = {_token_loss(model) for _, model in find_hf_models(module)}
+    if len(kinds) != 1 or None in kinds:  # no Hugging Face model, a per-sample loss, or models that disagree
         return None
-    return LabelCount(shifted=all(_shifts_labels(model) for _, model in models))
+    return LabelCount(shifted=kinds.pop() == "shifted")
 
 
-def _shifts_labels(model: nn.Module) -> bool:
-    """Hugging Face's Trainer's rule: the model's loss is the causal LM loss, which compares position i with label
-    i + 1, and it is no encoder-decoder (whose decoder inputs are already shifted)."""
+def _token_loss(model: nn.Module) -> str | None:
+    """``"shifted"`` / ``"aligned"`` when the model's own loss is a mean over its label tokens (a causal LM's,
+    which compares position i with label i + 1 unless the model is an encoder-decoder, Hugging Face's Trainer's
+    rule; a masked LM's; a token classifier's), ``None`` for any other loss (a sequence classifier's is a mean
+    over samples: the batch's ``labels`` may be anything else the step turns into its labels)."""
     try:
-        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    except ImportError:  # transformers without the loss registry (before 4.46): decoder-only by the class name
-        return type(model).__name__.endswith("ForCausalLM")
-    config = getattr(model, "config", None)
-    loss_type = getattr(model, "loss_type", None)
-    return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and not getattr(config, "is_encoder_decoder", False)
+        from transformers.loss import loss_utils
+    except ImportError:  # transformers without the loss registry (before 4.46): a causal LM by the class name
+        return "shifted" if type(model).__name__.endswith("ForCausalLM") else None
+    loss = loss_utils.LOSS_MAPPING.get(getattr(model, "loss_type", None))
+    if loss is loss_utils.ForCausalLMLoss:
+        return "aligned" if getattr(getattr(model, "config", None), "is_encoder_decoder", False) else "shifted"
+    if loss in (loss_utils.ForMaskedLMLoss, getattr(loss_utils, "ForTokenClassification", None)):
+        return "aligned"
+    return None
 
 
 @dataclass(frozen=True)

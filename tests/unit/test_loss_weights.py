@@ -45,12 +45,22 @@ class Holder(nn.Module):
 
 
 def test_auto_counts_for_a_hugging_face_model_shifted_as_its_loss() -> None:
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+        BertConfig,
+    )
 
     causal = Holder(AutoModelForCausalLM.from_config(hf_config("llama", layers=1)))
     classifier = Holder(AutoModelForSequenceClassification.from_config(hf_config("llama", layers=1)))
     assert label_count_for(causal, "auto") == LabelCount(shifted=True)
-    assert label_count_for(classifier, "auto") == LabelCount(shifted=False)
+    # a sequence classifier's loss is a mean over samples: its batch's labels may be anything (token ids, below)
+    assert label_count_for(classifier, "auto") is None
+    bert = BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    assert label_count_for(Holder(AutoModelForMaskedLM.from_config(bert)), "auto") == LabelCount(shifted=False)
+    assert label_count_for(Holder(AutoModelForTokenClassification.from_config(bert)), "auto") == LabelCount(False)
     assert label_count_for(nn.Linear(2, 2), "auto") is None  # no Hugging Face model: by samples
     assert label_count_for(causal, "samples") is None
     assert label_count_for(nn.Linear(2, 2), "labels") == LabelCount(shifted=False)
