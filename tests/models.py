@@ -411,6 +411,32 @@ class OrderedData(L.LightningDataModule):
         return self._loader(dataset(self.model, self.val_n, seed=2))
 
 
+class LossSteps(L.LightningModule):
+    """Steps around a subclass's ``_loss(batch)``: training logs and returns it and keeps each step's logged value
+    (``train_losses``), validation logs it; AdamW over the trainable parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.train_losses: list[float] = []
+
+    def _loss(self, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.train_losses.append(float(self.trainer.callback_metrics["train_loss"]))
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
+
+
 class MetricMLP(TinyMLP):
     """TinyMLP with torchmetrics accuracy in training (logged per step and epoch) and evaluation."""
 

@@ -39,7 +39,7 @@ from .blocks import BLOCKS_CONTRACT, ModelSplit
 from .boundary_check import check_first_step
 from .log_relay import LogRecorder, StepLogs, silenced
 from .loss_weights import MicroBatchWeights
-from .step import count_of, extract_loss, slice_batch, step_micro_batch_loss
+from .step import MicroBatchLoss, count_of, extract_loss, slice_batch
 
 
 class _StageDone(BaseException):
@@ -161,7 +161,7 @@ class StageModule(nn.Module):
         return self._executor.run_stage(self.index, inputs)
 
 
-class StageExecutor:
+class StageExecutor(MicroBatchLoss):
     """Runs one micro-batch of the user's hook on one of this rank's stages (see the module docstring).
 
     Args:
@@ -458,18 +458,7 @@ class StageExecutor:
                 f"{type(self.module).__name__}.{self._hook} returned without running the blocks of pipeline stage "
                 f"{stage}; under pipeline parallelism every {self._hook} must run the model once. {BLOCKS_CONTRACT}"
             )
-        loss = step_micro_batch_loss(
-            result,
-            self.recorder,
-            hook=self._hook,
-            train=self._train,
-            outputs=self.outputs,
-            chunk=chunk,
-            length=length,
-            total=self._total,
-            scale=self._scale,
-            weights=self._weights,
-        )
+        loss = self._loss_of(result, chunk, length)
         # a (1,)-shaped output, so that torch can join the micro-batches' outputs (loss_fn sums it back)
         return torch.zeros(1, device=_device(inputs)) if loss is None else loss.reshape(1)
 

@@ -165,7 +165,35 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return changed
 
 
-class StepAdapter:
+class MicroBatchLoss:
+    """What the two steppers (``StepAdapter``, ``StageExecutor``) share: the batch's settings, set by their ``begin``,
+    and the loss the schedule gets from one micro-batch's step."""
+
+    recorder: LogRecorder
+    outputs: list[Any]
+    _hook: str
+    _train: bool
+    _total: int
+    _scale: float | torch.Tensor
+    _weights: MicroBatchWeights | None
+
+    def _loss_of(self, result: Any, chunk: int, length: int) -> torch.Tensor | None:
+        """:func:`step_micro_batch_loss` of micro-batch ``chunk`` (``length`` samples) of the current batch."""
+        return step_micro_batch_loss(
+            result,
+            self.recorder,
+            hook=self._hook,
+            train=self._train,
+            outputs=self.outputs,
+            chunk=chunk,
+            length=length,
+            total=self._total,
+            scale=self._scale,
+            weights=self._weights,
+        )
+
+
+class StepAdapter(MicroBatchLoss):
     """The schedule's loss function: the user's step on one micro-batch, on the last stage.
 
     ``begin`` sets up one batch; the pipeline then calls the adapter once per micro-batch with the
@@ -255,18 +283,7 @@ class StepAdapter:
             result = self._step_fn(micro_batch, *self._step_args)
         if not called:
             raise ValueError(f"{self._hook} did not call the body {self.body.fqn!r}. {CONTRACT}")
-        loss = step_micro_batch_loss(
-            result,
-            self.recorder,
-            hook=self._hook,
-            train=self._train,
-            outputs=self.outputs,
-            chunk=start // length,
-            length=length,
-            total=self._total,
-            scale=self._scale,
-            weights=self._weights,
-        )
+        loss = self._loss_of(result, start // length, length)
         return torch.zeros(()) if loss is None else loss
 
     def _start_of(self, target: torch.Tensor) -> int:

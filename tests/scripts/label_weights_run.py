@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import hf_config
+from models import LossSteps, hf_config
 
 LAYOUTS = {"single": None, "pp2dp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}, "dp4": {}}
 BATCH, LENGTH, MICRO = 8, 12, 2
@@ -55,14 +55,13 @@ class Padded(Dataset):
         return self.rows[i]
 
 
-class PaddedLM(L.LightningModule):
+class PaddedLM(LossSteps):
     """``loss="hf"``: the model's own ``.loss`` (Hugging Face computes it in float32 from float64 logits);
     ``loss="own"``: the step's own float64 token mean over the shifted labels, and a token accuracy logged."""
 
     def __init__(self, loss: str) -> None:
         super().__init__()
         self.loss = loss
-        self.train_losses: list[float] = []
 
     def configure_model(self) -> None:
         if hasattr(self, "model"):
@@ -79,20 +78,6 @@ class PaddedLM(L.LightningModule):
         kept = labels.ne(-100)
         self.log("token_acc", (logits.argmax(-1) == labels)[kept].to(logits.dtype).mean())
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.train_losses.append(float(self.trainer.callback_metrics["train_loss"]))
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch))
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
 class Data(L.LightningDataModule):

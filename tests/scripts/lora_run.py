@@ -25,17 +25,13 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import OrderedData, hf_config
+from models import LossSteps, OrderedData, hf_config
 
 LAYOUTS = {"single": None, "tp2pp2": {"tp": 2, "pp": 2}, "pp2fsdp": {"pp": 2, "data_parallel": "fsdp"}}
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
 
-class LoRALlama(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.train_losses: list[float] = []
-
+class LoRALlama(LossSteps):
     def configure_model(self) -> None:
         if hasattr(self, "model"):
             return
@@ -49,20 +45,6 @@ class LoRALlama(L.LightningModule):
         x, y = batch
         logits = self.model(input_ids=x).logits
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss)
-        return loss
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.train_losses.append(float(self.trainer.callback_metrics["train_loss"]))
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch))
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=0.01)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
