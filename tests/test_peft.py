@@ -26,12 +26,14 @@ def test_lora_adapters_start_as_peft_makes_them_and_train_as_on_one_device(tmp_p
     adapted model is the base model (the model's own ``_init_weights`` drew ``B`` from a normal before, on every
     layout). At tp2 the plan's styles go to the LoRA layer's base and adapters (column-parallel base: ``B`` sharded
     with it; row-parallel: ``A``); before, setup refused *"style 'colwise' on ...q_proj (Linear) applies to linear
-    and conv1d modules only"*. Four AdamW steps on the adapters: the losses and adapters match one device to
-    round-off, the frozen base does not move. ``strategy.save_hf`` writes the adapters as one device's
+    and conv1d modules only"*, as for the head's ``modules_to_save`` wrapper, whose original and trained copy now
+    get its style (the copy starts as the original; drawn on its own before). Four AdamW steps on the adapters and
+    the copy: the losses and trained weights match one device to round-off, the frozen base does not move. ``strategy.save_hf`` writes the adapters as one device's
     ``save_pretrained``; rank 0's own ``self.model.save_pretrained`` is refused (it wrote stage 0's adapters alone)."""
     ref, got = _run(tmp_path, "single"), _run(tmp_path, layout)
     for report in ref["reports"] + got["reports"]:
         assert report["adapters"] > 0 and report["b_zero"] and report["a_nonzero"], got["reports"]
+        assert report["copy_is_original"], got["reports"]
     assert len(got["train"]) == 4
     for a, b in zip(got["train"], ref["train"], strict=True):
         assert abs(a - b) <= 1e-12 * abs(b), (got["train"], ref["train"])

@@ -61,6 +61,10 @@ def library_initializers(root: nn.Module) -> dict[int, Initializer]:
                     getattr(sub, "lora_A", None), nn.ModuleDict
                 ):
                     out[id(sub)] = AdapterInit(configs)
+                elif isinstance(getattr(sub, "original_module", None), nn.Module) and isinstance(
+                    getattr(sub, "modules_to_save", None), nn.ModuleDict
+                ):
+                    out[id(sub)] = AdapterInit(configs)
     return out
 
 
@@ -71,11 +75,18 @@ class AdapterInit:
     so that the adapted model starts as the base model, ``lora_A`` as the adapter's ``init_lora_weights`` says
     (``True``: Kaiming-uniform, ``"gaussian"``; ``False`` leaves them random), by PEFT's own
     ``reset_lora_parameters``. Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, EVA, CorDA,
-    DoRA's magnitudes) cannot be computed on the meta device: refused, naming the layer."""
+    DoRA's magnitudes) cannot be computed on the meta device: refused, naming the layer. A ``modules_to_save``
+    wrapper's trained copies start as its original, as PEFT's deep copy makes them (each was drawn on its own)."""
 
     configs: Mapping[str, Any]
 
     def __call__(self, layer: nn.Module) -> None:
+        copies = getattr(layer, "modules_to_save", None)
+        if isinstance(copies, nn.ModuleDict):  # modules_to_save: each trained copy starts as the original (PEFT's)
+            original = layer.original_module.state_dict()  # type: ignore[union-attr]
+            for copy_ in copies.values():
+                copy_.load_state_dict(original)
+            return
         for adapter in layer.lora_A:  # type: ignore[union-attr]
             flag = getattr(self.configs.get(adapter), "init_lora_weights", True)
             dora = bool(getattr(layer, "use_dora", {}).get(adapter, False))

@@ -1,8 +1,9 @@
-"""A PEFT LoRA Llama (adapters on q/v/o and the MLP's down projection: column- and row-parallel base layers) built
-in ``configure_model``, against one device (float64).
+"""A PEFT LoRA Llama (adapters on q/v/o and the MLP's down projection: column- and row-parallel base layers; the head
+trained whole as a ``modules_to_save`` copy) built in ``configure_model``, against one device (float64).
 
 On fit start each rank reports whether its LoRA ``B`` matrices are zero and its ``A`` matrices not (PEFT's
-initialisation; on the meta device the model's ``_init_weights`` drew both from a normal), then the 3D run loads one
+initialisation; on the meta device the model's ``_init_weights`` drew both from a normal) and whether the head's
+trained copy equals its original (PEFT deep-copies it), then the 3D run loads one
 device's initial weights (``strategy.load_full_state_dict``) and trains four AdamW steps on the adapters only, with
 the step's own float64 loss. Rank 0 writes to ``OUT`` every rank's report, the logged training losses, the
 validation loss, and the largest differences from one device's final weights, adapters and frozen base apart. At the
@@ -39,7 +40,8 @@ class LoRALlama(LossSteps):
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_config(hf_config("llama"), attn_implementation="eager")
-        self.model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, modules_to_save=["lm_head"])
+        self.model = get_peft_model(base, config)
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
@@ -65,6 +67,11 @@ class Start(L.Callback):
             "b_zero": all(bool((p == 0).all()) for n, p in named if "lora_B" in n),
             "a_nonzero": all(bool((p != 0).any()) for n, p in named if "lora_A" in n),
         }
+        params = {n: _local(p.detach()) for n, p in pl_module.named_parameters()}
+        copies = [n for n in params if ".modules_to_save.default." in n]  # on the last stage
+        self.report["copy_is_original"] = all(
+            torch.equal(params[n], params[n.replace(".modules_to_save.default.", ".original_module.")]) for n in copies
+        )
         if trainer.world_size == 1:
             torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.init)
         else:
@@ -128,7 +135,7 @@ def main() -> None:
         torch.save({k: v.detach().clone() for k, v in final.items()}, args.out.with_suffix(".pt"))
     else:
         ref, init = torch.load(args.ref), torch.load(args.init)
-        adapters = [k for k in ref if "lora_" in k]
+        adapters = [k for k in ref if "lora_" in k or ".modules_to_save." in k]  # trained; the rest frozen
         row["adapter_diff"] = max(float((final[k] - ref[k]).abs().max()) for k in adapters)
         row["adapters_moved"] = max(float((ref[k] - init[k]).abs().max()) for k in adapters)
         row["base_diff"] = max(float((final[k] - init[k]).abs().max()) for k in ref if k not in adapters)

@@ -307,3 +307,13 @@ def test_lora_on_a_sharded_embedding_is_refused() -> None:
     peft = get_peft_model(tiny("llama"), LoraConfig(r=2, target_modules=["embed_tokens"]))
     with pytest.raises(ValueError, match=r"is a LoRA layer on an embedding .* Leave the embedding out of the LoRA"):
         hf_tp_plan(Root(peft), tp=2)
+
+
+def test_a_modules_to_save_wrapper_gives_its_style_to_the_original_and_each_copy() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(tiny("llama"), LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    got = styles(hf_tp_plan(Root(peft), tp=2))
+    head = "model.base_model.model.lm_head"
+    assert got[f"{head}.original_module"] == got[f"{head}.modules_to_save.default"] == "colwise_gather_output"
+    assert head not in got

@@ -573,12 +573,23 @@ def _lora_adapters(module: nn.Module) -> list[str] | None:
     return [name for name in lora_a if isinstance(lora_b, nn.ModuleDict) and name in lora_b]
 
 
+def _saved_copies(module: nn.Module) -> list[str] | None:
+    """The adapter names of a PEFT ``modules_to_save`` wrapper (``original_module`` and a ``modules_to_save``
+    ``ModuleDict`` of trainable copies), or ``None`` for any other module."""
+    copies = getattr(module, "modules_to_save", None)
+    if not isinstance(getattr(module, "original_module", None), nn.Module) or not isinstance(copies, nn.ModuleDict):
+        return None
+    return list(copies)
+
+
 def _with_adapters(model: nn.Module, entries: dict[str, HFEntry], who: str) -> dict[str, HFEntry]:
     """``entries`` with each PEFT LoRA layer's style moved to what it wraps, Megatron's LoRA layout (and PEFT's own
     under Hugging Face's tensor parallelism): a column-parallel base layer's ``lora_B`` is column-parallel too and
     its ``lora_A`` replicated (its input is replicated, the gradient the sharded ``lora_B`` hands back is summed
     over tp); a row-parallel base layer's ``lora_A`` is row-parallel (its output all-reduced) and its ``lora_B``
     replicated. Each adapter's output then has the base layer's layout, and ``base + B(A(x))`` adds alike shards.
+    A ``modules_to_save`` wrapper (a head trained whole beside the adapters) gives the style to its original and
+    to each trained copy.
 
     Raises:
         ValueError: a LoRA layer on an embedding (its adapters are parameters, not modules) under a sharding style.
@@ -586,6 +597,12 @@ def _with_adapters(model: nn.Module, entries: dict[str, HFEntry], who: str) -> d
     modules = dict(model.named_modules())
     out: dict[str, HFEntry] = {}
     for name, entry in entries.items():
+        copies = _saved_copies(modules[name])
+        if copies is not None:  # modules_to_save: the frozen original and each trainable copy, sharded alike
+            source = f"{entry.source}, on the PEFT wrapper's original and trained copies"
+            for inner in ["original_module", *(f"modules_to_save.{c}" for c in copies)]:
+                out[f"{name}.{inner}"] = HFEntry(entry.style, source)
+            continue
         adapters = _lora_adapters(modules[name])
         direction = SUPPORTED_STYLES.get(entry.style, ("", ()))[0]
         if adapters is None or direction not in ("col", "row"):
