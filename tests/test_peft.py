@@ -28,8 +28,9 @@ def test_lora_adapters_start_as_peft_makes_them_and_train_as_on_one_device(tmp_p
     with it; row-parallel: ``A``); before, setup refused *"style 'colwise' on ...q_proj (Linear) applies to linear
     and conv1d modules only"*, as for the head's ``modules_to_save`` wrapper, whose original and trained copy now
     get its style (the copy starts as the original; drawn on its own before). Four AdamW steps on the adapters and
-    the copy: the losses and trained weights match one device to round-off, the frozen base does not move. ``strategy.save_hf`` writes the adapters as one device's
-    ``save_pretrained``; rank 0's own ``self.model.save_pretrained`` is refused (it wrote stage 0's adapters alone)."""
+    the copy: the losses and trained weights match one device to round-off, the frozen base does not move.
+    ``strategy.save_hf`` writes the adapters as one device's ``save_pretrained``; rank 0's own
+    ``self.model.save_pretrained`` is refused (it wrote stage 0's adapters alone)."""
     ref, got = _run(tmp_path, "single"), _run(tmp_path, layout)
     for report in ref["reports"] + got["reports"]:
         assert report["adapters"] > 0 and report["b_zero"] and report["a_nonzero"], got["reports"]
