@@ -411,6 +411,20 @@ class OrderedData(L.LightningDataModule):
         return self._loader(dataset(self.model, self.val_n, seed=2))
 
 
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU ``Trainer`` for the test scripts: no logger, progress bar, checkpointing, model summary or sanity
+    validation; ``kwargs`` add to or override these."""
+    settings = dict(
+        accelerator="cpu",
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(**{**settings, **kwargs})
+
+
 class LossSteps(L.LightningModule):
     """Steps around a subclass's ``_loss(batch)``: training logs and returns it and keeps each step's logged value
     (``train_losses``), validation logs it; AdamW over the trainable parameters."""

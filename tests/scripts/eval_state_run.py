@@ -24,7 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, M
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import NanoGPT, OrderedData
+from models import NanoGPT, OrderedData, quiet_trainer
 
 LAYOUTS = {"single": None, "tp2pp2": {"tp": 2, "pp": 2}, "pp2dp2": {"pp": 2}}
 BATCH = 8
@@ -111,16 +111,10 @@ def main() -> None:
     dp = 1 if layout is None else 4 // (layout.get("tp", 1) * layout["pp"])
 
     kwargs = {"devices": 1} if layout is None else {"devices": 4, "strategy": ThreeDStrategy(micro_batches=2, **layout)}
-    fit = L.Trainer(
-        accelerator="cpu",
+    fit = quiet_trainer(
         max_epochs=1,
         limit_train_batches=4,
         limit_val_batches=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
         callbacks=[ReadsTheList()],
         **kwargs,
     )

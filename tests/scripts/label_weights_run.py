@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import LossSteps, hf_config
+from models import LossSteps, hf_config, quiet_trainer
 
 LAYOUTS = {"single": None, "pp2dp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}, "dp4": {}}
 BATCH, LENGTH, MICRO = 8, 12, 2
@@ -130,16 +130,10 @@ def main() -> None:
     else:
         strategy = ThreeDStrategy(micro_batches=MICRO, loss_weighting=args.weighting, train_timeout=120, **layout)
         kwargs = {"devices": world, "strategy": strategy}
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         precision="64-true",
         max_epochs=1,
         limit_val_batches=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
         callbacks=[LoadInit(args.init)],
         use_distributed_sampler=False,
         **kwargs,

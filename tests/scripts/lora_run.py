@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import LossSteps, OrderedData, hf_config
+from models import LossSteps, OrderedData, hf_config, quiet_trainer
 
 LAYOUTS = {"single": None, "tp2pp2": {"tp": 2, "pp": 2}, "pp2fsdp": {"pp": 2, "data_parallel": "fsdp"}}
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
@@ -95,17 +95,11 @@ def main() -> None:
         else {"devices": 4, "strategy": ThreeDStrategy(micro_batches=2, train_timeout=120, **layout)}
     )
     start = Start(args.init)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         precision="64-true",
         max_epochs=1,
         limit_train_batches=4,
         limit_val_batches=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
         callbacks=[start],
         **kwargs,
     )

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import HFCausalLM, OrderedData
+from models import HFCausalLM, OrderedData, quiet_trainer
 
 
 class Saving(HFCausalLM):
@@ -56,16 +56,10 @@ def main() -> None:
     else:
         torch.save(model.state_dict(), args.init)
     kwargs = {"devices": 1} if single else {"devices": 4, "strategy": ThreeDStrategy(tp=2, pp=2, micro_batches=2)}
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_epochs=1,
         limit_train_batches=2,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
         **kwargs,
     )
     trainer.fit(model, datamodule=OrderedData("llama", batch_size=8, n=64))

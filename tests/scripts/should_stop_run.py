@@ -21,7 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import NanoGPT, OrderedData
+from models import NanoGPT, OrderedData, quiet_trainer
 
 LAYOUTS = {"single": None, "pp2": {"pp": 2}, "pp2dp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}}
 STOP_EPOCH, STOP_BATCH, THRESHOLD = 1, 2, 3.5
@@ -71,16 +71,10 @@ def main() -> None:
         if layout is None
         else {"devices": world, "strategy": ThreeDStrategy(micro_batches=2, train_timeout=60, **layout)}
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_epochs=3,
         limit_train_batches=6,
         limit_val_batches=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
         **kwargs,
     )
     trainer.fit(model, datamodule=OrderedData("nano", batch_size=8 // dp, n=64, val_n=8))
