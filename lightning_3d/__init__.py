@@ -7,6 +7,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .checkpoint.lightning_file import read_folders_as_files
 from .core.grad_norm import grad_norm
 from .core.materialize import LoadReport, load_full_state_dict
 from .core.partition import ParameterPartitioner, Partitioner, UniformPartitioner
@@ -31,6 +32,9 @@ __all__ = [
     "grad_norm",
     "load_full_state_dict",
 ]
+
+# Lightning's checkpoint loader (load_from_checkpoint, a single-device Trainer's ckpt_path=) reads our folders
+read_folders_as_files()
 
 if "3d" not in StrategyRegistry:
     ThreeDStrategy.register_strategies(StrategyRegistry)

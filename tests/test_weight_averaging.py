@@ -56,3 +56,21 @@ def test_weight_averaging_matches_one_device(
     assert any("val_loss" in row for row in ref1) and "final_val_loss" in ref2[-1]
     _assert_same(ref1, got1)
     _assert_same(ref2, got2)
+    _assert_folder_reads_as_file(tmp_path, tmp_path / "ckpt" / "last.ckpt", tmp_path / "ref_ckpt" / "last.ckpt")
+
+
+def _assert_folder_reads_as_file(tmp_path: Path, folder: Path, file: Path) -> None:
+    """The folder ``first`` saved, read by single-device Lightning (``checkpoint/lightning_file.py``), is one
+    device's file of the same training: the checkpoint dict (the model, the averaging callback's state and model
+    copy, every key but the optimizer states), ``load_from_checkpoint`` (which died with ``IsADirectoryError``) and a
+    single-device ``Trainer.validate(ckpt_path=folder)``, within 1e-10 (float64). The tied head comes back under both
+    names, still one parameter."""
+    out = tmp_path / "file_load.json"
+    run_lightning("ckpt_file_load.py", ["--folder", folder, "--file", file, "--out", out], timeout=120)
+    report = json.loads(out.read_text())
+    assert report["missing"] == [] and report["extra"] == [] and report["mismatches"] == [], report
+    assert report["steps"][0] == report["steps"][1], report
+    assert report["model"] <= 1e-10 and report["averaging"] <= 1e-10 and report["loaded"] <= 1e-10, report
+    assert report["still_tied"], report
+    folder_loss, file_loss = report["val_losses"]
+    assert math.isclose(folder_loss, file_loss, rel_tol=1e-10), report

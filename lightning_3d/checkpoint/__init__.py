@@ -25,6 +25,8 @@ version counters only ever see complete checkpoints; a later save of the same na
 
 Export: ``python -m lightning_3d.checkpoint export CKPT_DIR OUT.pt`` writes the single-device state dict
 (one process, no process group); the :class:`LoadWeights` callback starts 3D training from such a file.
+``lightning_file.py`` reads a folder as one device's Lightning checkpoint file (``load_from_checkpoint(folder)``,
+``python -m lightning_3d.checkpoint consolidate``).
 """
 
 from __future__ import annotations
@@ -81,8 +83,10 @@ __all__ = [
     "load_consolidated",
     "model_state_dict",
     "optimizer_state_dict",
+    "read_whole",
     "remove_checkpoint",
     "save_checkpoint",
+    "whole_model",
 ]
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a distributed checkpoint
@@ -277,6 +281,7 @@ def save_checkpoint(
             "data": {"dp": context.topology.shape[0], "batch_size": train_batch_size(trainer)},
             "keys": list(context.full_spec),
             "model_copies": [list(where) for where in copies],
+            "aliases": dict(canonical_names(context.module)),  # tied weights: each other name -> the saved one
         }
         _write_meta(checkpoint, staging / META_FILE)
         _publish(staging, path)
@@ -408,30 +413,48 @@ def _restore_rank_state(
 
 
 # ------------------------------------------------------------------------------------------- export / import
+def read_whole(checkpoint_dir: str | os.PathLike, prefix: str = MODEL) -> dict[str, Tensor]:
+    """Every tensor a checkpoint folder holds under the DCP key ``prefix`` (``state_dict``, ``model_copy_0``, ...),
+    whole and on the CPU, in one process (no process group needed); keys without the prefix, in DCP's order."""
+    path = Path(checkpoint_dir)
+    metadata = FileSystemReader(path).read_metadata()
+    template: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if key.startswith(prefix + "."):
+            shape = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+            dtype = entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else None
+            template[key[len(prefix) + 1 :]] = torch.empty(shape, dtype=dtype) if shape is not None else None
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*load in a single process")
+        dcp.load({prefix: template}, checkpoint_id=path, no_dist=True)
+    return template
+
+
 def load_consolidated(checkpoint_dir: str | os.PathLike) -> dict[str, Tensor]:
     """The whole model from a checkpoint folder, in one process (no process group needed).
 
     Returns:
-        The single-device state dict (CPU tensors, keys and order as the plain module's ``state_dict()``).
+        The single-device state dict: CPU tensors, every key of the plain module's ``state_dict()`` in its order,
+        a weight tied to another (saved once) under each of its names, the other names last.
     """
     path = Path(checkpoint_dir)
     check_complete(path)
-    metadata = FileSystemReader(path).read_metadata()
-    template: dict[str, Any] = {}
-    for key, entry in metadata.state_dict_metadata.items():
-        if key.startswith(MODEL + "."):
-            shape = tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
-            dtype = entry.properties.dtype if isinstance(entry, TensorStorageMetadata) else None
-            template[key[len(MODEL) + 1 :]] = torch.empty(shape, dtype=dtype) if shape is not None else None
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*load in a single process")
-        dcp.load({MODEL: template}, checkpoint_id=path, no_dist=True)
     try:
-        order = torch.load(path / META_FILE, map_location="cpu", weights_only=True).get(SECTION, {}).get("keys", [])
-    except Exception:  # meta.pt with objects that weights_only refuses: keep DCP's order
-        order = []
-    ordered = {k: template[k] for k in order if k in template}
-    ordered.update({k: v for k, v in template.items() if k not in ordered})
+        section = torch.load(path / META_FILE, map_location="cpu", weights_only=True).get(SECTION, {})
+    except Exception:  # meta.pt with objects that weights_only refuses: DCP's order, tied weights under one name
+        section = {}
+    return whole_model(path, section)
+
+
+def whole_model(path: Path, section: Mapping[str, Any], prefix: str = MODEL) -> dict[str, Tensor]:
+    """``load_consolidated`` of a complete folder whose ``meta.pt`` section (``SECTION``) is already read; of the
+    model copy ``prefix`` (``model_copy_<i>``) instead of the model if given."""
+    whole = read_whole(path, prefix)
+    ordered = {k: whole[k] for k in section.get("keys", []) if k in whole}
+    ordered.update({k: v for k, v in whole.items() if k not in ordered})
+    for alias, canonical in section.get("aliases", {}).items():  # the same tensor, as one process's state_dict()
+        if canonical in ordered:
+            ordered.setdefault(alias, ordered[canonical])
     return ordered
 
 

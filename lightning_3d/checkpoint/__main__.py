@@ -1,5 +1,5 @@
-"""``python -m lightning_3d.checkpoint {export,export-hf,info} ...``: checkpoint folders from the command line, one
-process."""
+"""``python -m lightning_3d.checkpoint {export,consolidate,export-hf,info} ...``: checkpoint folders from the command
+line, one process."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _natural(key: str) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m lightning_3d.checkpoint {export,export-hf,info} ...``"""
+    """``python -m lightning_3d.checkpoint {export,consolidate,export-hf,info} ...``"""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_3d.checkpoint", description="Export or inspect a lightning_3d checkpoint folder."
     )
@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     p_export = sub.add_parser("export", help="write the single-device state dict of a checkpoint folder")
     p_export.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints/last.ckpt)")
     p_export.add_argument("out", help="output file (torch.save)")
+    p_one = sub.add_parser(
+        "consolidate",
+        help="write a checkpoint folder as the one file single-device Lightning loads (load_from_checkpoint, "
+        "ckpt_path=), without optimizer states",
+    )
+    p_one.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints/last.ckpt)")
+    p_one.add_argument("out", nargs="?", default=None, help="output file (default: CHECKPOINT.consolidated)")
     p_hf = sub.add_parser(
         "export-hf", help="write the Hugging Face model of a checkpoint folder as a from_pretrained folder"
     )
@@ -49,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             state_dict = export(args.checkpoint, args.out)
             numel = sum(t.numel() for t in state_dict.values() if isinstance(t, Tensor))
             print(f"wrote {args.out}: {len(state_dict)} tensors, {numel:,} elements")
+        elif args.command == "consolidate":
+            from .lightning_file import consolidate
+
+            out = consolidate(args.checkpoint, args.out)
+            print(f"wrote {out}: load it with YourModule.load_from_checkpoint({str(out)!r})")
         elif args.command == "export-hf":
             from . import export_hf_checkpoint
 
@@ -63,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path}: epoch {meta.get('epoch')}, global step {meta.get('global_step')}, layout {layout}")
             for key in sorted(shapes, key=_natural):  # layers in model order: layers.2 before layers.10
                 print(f"  {key}: {shapes[key]}")
-    except (FileNotFoundError, ValueError, ImportError) as exc:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
         print(exc, file=sys.stderr)
         return 2
     return 0
