@@ -82,6 +82,7 @@ from .core.parallelize import (
     plan_model,
 )
 from .core.patches import Patches
+from .core.prediction_writer import write_once_per_replica
 from .core.pruning import prune_this_stage, refuse_pruning
 from .core.rng import BodyRandomness
 from .core.runner import BatchRunner
@@ -387,6 +388,9 @@ class ThreeDStrategy(ParallelStrategy):
         spec = list(self.full_spec)
         self._patches.install("pruning", prune_this_stage, trainer.callbacks, self.lightning_module, spec, group)
         count_by_replica(trainer.callbacks, self.topology.world_size, self.topology.dp)
+        coords = self.topology.coordinates(self.global_rank)  # one rank per replica writes its predictions
+        writes = coords["pp"] == 0 and coords["tp"] == 0
+        self._patches.install("prediction_writers", write_once_per_replica, trainer.callbacks, writes)
 
     def _rank_part(self) -> str:
         """This rank's part of the model, in words (for messages)."""

@@ -59,6 +59,19 @@ def test_evaluation_matches_single_device(eval_reference, tmp_path, tp, pp, dp):
     expected = ref["predict"][0::dp]
     assert got["predict"].shape == expected.shape
     torch.testing.assert_close(got["predict"], expected, rtol=1e-5, atol=1e-6)
+    # Lightning's documented writer (a file per global rank): one file per replica, each prediction written once
+    # (until 2026-12-05 every rank of a replica wrote it: tp * pp copies)
+    written = sorted((tmp_path / "written").glob("predictions_*.pt"))
+    assert len(written) == dp, written
+    rows: dict[int, torch.Tensor] = {}
+    for file in written:
+        predictions, (batch_indices,) = torch.load(file, weights_only=False)  # the indices are per dataloader
+        for batch, indices in zip(predictions, batch_indices, strict=True):
+            for row, index in zip(batch, indices, strict=True):
+                assert index not in rows, index
+                rows[index] = row
+    assert sorted(rows) == list(range(len(ref["predict"])))
+    torch.testing.assert_close(torch.stack([rows[i] for i in sorted(rows)]), ref["predict"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

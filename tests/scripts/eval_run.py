@@ -4,7 +4,8 @@ One launch: ``fit`` with sanity validation on and validation every 2 training ba
 ``validate``, ``test`` and ``predict``. The validation set (44 samples, global batch 16) ends with a short
 batch, so evaluation sees a micro-batch count that does not divide every batch. Rank 0 writes
 ``OUT/eval.pt``: per-step training values, every validation epoch's values, the validate/test results and
-the predictions (the 3D run's are its data-parallel replica's share, in dataset order).
+the predictions (the 3D run's are its data-parallel replica's share, in dataset order). A ``BasePredictionWriter``
+written as Lightning documents it (the DDP habit: one file per global rank) writes to ``OUT/written``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import BasePredictionWriter, EarlyStopping, ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
@@ -23,6 +24,18 @@ from lightning_3d import ThreeDStrategy
 from models import MetricMLP, OrderedData
 
 GLOBAL_BATCH, VAL_N = 16, 44
+
+
+class Writer(BasePredictionWriter):
+    """Lightning's documented prediction writer: each rank saves what it holds, named by its global rank."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(write_interval="epoch")
+        self.out = out
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        self.out.mkdir(exist_ok=True)
+        torch.save((predictions, batch_indices), self.out / f"predictions_{trainer.global_rank}.pt")
 
 
 class Recorder(L.Callback):
@@ -92,7 +105,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[recorder, stopper, best],
+        callbacks=[recorder, stopper, best, Writer(out / "written")],
     )
     model = MetricMLP(build="configure", scheduler=False, lr=0.02)
     data = OrderedData("mlp", batch, n=GLOBAL_BATCH * 3, val_n=VAL_N)
