@@ -82,6 +82,7 @@ __all__ = [
     "load_checkpoint",
     "load_consolidated",
     "model_state_dict",
+    "optimizer_count_problem",
     "optimizer_state_dict",
     "read_whole",
     "remove_checkpoint",
@@ -110,6 +111,8 @@ class CheckpointContext:
         randomness: the body's random streams (saved with every rank's RNG state).
         broadcast: rank 0's object to every rank (collective).
         barrier: all ranks meet (collective).
+        unsplit: a structure-only copy of the unsplit LightningModule (or why none was made), to number one
+            device's optimizer state when a checkpoint file of one device is loaded (``lightning_file.py``).
     """
 
     module: pl.LightningModule
@@ -122,6 +125,7 @@ class CheckpointContext:
     randomness: BodyRandomness | None
     broadcast: Callable[[Any], Any]
     barrier: Callable[[], None]
+    unsplit: nn.Module | str | None = None
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -301,6 +305,10 @@ def load_checkpoint(
         Lightning's remaining checkpoint dict (loops, callbacks, LR schedulers, ...), for Lightning to restore.
     """
     path = Path(context.broadcast(os.fspath(checkpoint_path)))
+    if path.is_file():  # a checkpoint file of one device or DDP: scaling a run up (``lightning_file.py``)
+        from .lightning_file import load_lightning_file
+
+        return load_lightning_file(context, path, weights_only, context.unsplit)
     try:
         check_complete(path)
     except FileNotFoundError as err:
@@ -310,31 +318,14 @@ def load_checkpoint(
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
     section = meta.pop(SECTION, None) or {}
     saved = saved_model_shapes(metadata)
-    report = compare_keys({k: spec.shape for k, spec in context.full_spec.items()}, saved)
-    # The checks below see the same folder and (setup checked it) the same model on every rank: each rank raises
-    # the same error by itself, so they are "agreed" and do not trip the fail-fast watch (see core/agreed.py).
-    if report.mismatched or (report and module.strict_loading):
-        raise mark_agreed(KeyError(report.message(path)))
-    if report:
-        warnings.warn(report.message(path).replace("Nothing was loaded.", "Loading the common keys."), stacklevel=2)
+    _check_state_keys(context, saved, path)
     trainer = module.trainer
     fitting = trainer.state.fn == TrainerFn.FITTING
     optimizers = [getattr(o, "_optimizer", o) for o in context.optimizers] if fitting else []
     saved_optimizers = sorted({k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")})
-    if optimizers and not saved_optimizers:
-        raise mark_agreed(
-            KeyError(
-                "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to "
-                "`ModelCheckpoint.save_weights_only` being set to `True`."
-            )
-        )
-    if optimizers and len(saved_optimizers) != len(optimizers):
-        raise mark_agreed(
-            ValueError(
-                f"lightning_3d: checkpoint {str(path)!r} holds {len(saved_optimizers)} optimizer states but "
-                f"configure_optimizers returned {len(optimizers)} optimizers. Nothing was loaded."
-            )
-        )
+    problem = optimizer_count_problem(len(saved_optimizers), len(optimizers), path)
+    if problem is not None:
+        raise mark_agreed(problem)
     names = param_names(module)
     live = module.state_dict()
     model = {k: torch.empty_like(v) for k, v in live.items() if k in saved}
@@ -360,14 +351,47 @@ def load_checkpoint(
     meta["state_dict"] = model
     for i, where in enumerate(copies):
         put_path(meta, where, state[MODEL_COPY.format(i)])
-    if fitting and isinstance(meta.get("lr_schedulers"), list):  # rank 0's, fitted to this rank's groups
+    _fit_schedulers(meta, trainer, fitting)
+    _restore_rank_state(context, trainer, section, fitting)
+    return meta
+
+
+def _check_state_keys(context: CheckpointContext, saved: Mapping[str, tuple[int, ...] | None], path: Path) -> None:
+    """Refuse a checkpoint whose model keys (``saved``: name -> global shape) do not fit the model (missing or
+    unexpected keys only with the module's ``strict_loading``; a warning otherwise)."""
+    report = compare_keys({k: spec.shape for k, spec in context.full_spec.items()}, saved)
+    # The checks see the same checkpoint and (setup checked it) the same model on every rank: each rank raises the
+    # same error by itself, so they are "agreed" and do not trip the fail-fast watch (see core/agreed.py).
+    if report.mismatched or (report and context.module.strict_loading):
+        raise mark_agreed(KeyError(report.message(path)))
+    if report:
+        warnings.warn(report.message(path).replace("Nothing was loaded.", "Loading the common keys."), stacklevel=3)
+
+
+def optimizer_count_problem(saved: int, live: int, path: Path) -> Exception | None:
+    """The error for a checkpoint holding ``saved`` optimizer states where the fit has ``live`` optimizers to restore
+    (``0`` when not fitting), or ``None``."""
+    if live and not saved:
+        return KeyError(
+            "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to "
+            "`ModelCheckpoint.save_weights_only` being set to `True`."
+        )
+    if live and saved != live:
+        return ValueError(
+            f"lightning_3d: checkpoint {str(path)!r} holds {saved} optimizer states but configure_optimizers "
+            f"returned {live} optimizers. Nothing was loaded."
+        )
+    return None
+
+
+def _fit_schedulers(meta: dict[str, Any], trainer: pl.Trainer, fitting: bool) -> None:
+    """Lightning's saved LR schedulers (rank 0's, or one device's) fitted to this rank's parameter groups."""
+    if fitting and isinstance(meta.get("lr_schedulers"), list):
         configs = trainer.lr_scheduler_configs
         meta["lr_schedulers"] = [
             fit_scheduler_state(saved_state, config.scheduler) if isinstance(saved_state, dict) else saved_state
             for saved_state, config in zip(meta["lr_schedulers"], configs)
         ] + meta["lr_schedulers"][len(configs) :]
-    _restore_rank_state(context, trainer, section, fitting)
-    return meta
 
 
 def _local(tensor: Tensor) -> Tensor:

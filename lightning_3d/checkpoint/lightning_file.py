@@ -26,14 +26,23 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..core.agreed import mark_agreed
+from ..core.materialize import load_full_state_dict
+from ..core.tied import canonical_keys
 from . import DCP_METADATA, META_FILE, SECTION, check_complete, whole_model
-from .named_state import MODEL_COPY, put_path
+from .named_state import MODEL_COPY, model_copy_paths, param_names, pop_path, put_path, torch_optimizer_state
+
+if TYPE_CHECKING:
+    from . import CheckpointContext
 
 _WRAPPED = "_lightning_3d_reads_folders"
 # Lightning's modules that load checkpoints with ``lightning.fabric.utilities.cloud_io._load``, bound by name there
@@ -130,3 +139,158 @@ def _reading_folders(original: Any) -> Any:
 
     setattr(load, _WRAPPED, True)
     return load
+
+
+# ------------------------------------------------------------------------------------ a file into a 3D layout
+def single_device_groups(unsplit: nn.Module | str | None) -> list[list[list[str]]]:
+    """The parameters of one device's optimizers, by name: for each optimizer the user's ``configure_optimizers``
+    makes for the unsplit model, for each of its groups, its parameters' names in order (the order that numbers
+    them in the optimizer's ``state_dict``).
+
+    Args:
+        unsplit: a structure-only copy of the unsplit LightningModule (``boundary_check.make_skeleton``), or why
+            none could be made.
+
+    Raises:
+        ValueError: no copy, or ``configure_optimizers`` holds parameters that are not the copy's (it read them
+            from somewhere else than the module, e.g. ``self.trainer.model``).
+    """
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+    if not isinstance(unsplit, nn.Module):
+        raise ValueError(f"no copy of the unsplit model to run configure_optimizers on ({unsplit or 'none kept'})")
+    names: dict[int, str] = {}
+    for name, param in unsplit.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)  # a tied weight: its first (canonical) name
+    optimizers, _ = _init_optimizers_and_lr_schedulers(unsplit)
+    groups = []
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                "configure_optimizers, run on a copy of the unsplit model, gave parameters that are not the "
+                "LightningModule's (read from self.parameters() or the module's submodules, not self.trainer.model)"
+            )
+        groups.append([[names[id(p)] for p in g["params"]] for g in optimizer.param_groups])
+    return groups
+
+
+def _optimizer_by_name(
+    saved: Mapping[str, Any], groups: list[list[str]], which: int, path: Path
+) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """One device's ``optimizer.state_dict()`` (``saved``) by parameter name: each parameter's group
+    hyperparameters and state (full tensors), its parameters numbered in the order of ``groups``."""
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    if sizes != [len(g) for g in groups]:
+        raise mark_agreed(
+            ValueError(
+                f"lightning_3d: optimizer {which} in {str(path)!r} has parameter groups of {sizes} parameters, but "
+                f"configure_optimizers gives the unsplit model groups of {[len(g) for g in groups]}. Nothing was "
+                "loaded."
+            )
+        )
+    by_name: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for group, names in zip(saved["param_groups"], groups, strict=True):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for index, fqn in zip(group["params"], names, strict=True):
+            by_name[fqn] = (hyper, saved["state"].get(index, {}))
+    return by_name
+
+
+def _like(param: Tensor, value: Any) -> Any:
+    """An optimizer state entry for ``param`` from the full one: this rank's slice of a tensor shaped like the
+    parameter (a DTensor like it), other entries (``step``) as they are, each a copy of its own."""
+    if not isinstance(value, Tensor):
+        return value
+    if value.dim() == 0 or tuple(value.shape) != tuple(param.shape):
+        return value.clone()
+    if isinstance(param, DTensor):
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value.to(param.device, copy=True)
+
+
+def _rank_part(module: nn.Module, full: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """This rank's part of a whole-model state dict: the keys it holds, DTensor shards like its own."""
+    full = canonical_keys(full, module)
+    return {
+        key: _like(target, full[key]) if isinstance(target, DTensor) else full[key].to(target.device)
+        for key, target in module.state_dict(keep_vars=True).items()
+        if key in full
+    }
+
+
+def load_lightning_file(
+    context: CheckpointContext, path: Path, weights_only: bool | None, unsplit: nn.Module | str | None
+) -> dict[str, Any]:
+    """``ckpt_path=`` of a checkpoint file one device (or DDP) wrote, into the set-up model and optimizers at this
+    layout: scaling a run up from plain Lightning. Each rank reads the file and takes its own slices (no
+    communication); every check runs before anything is changed.
+
+    The model's tensors are matched by name. One device's optimizer state numbers the parameters in the order of
+    its groups, so the groups the user's ``configure_optimizers`` makes for the unsplit model (run on ``unsplit``,
+    :func:`single_device_groups`) name them; each rank then takes the states and hyperparameters of the parameters
+    its optimizers hold. The RNG states are not in such a file; a mid-epoch position is taken as the same number of
+    batches per replica.
+
+    Returns:
+        Lightning's remaining checkpoint dict (loops, callbacks, LR schedulers fitted to this rank's groups).
+    """
+    from . import _check_state_keys, _fit_schedulers, _restore_rank_state, optimizer_count_problem
+
+    checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
+        raise mark_agreed(
+            ValueError(
+                f"lightning_3d: {str(path)!r} is neither a ThreeDStrategy checkpoint folder nor a Lightning checkpoint "
+                "file (no 'state_dict'). To start from a plain state dict, pass `callbacks=[lightning_3d.checkpoint."
+                "LoadWeights(path)]` to the Trainer instead of `ckpt_path`."
+            )
+        )
+    module = context.module
+    state = dict(canonical_keys(checkpoint.pop("state_dict"), module))
+    _check_state_keys(context, {k: tuple(v.shape) for k, v in state.items()}, path)
+    trainer = module.trainer
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    optimizers = [getattr(o, "_optimizer", o) for o in context.optimizers] if fitting else []
+    saved_optimizers = checkpoint.pop("optimizer_states", None) or []
+    problem = optimizer_count_problem(len(saved_optimizers), len(optimizers), path)
+    if problem is not None:
+        raise mark_agreed(problem)
+    names = param_names(module)
+    loads = []
+    if optimizers:
+        try:
+            groups = single_device_groups(unsplit)
+        except ValueError as err:
+            raise mark_agreed(
+                ValueError(f"lightning_3d: cannot restore the optimizer states of {str(path)!r}: {err}.")
+            ) from None
+        for i, (optimizer, saved) in enumerate(zip(optimizers, saved_optimizers, strict=True)):
+            by_name = _optimizer_by_name(saved, groups[i], i, path)
+            params = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+            absent = sorted(fqn for fqn in params if fqn not in by_name)
+            if absent:
+                raise mark_agreed(
+                    KeyError(
+                        f"lightning_3d: optimizer {i} holds parameters that the one in {str(path)!r} did not: "
+                        f"{', '.join(absent[:12])}. Nothing was loaded."
+                    )
+                )
+            flat: dict[str, Any] = {}
+            for fqn, param in params.items():
+                hyper, entries = by_name[fqn]
+                flat.update({f"param_groups.{fqn}.{k}": v for k, v in hyper.items()})
+                flat.update({f"state.{fqn}.{k}": _like(param, v) for k, v in entries.items()})
+            loads.append((optimizer, torch_optimizer_state(names, optimizer, flat)))
+    # ---- every check passed and everything was read: only now is the live state changed
+    load_full_state_dict(module, state, full_keys=context.full_spec.keys(), strict=False)
+    for optimizer, torch_state in loads:
+        optimizer.load_state_dict(torch_state)
+    # this rank's part of the model and of the callbacks' copies of it, where Lightning's callbacks look for them
+    checkpoint["state_dict"] = dict(module.state_dict())
+    shapes = {name: spec.shape for name, spec in context.full_spec.items()}
+    for where in model_copy_paths(checkpoint, shapes):
+        put_path(checkpoint, where, _rank_part(module, pop_path(checkpoint, where)))
+    _fit_schedulers(checkpoint, trainer, fitting)
+    _restore_rank_state(context, trainer, {}, fitting)
+    return checkpoint

@@ -22,10 +22,12 @@ import lightning_3d  # noqa: F401  (makes Lightning's loader read folders)
 from lightning_3d.checkpoint import META_FILE, SECTION
 from lightning_3d.checkpoint.__main__ import main
 from lightning_3d.checkpoint.lightning_file import (
+    _optimizer_by_name,
     consolidate,
     is_checkpoint_folder,
     lightning_checkpoint,
     read_folders_as_files,
+    single_device_groups,
 )
 
 
@@ -166,3 +168,52 @@ def test_single_device_trainer_takes_a_folder_as_ckpt_path(tmp_path: Path) -> No
     (result,) = trainer.validate(Tied(), data, ckpt_path=folder, verbose=False)
     (want,) = trainer.validate(trained, data, verbose=False)
     assert result["val_loss"] == want["val_loss"]
+
+
+class TwoGroups(Tied):
+    """Tied, with one device's optimizer in two groups (the middle layer's, then the rest) and a scheduler."""
+
+    def configure_optimizers(self):
+        mid = list(self.mid.parameters())
+        rest = [p for p in self.parameters() if all(p is not q for q in mid)]
+        opt = torch.optim.Adam([{"params": mid, "lr": 0.1}, {"params": rest}], lr=0.01)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 2)}
+
+
+def test_single_device_groups_name_one_devices_optimizer_in_order() -> None:
+    """The names that number one device's optimizer state: group by group, in the groups' order, a tied weight by
+    its first name; a copy that cannot be made, or parameters from elsewhere, are refused with the reason."""
+    from lightning_3d.core.boundary_check import make_skeleton
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    module = TwoGroups()
+    module.trainer = trainer  # as during a fit
+    assert single_device_groups(make_skeleton(module)) == [[["mid.weight", "mid.bias"], ["emb.weight"]]]
+    with pytest.raises(ValueError, match="could not be copied"):
+        single_device_groups("the model could not be copied (TypeError: x)")
+
+    class Elsewhere(TwoGroups):
+        def configure_optimizers(self):
+            return torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+
+    elsewhere = Elsewhere()
+    elsewhere.trainer = trainer
+    with pytest.raises(ValueError, match="not the LightningModule's"):
+        single_device_groups(make_skeleton(elsewhere))
+
+
+def test_one_devices_optimizer_state_by_name() -> None:
+    """``optimizer.state_dict()`` of one device, keyed by name through the groups; groups of other sizes are
+    refused before anything is read into the model."""
+    module = TwoGroups()
+    opt = module.configure_optimizers()["optimizer"]
+    module(torch.arange(8)).sum().backward()
+    opt.step()
+    groups = [["mid.weight", "mid.bias"], ["emb.weight"]]
+    by_name = _optimizer_by_name(opt.state_dict(), groups, 0, Path("x.ckpt"))
+    assert list(by_name) == ["mid.weight", "mid.bias", "emb.weight"]
+    hyper, state = by_name["mid.bias"]
+    assert hyper["lr"] == 0.1 and torch.equal(state["exp_avg"], opt.state[module.mid.bias]["exp_avg"])
+    assert by_name["emb.weight"][0]["lr"] == 0.01
+    with pytest.raises(ValueError, match=r"groups of \[2, 1\] parameters, but configure_optimizers gives the unsplit"):
+        _optimizer_by_name(opt.state_dict(), [["mid.weight"], ["mid.bias", "emb.weight"]], 0, Path("x.ckpt"))
