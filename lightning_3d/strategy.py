@@ -63,6 +63,7 @@ from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .checkpoint import hf as ckpt_hf
+from .checkpoint.lightning_file import load_lightning_file
 from .core import partition
 from .core.agreed import mark_agreed, on_rank0_told
 from .core.boundary_check import make_skeleton
@@ -748,7 +749,6 @@ class ThreeDStrategy(ParallelStrategy):
             randomness=self.body_randomness,
             broadcast=self.broadcast,
             barrier=self.barrier,
-            unsplit=self._unsplit,
         )
 
     @property
@@ -789,7 +789,10 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return ckpt.load_checkpoint(self._checkpoint_context(), checkpoint_path, weights_only)
+        path = Path(self.broadcast(os.fspath(checkpoint_path)))
+        if path.is_file():  # a checkpoint file of one device or DDP: scaling a run up
+            return load_lightning_file(self._checkpoint_context(), path, weights_only, self._unsplit)
+        return ckpt.load_checkpoint(self._checkpoint_context(), path, weights_only)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -111,8 +111,6 @@ class CheckpointContext:
         randomness: the body's random streams (saved with every rank's RNG state).
         broadcast: rank 0's object to every rank (collective).
         barrier: all ranks meet (collective).
-        unsplit: a structure-only copy of the unsplit LightningModule (or why none was made), to number one
-            device's optimizer state when a checkpoint file of one device is loaded (``lightning_file.py``).
     """
 
     module: pl.LightningModule
@@ -125,7 +123,6 @@ class CheckpointContext:
     randomness: BodyRandomness | None
     broadcast: Callable[[Any], Any]
     barrier: Callable[[], None]
-    unsplit: nn.Module | str | None = None
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -305,10 +302,6 @@ def load_checkpoint(
         Lightning's remaining checkpoint dict (loops, callbacks, LR schedulers, ...), for Lightning to restore.
     """
     path = Path(context.broadcast(os.fspath(checkpoint_path)))
-    if path.is_file():  # a checkpoint file of one device or DDP: scaling a run up (``lightning_file.py``)
-        from .lightning_file import load_lightning_file
-
-        return load_lightning_file(context, path, weights_only, context.unsplit)
     try:
         check_complete(path)
     except FileNotFoundError as err:
@@ -318,7 +311,7 @@ def load_checkpoint(
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
     section = meta.pop(SECTION, None) or {}
     saved = saved_model_shapes(metadata)
-    _check_state_keys(context, saved, path)
+    check_state_keys(context, saved, path)
     trainer = module.trainer
     fitting = trainer.state.fn == TrainerFn.FITTING
     optimizers = [getattr(o, "_optimizer", o) for o in context.optimizers] if fitting else []
@@ -351,12 +344,12 @@ def load_checkpoint(
     meta["state_dict"] = model
     for i, where in enumerate(copies):
         put_path(meta, where, state[MODEL_COPY.format(i)])
-    _fit_schedulers(meta, trainer, fitting)
-    _restore_rank_state(context, trainer, section, fitting)
+    fit_schedulers(meta, trainer, fitting)
+    restore_rank_state(context, trainer, section, fitting)
     return meta
 
 
-def _check_state_keys(context: CheckpointContext, saved: Mapping[str, tuple[int, ...] | None], path: Path) -> None:
+def check_state_keys(context: CheckpointContext, saved: Mapping[str, tuple[int, ...] | None], path: Path) -> None:
     """Refuse a checkpoint whose model keys (``saved``: name -> global shape) do not fit the model (missing or
     unexpected keys only with the module's ``strict_loading``; a warning otherwise)."""
     report = compare_keys({k: spec.shape for k, spec in context.full_spec.items()}, saved)
@@ -384,7 +377,7 @@ def optimizer_count_problem(saved: int, live: int, path: Path) -> Exception | No
     return None
 
 
-def _fit_schedulers(meta: dict[str, Any], trainer: pl.Trainer, fitting: bool) -> None:
+def fit_schedulers(meta: dict[str, Any], trainer: pl.Trainer, fitting: bool) -> None:
     """Lightning's saved LR schedulers (rank 0's, or one device's) fitted to this rank's parameter groups."""
     if fitting and isinstance(meta.get("lr_schedulers"), list):
         configs = trainer.lr_scheduler_configs
@@ -410,9 +403,7 @@ def _untied_copies(module: nn.Module, loaded: Mapping[str, Tensor]) -> list[tupl
     ]
 
 
-def _restore_rank_state(
-    context: CheckpointContext, trainer: pl.Trainer, section: dict[str, Any], fitting: bool
-) -> None:
+def restore_rank_state(context: CheckpointContext, trainer: pl.Trainer, section: dict[str, Any], fitting: bool) -> None:
     """RNG state (and, when fitting, the data position) for this rank; see ``resume.py``."""
     layout, rngs = section.get("layout"), section.get("rng")
     dp, pp, tp = context.topology.shape

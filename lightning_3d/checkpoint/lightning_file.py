@@ -20,6 +20,9 @@ Two ways to use it:
   ``LightningDataModule.load_from_checkpoint`` and ``TorchCheckpointIO``, which single-device ``Trainer``s use for
   ``ckpt_path=``) read such a folder directly (:func:`read_folders_as_files`). Every other path goes to Lightning's
   loader unchanged.
+
+The other direction, :func:`load_lightning_file`: ``ThreeDStrategy``'s ``ckpt_path=`` of a file one device (or DDP)
+wrote resumes that run at any layout, optimizer states included (scaling a run up).
 """
 
 from __future__ import annotations
@@ -38,7 +41,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..core.agreed import mark_agreed
 from ..core.materialize import load_full_state_dict
 from ..core.tied import canonical_keys
-from . import DCP_METADATA, META_FILE, SECTION, check_complete, whole_model
+from . import (
+    DCP_METADATA,
+    META_FILE,
+    SECTION,
+    check_complete,
+    check_state_keys,
+    fit_schedulers,
+    optimizer_count_problem,
+    restore_rank_state,
+    whole_model,
+)
 from .named_state import MODEL_COPY, model_copy_paths, param_names, pop_path, put_path, torch_optimizer_state
 
 if TYPE_CHECKING:
@@ -235,8 +248,6 @@ def load_lightning_file(
     Returns:
         Lightning's remaining checkpoint dict (loops, callbacks, LR schedulers fitted to this rank's groups).
     """
-    from . import _check_state_keys, _fit_schedulers, _restore_rank_state, optimizer_count_problem
-
     checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), Mapping):
         raise mark_agreed(
@@ -248,7 +259,7 @@ def load_lightning_file(
         )
     module = context.module
     state = dict(canonical_keys(checkpoint.pop("state_dict"), module))
-    _check_state_keys(context, {k: tuple(v.shape) for k, v in state.items()}, path)
+    check_state_keys(context, {k: tuple(v.shape) for k, v in state.items()}, path)
     trainer = module.trainer
     fitting = trainer.state.fn == TrainerFn.FITTING
     optimizers = [getattr(o, "_optimizer", o) for o in context.optimizers] if fitting else []
@@ -291,6 +302,6 @@ def load_lightning_file(
     shapes = {name: spec.shape for name, spec in context.full_spec.items()}
     for where in model_copy_paths(checkpoint, shapes):
         put_path(checkpoint, where, _rank_part(module, pop_path(checkpoint, where)))
-    _fit_schedulers(checkpoint, trainer, fitting)
-    _restore_rank_state(context, trainer, {}, fitting)
+    fit_schedulers(checkpoint, trainer, fitting)
+    restore_rank_state(context, trainer, {}, fitting)
     return checkpoint
