@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..core.agreed import mark_agreed
 from ..core.materialize import load_full_state_dict
-from ..core.tied import canonical_keys
+from ..core.tied import canonical_keys, canonical_names
 from . import (
     DCP_METADATA,
     META_FILE,
@@ -300,6 +300,8 @@ def load_lightning_file(
     # this rank's part of the model and of the callbacks' copies of it, where Lightning's callbacks look for them
     checkpoint["state_dict"] = dict(module.state_dict())
     shapes = {name: spec.shape for name, spec in context.full_spec.items()}
+    # one device's copies name a tied weight under each of its names, as its state_dict() does
+    shapes.update({alias: shapes[name] for alias, name in canonical_names(module).items() if name in shapes})
     for where in model_copy_paths(checkpoint, shapes):
         put_path(checkpoint, where, _rank_part(module, pop_path(checkpoint, where)))
     fit_schedulers(checkpoint, trainer, fitting)
