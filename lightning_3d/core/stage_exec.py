@@ -92,7 +92,9 @@ class Elsewhere(nn.Module):
         if executor is None or fqn is None:  # half-made (copy, unpickling): a plain miss
             raise AttributeError(name)
         current = executor.current
-        stage = current.stage if current is not None else "?"
+        if current is None:
+            raise AttributeError(outside_steps_message(fqn, executor.split.stage_of(fqn)))
+        stage = current.stage
         raise AttributeError(
             f"lightning_3d: {fqn}.{name} was read on pipeline stage {stage}, but {fqn} is held by stage "
             f"{executor.split.stage_of(fqn)}: a stage holds only its own modules. Call the module instead of "
@@ -107,7 +109,9 @@ class Elsewhere(nn.Module):
         # activation): a module the user placed on an earlier stage (``stages=``) may run there too.
         if current is not None and current.received is not None and (self.role == "first" or not current.started):
             return self._executor.stand_in_output(torch.zeros_like(current.received), self.fqn)
-        stage = current.stage if current is not None else "?"
+        if current is None:
+            raise RuntimeError(outside_steps_message(self.fqn, self._executor.split.stage_of(self.fqn)))
+        stage = current.stage
         raise RuntimeError(
             f"lightning_3d: {self.fqn} is held by pipeline stage {self._executor.split.stage_of(self.fqn)}, but stage "
             f"{stage} reached it {'before' if self.role == 'last' else 'without'} its blocks. Modules registered "
@@ -115,6 +119,19 @@ class Elsewhere(nn.Module):
             "ThreeDStrategy(stages=...) places them; name the container with ThreeDStrategy(blocks=...) if another one "
             f"was meant. {BLOCKS_CONTRACT}"
         )
+
+
+def outside_steps_message(fqn: str, holder: int) -> str:
+    """Why a module of another stage was reached with no stage running: the model was called outside the steps."""
+    return (
+        f"lightning_3d: the model was called outside the training, validation, test and predict steps (in a hook such "
+        f"as on_validation_epoch_end, in a callback, or after fit), and reached {fqn}, which pipeline stage {holder} "
+        "holds. Under pipeline parallelism each rank holds only its stages' modules, and the model runs through the "
+        "pipeline only inside the steps, once per step. What needs the whole model on one rank, such as "
+        "generate() for sample text during training, works at pp=1 (tensor and data parallelism); with pp > 1, "
+        "generate after training from the saved weights: trainer.strategy.save_hf(path) on every rank, or "
+        "YourModule.load_from_checkpoint(checkpoint_folder) on one device."
+    )
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:

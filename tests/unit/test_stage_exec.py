@@ -167,6 +167,21 @@ def test_reading_a_parameter_of_another_stages_module_names_it_and_the_fix() -> 
     assert not hasattr(model.embed, "weight")  # probes still see an AttributeError
 
 
+def test_the_model_called_outside_the_steps_says_so_and_what_works() -> None:
+    """An epoch-end hook calling the model (``generate()`` for sample text) under pp > 1 reached a module of another
+    stage with no stage running. It said *"stage ? reached it before its blocks ... name the container with
+    ThreeDStrategy(blocks=...)"*, as if the split were wrong; now it names the call outside the steps and what
+    works instead. Both stages: the last reaches the embedding, the first the head."""
+    x, _ = batch()
+    for stage, reached in ((1, "embed"), (0, "head")):
+        model = Net()
+        stage_of(model, stage)
+        with pytest.raises(RuntimeError, match=rf"called outside the training.*reached {reached}, which pipeline stage"):
+            model(x)
+    with pytest.raises(AttributeError, match="called outside the training, validation, test and predict steps"):
+        model.head.weight  # noqa: B018  (the first stage reads the head's weight outside a step)
+
+
 def test_a_skip_connection_across_the_boundary_is_named() -> None:
     with pytest.raises(ValueError, match=r"crosses the stage boundary between blocks.0 and blocks.2"):
         run_last_stage(Net(skip=True))
