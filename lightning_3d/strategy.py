@@ -73,6 +73,7 @@ from .core.grad_norm import clip_grads_, clip_grads_by_value_, global_grad_norm
 from .core.hook_logs import HookLogs, relay_epoch_end
 from .core.loss_scale import LossScaler, scaler_of
 from .core.loss_weights import label_count_for
+from .core.manual import manual_problem, reshard_roots
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
 from .core.optim import optimizer_for_dtensors
 from .core.parallelize import (
@@ -416,13 +417,12 @@ class ThreeDStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
 
     def _validate_module(self, module: pl.LightningModule) -> None:
-        if not module.automatic_optimization:
-            raise ValueError(
-                "ThreeDStrategy runs forward and backward inside the pipeline schedule, so it needs automatic "
-                "optimization; manual optimization (automatic_optimization=False) is not supported."
-            )
-        scaler_of(self.precision_plugin)  # a loss scaler other than torch.amp.GradScaler is refused
         assert self.topology is not None
+        scaler = scaler_of(self.precision_plugin)  # a loss scaler other than torch.amp.GradScaler is refused
+        if not module.automatic_optimization:  # pp = 1 only (``core/manual.py``)
+            problem = manual_problem(self.topology.pp, scaler is not None)
+            if problem is not None:
+                raise mark_agreed(ValueError(problem))
         trainer = getattr(module, "_trainer", None)
         refuse_pruning(trainer.callbacks if trainer is not None else [], self.topology.dp, self.topology.tp)
 
@@ -488,6 +488,7 @@ class ThreeDStrategy(ParallelStrategy):
                 s.fsdp_reshard_after_forward,
                 bool(s.fsdp_reshard_after_backward),
                 s.fsdp_unit,
+                module_roots=not module.automatic_optimization,
             ),
         )
         self._compiled = built.compiled
@@ -522,8 +523,10 @@ class ThreeDStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ steps
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None and self.runner is not None
+        if not self.lightning_module.automatic_optimization:
+            return self._manual_training_step(args, kwargs)
         trainer = self.lightning_module.trainer
         accumulate = trainer.accumulate_grad_batches
         if self._compiled is not None:
@@ -554,6 +557,19 @@ class ThreeDStrategy(ParallelStrategy):
             print(report, flush=True)
         return result.logs.loss(self.root_device)  # a device tensor: no host synchronisation
 
+    def _manual_training_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Manual optimization (pp = 1, ``core/manual.py``): the user's step as Lightning's strategies run it; its
+        ``manual_backward`` and optimizer steps come back through :meth:`backward` and :meth:`optimizer_step`."""
+        module = self.lightning_module
+        assert module is not None
+        if self._compiled is not None:
+            self._compiled.step_began()
+        self._check_replica_batch("training_step", args)  # ---- reliability: one batch per replica
+        with self.precision_plugin.train_step_context():
+            out = module.training_step(*args, **kwargs)
+        self._reliability.after_train_step()  # ---- reliability: train_timeout after the first step
+        return out
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's backward hook: the schedule already ran backward; hand its gradients over.
@@ -562,6 +578,8 @@ class ThreeDStrategy(ParallelStrategy):
         exactly where single-device training runs them.
         """
         assert self.lightning_module is not None
+        if not self.lightning_module.automatic_optimization:  # manual_backward: autograd here, as Lightning's own
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         with self._gradient_hook_logs("backward"):
             return self._backward(closure_loss)
 
@@ -601,7 +619,11 @@ class ThreeDStrategy(ParallelStrategy):
 
             after_closure_entered: list[bool] = []
             if self.loss_scaler is None:
-                return super().optimizer_step(optimizer, closure_then_hooks, model, **kwargs)
+                out = super().optimizer_step(optimizer, closure_then_hooks, model, **kwargs)
+                module = self.lightning_module
+                if module is not None and not module.automatic_optimization:
+                    reshard_roots(module)  # the next forward gathers the stepped weights (``core/manual.py``)
+                return out
             model = model or self.lightning_module
             assert model is not None
             return self.loss_scaler.optimizer_step(

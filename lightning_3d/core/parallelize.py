@@ -35,6 +35,7 @@ from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
 from .compile import CompiledBlocks, compile_blocks
 from .data_parallel import apply_data_parallel
 from .fsdp import SHARDED_MODES, apply_fsdp
+from .manual import data_parallel_roots
 from .materialize import ShardedInit, check_materializable, has_meta_tensors, library_initializers, materialize
 from .pipeline import StageSpec, activations_in_flight, stage_ranks
 from .rng import BodyRandomness
@@ -404,6 +405,8 @@ class DataParallelPlan:
             the build's ``mesh["dp"]``.
         reduce_dtype: ``"bf16"``/``"fp16"``: the dtype of the gradient reduction (``None``: the parameters').
         reshard_after_forward / reshard_after_backward / unit: the ``fsdp_*`` settings of those names.
+        module_roots: manual optimization: each module a stage holds is a root of its own, the stage module none
+            (``manual.data_parallel_roots``).
     """
 
     mode: str = "replicate"
@@ -412,6 +415,7 @@ class DataParallelPlan:
     reshard_after_forward: bool | None = None
     reshard_after_backward: bool = False
     unit: str = "block"
+    module_roots: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -434,6 +438,24 @@ class DataParallelPlan:
                 unit=self.unit,
             )
         return apply_data_parallel(module, mesh["dp"], blocks=blocks, reduce_dtype=self.reduce_dtype)
+
+    def wrap_stage(
+        self,
+        stage: nn.Module,
+        blocks: Sequence[nn.Module],
+        held: Sequence[nn.Module],
+        mesh: DeviceMesh,
+        precision: Precision,
+        owner: nn.Module | None = None,
+    ) -> nn.Module:
+        """``stage`` made data-parallel (:meth:`wrap`), or, with ``module_roots``, each of its modules (``held``, or
+        ``owner``'s children) wrapped as a root of its own and ``stage`` returned as it is."""
+        if not self.module_roots:
+            return self.wrap(stage, blocks, mesh, precision)
+        if mesh["dp"].size() > 1 or self.sharded:
+            for root in data_parallel_roots(held, owner):
+                self.wrap(root, [], mesh, precision)
+        return stage
 
 
 def build_stages(
@@ -521,7 +543,7 @@ def build_stages(
         # every layer of a Sequential runs once per forward: each is a gradient bucket of its own
         held = [m for m in torch_compat.child_modules(container).values() if m is not None]
         # a Sequential body has no ties: every layer of the stage its own FSDP unit or gradient bucket
-        wrapped = dp_plan.wrap(container, held, mesh, precision)
+        wrapped = dp_plan.wrap_stage(container, held, held, mesh, precision)
         stages.append(StageSpec(s, wrapped))
     if deferred is not None:
         deferred.allocate([s.module for s in stages], device)
@@ -659,7 +681,8 @@ def _build_split_stages(
         if container is not None:
             blocks = [module.get_submodule(container.block_fqn(b)) for b in split.stage_blocks[s]]
         # embeddings, norm and head in the stage's root unit (or bucket)
-        wrapped = dp_plan.wrap(stage_module, blocks, mesh, precision)
+        owner = module if container is None else None
+        wrapped = dp_plan.wrap_stage(stage_module, blocks, list(held.values()), mesh, precision, owner)
         stages.append(StageSpec(s, wrapped))
     if deferred is not None:
         deferred.allocate([s.module for s in stages], device)

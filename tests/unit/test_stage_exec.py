@@ -176,7 +176,7 @@ def test_the_model_called_outside_the_steps_says_so_and_what_works() -> None:
     for stage, reached in ((1, "embed"), (0, "head")):
         model = Net()
         stage_of(model, stage)
-        with pytest.raises(RuntimeError, match=rf"called outside the training.*reached {reached}, which pipeline stage"):
+        with pytest.raises(RuntimeError, match=rf"called outside the training.*reached {reached}, which pipeline"):
             model(x)
     with pytest.raises(AttributeError, match="called outside the training, validation, test and predict steps"):
         model.head.weight  # noqa: B018  (the first stage reads the head's weight outside a step)
