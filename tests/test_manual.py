@@ -44,7 +44,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2dp2", "dp2fsdp", "tp2dp2fsdp"])
+@pytest.mark.parametrize("layout", ["tp2dp2", "dp2fsdp", "tp2dp2fsdp", "dp4hsdp"])
 def test_manual_optimization_matches_one_device(reference: tuple[Path, dict, dict], layout: str) -> None:
     """Refused until 2026-12-05 (*"manual optimization (automatic_optimization=False) is not supported"*). The
     losses of both backward passes and the parameters after two batches equal one device's within 1e-10 (float64).
