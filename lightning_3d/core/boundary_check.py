@@ -283,7 +283,10 @@ def make_skeleton(module: nn.Module) -> nn.Module | str:
             memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
     for sub in module.modules():
         for value in vars(sub).values():
-            if id(value) in memo or isinstance(value, (nn.Module, list, tuple, dict, set, str, bytes, int, float)):
+            if isinstance(value, (list, tuple, dict, set)):
+                _share_tensors_in(value, memo)  # a list of outputs kept by the user: not copied
+                continue
+            if id(value) in memo or isinstance(value, (nn.Module, str, bytes, int, float)):
                 continue
             if value is None or isinstance(value, bool):
                 continue
@@ -300,6 +303,19 @@ def make_skeleton(module: nn.Module) -> nn.Module | str:
     skeleton.__dict__["log"] = _no_log
     skeleton.__dict__["log_dict"] = _no_log
     return skeleton
+
+
+def _share_tensors_in(value: Any, memo: dict[int, Any], depth: int = 4) -> None:
+    """Memo entries that share the tensors inside (nested) lists, tuples, dicts and sets of a module attribute with
+    the copy: a LightningModule's list of step outputs or of cached batches costs the copy no memory."""
+    if isinstance(value, torch.Tensor):
+        memo.setdefault(id(value), value)
+    elif depth and isinstance(value, (list, tuple, set)):
+        for item in value:
+            _share_tensors_in(item, memo, depth - 1)
+    elif depth and isinstance(value, dict):
+        for item in value.values():
+            _share_tensors_in(item, memo, depth - 1)
 
 
 def _shared_hooks(module: nn.Module) -> dict[int, Any]:

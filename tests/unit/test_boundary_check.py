@@ -282,3 +282,24 @@ def test_the_executor_checks_the_first_training_batch_once_then_frees_the_skelet
     with pytest.warns(UserWarning, match="could not run on fake tensors before the first step"):
         executor.check_first_step("training_step", BATCH, (0,), 4, 2)
     assert executor._skeleton is None and not executor._checked  # the first real forward is checked instead
+
+
+def test_the_skeleton_shares_tensors_kept_in_lists_instead_of_copying_them() -> None:
+    """The strategy keeps a skeleton of every model (a checkpoint file of one device is numbered by it): outputs a
+    LightningModule keeps in a list or dict attribute are shared with it, not copied (memory), while its parameters,
+    also when a list names one, are meta copies."""
+    import lightning as L
+
+    class Keeps(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 4)
+            self.outputs = [torch.ones(64, 64), {"val": (torch.zeros(3),)}]
+            self.named = [self.layer.weight]
+
+    module = Keeps()
+    skeleton = make_skeleton(module)
+    assert not isinstance(skeleton, str)
+    assert skeleton.outputs is not module.outputs  # the containers are the copy's own
+    assert skeleton.outputs[0] is module.outputs[0] and skeleton.outputs[1]["val"][0] is module.outputs[1]["val"][0]
+    assert skeleton.layer.weight.is_meta and skeleton.named[0] is skeleton.layer.weight
