@@ -5,9 +5,9 @@ The step uses what manual optimization is for: two optimizers (AdamW over the em
 momentum over the final norm and head), ``manual_backward`` twice, ``clip_gradients`` on the first optimizer, a
 second forward after the first optimizer's step (which must see the updated weights), ``toggle_optimizer`` around
 the second backward, and an LR scheduler stepped by hand. ``--layout``: ``single``, ``tp2dp2`` (replicate),
-``dp2fsdp``, ``tp2dp2fsdp``, ``dp4hsdp`` (HSDP, shards over 2), or ``pp2`` (refused). ``--save DIR`` / ``--resume CKPT``: ``last.ckpt`` after the
-run, or a run resumed from one (4 more steps). Rank 0 writes ``OUT``: every step's logged losses, the final
-parameters as full tensors, and the error if the run was refused.
+``dp2fsdp``, ``tp2dp2fsdp``, ``dp4hsdp`` (HSDP, shards over 2), or ``pp2`` (refused). ``--save DIR`` /
+``--resume CKPT``: ``last.ckpt`` after the run, or a run resumed from one (4 more steps). Rank 0 writes ``OUT``:
+every step's logged losses, the final parameters as full tensors, and the error if the run was refused.
 """
 
 from __future__ import annotations
