@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -409,6 +411,15 @@ class OrderedData(L.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader(dataset(self.model, self.val_n, seed=2))
+
+
+def same_start(model: nn.Module, init: Path) -> None:
+    """Give every run of a comparison the same initial weights: the first run saves its model's to ``init``, the
+    later ones (one device and each layout) load them."""
+    if init.exists():
+        model.load_state_dict(torch.load(init))
+    else:
+        torch.save(model.state_dict(), init)
 
 
 def quiet_trainer(**kwargs) -> L.Trainer:

@@ -24,7 +24,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, M
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import NanoGPT, OrderedData, quiet_trainer
+from models import NanoGPT, OrderedData, quiet_trainer, same_start
 
 LAYOUTS = {"single": None, "tp2pp2": {"tp": 2, "pp": 2}, "pp2dp2": {"pp": 2}}
 BATCH = 8
@@ -103,10 +103,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float64)
     L.seed_everything(0)
     model = Counted()
-    if args.init.exists():
-        model.load_state_dict(torch.load(args.init))
-    else:
-        torch.save(model.state_dict(), args.init)
+    same_start(model, args.init)
     layout = LAYOUTS[args.layout]
     dp = 1 if layout is None else 4 // (layout.get("tp", 1) * layout["pp"])
 

@@ -39,7 +39,7 @@ from lightning.pytorch.callbacks import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import NanoGPT, OrderedData
+from models import NanoGPT, OrderedData, same_start
 
 LAYOUTS = {
     "single": None,
@@ -113,10 +113,7 @@ def main() -> None:
     finetune = args.callback == "finetune"
     model = (TrainableOnly if finetune else NanAtStep)(build="init", tie=not finetune or args.tied_finetune)
     model.nan_step = args.nan_step
-    if args.init.exists():
-        model.load_state_dict(torch.load(args.init))
-    else:
-        torch.save(model.state_dict(), args.init)
+    same_start(model, args.init)
     layout = LAYOUTS[args.layout]
     if layout is None:
         kwargs: dict[str, object] = {"devices": 1}

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import NanoGPT, OrderedData, quiet_trainer
+from models import NanoGPT, OrderedData, quiet_trainer, same_start
 
 LAYOUTS = {
     "single": None,
@@ -95,10 +95,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float64)
     L.seed_everything(0)
     model = Manual()
-    if args.init.exists():
-        model.load_state_dict(torch.load(args.init))
-    else:
-        torch.save(model.state_dict(), args.init)
+    same_start(model, args.init)
     layout = LAYOUTS[args.layout]
     dp = 1
     kwargs: dict[str, object] = {"devices": 1}

@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import lightning as L
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import HFCausalLM, OrderedData, quiet_trainer
+from models import HFCausalLM, OrderedData, quiet_trainer, same_start
 
 
 class Saving(HFCausalLM):
@@ -51,10 +50,7 @@ def main() -> None:
     single = args.layout == "single"
     model = Saving(args.out, single, args.plain)
     model.configure_model()
-    if args.init.exists():
-        model.load_state_dict(torch.load(args.init))
-    else:
-        torch.save(model.state_dict(), args.init)
+    same_start(model, args.init)
     kwargs = {"devices": 1} if single else {"devices": 4, "strategy": ThreeDStrategy(tp=2, pp=2, micro_batches=2)}
     trainer = quiet_trainer(
         max_epochs=1,

@@ -21,7 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import NanoGPT, OrderedData, quiet_trainer
+from models import NanoGPT, OrderedData, quiet_trainer, same_start
 
 LAYOUTS = {"single": None, "pp2": {"pp": 2}, "pp2dp2": {"pp": 2}, "tp2pp2": {"tp": 2, "pp": 2}}
 STOP_EPOCH, STOP_BATCH, THRESHOLD = 1, 2, 3.5
@@ -59,10 +59,7 @@ def main() -> None:
     torch.set_default_dtype(torch.float64)
     L.seed_everything(0)
     model = Stopping(args.when, args.metric)
-    if args.init.exists():
-        model.load_state_dict(torch.load(args.init))
-    else:
-        torch.save(model.state_dict(), args.init)
+    same_start(model, args.init)
     layout = LAYOUTS[args.layout]
     world = {"single": 1, "pp2": 2}.get(args.layout, 4)
     dp = 1 if layout is None else world // (layout.get("tp", 1) * layout["pp"])
