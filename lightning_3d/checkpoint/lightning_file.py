@@ -28,6 +28,7 @@ wrote resumes that run at any layout, optimizer states included (scaling a run u
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -130,8 +131,6 @@ def consolidate(checkpoint_dir: str | os.PathLike, out: str | os.PathLike | None
 def read_folders_as_files() -> None:
     """Make Lightning's checkpoint loader read ``ThreeDStrategy`` folders as :func:`lightning_checkpoint` (idempotent;
     run by ``import lightning_3d``). Other paths, and file objects, go to Lightning's loader as before."""
-    import importlib
-
     for name in _LOADERS:
         try:
             module = importlib.import_module(name)
