@@ -508,7 +508,7 @@ def worker_llama(model: str, tiny: bool, micro_batches: int, batch: int) -> dict
     import lightning as L
     import torch.distributed as dist
 
-    from lightning_3d.core.stage_exec import Elsewhere, Skipped
+    from lightning_3d.core.stand_ins import Elsewhere, Skipped
 
     from .common import fit_3d
     from .hf_llama import (

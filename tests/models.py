@@ -344,6 +344,55 @@ class HFCausalLM(_Base):
         return out.loss
 
 
+_ENCODER_SIZES = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 4, "num_hidden_layers": 4}
+_NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+# Encoder and vision families: (the Auto class, the config's settings besides the sizes)
+_HF_ENCODERS: dict[str, tuple[str, dict]] = {
+    "bert": ("AutoModelForSequenceClassification", {"max_position_embeddings": 16, "num_labels": 3, **_NO_DROPOUT}),
+    # (no q/k/v biases: a key bias gets a zero gradient, and its round-off alone is compared against one device's)
+    "vit": ("AutoModelForImageClassification", {"image_size": 4, "patch_size": 2, "num_channels": 3, "num_labels": 3,
+                                                "qkv_bias": False, **_NO_DROPOUT}),
+    # its layers alternate global and local attention, which its forward reads from each layer (attention_type);
+    # the MLM head's decoder is tied to the token embedding (across the pipeline's ends)
+    "modernbert": ("AutoModelForMaskedLM", {"max_position_embeddings": 16, "local_attention": 4, "pad_token_id": 0,
+                                            "bos_token_id": 2, "eos_token_id": 1, "cls_token_id": 2,
+                                            "sep_token_id": 1}),
+}  # fmt: skip
+
+
+class HFEncoder(_Base):
+    """A LightningModule holding an unmodified Hugging Face encoder or vision model: a sequence classifier (the
+    label: the first token modulo 3), an image classifier (pixels made from the tokens) or a masked LM (every
+    position's next token as its label); SGD (their attention-key biases get round-off gradients, which Adam would
+    turn into steps)."""
+
+    def __init__(self, arch: str, lr: float = 0.01, **kwargs):
+        self.arch = arch
+        super().__init__(lr=lr, optimizer="sgd", **kwargs)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        import transformers
+        from transformers import AutoConfig
+
+        auto, settings = _HF_ENCODERS[self.arch]
+        config = AutoConfig.for_model(self.arch, vocab_size=32, **_ENCODER_SIZES, **settings)
+        self.model = getattr(transformers, auto).from_config(config, attn_implementation="eager")
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.arch == "vit":  # a 3 x 4 x 4 image per sample
+            pixels = torch.sin(x.to(torch.get_default_dtype())).repeat(1, 6)[:, :48].reshape(-1, 3, 4, 4)
+            loss = self.model(pixel_values=pixels, labels=x[:, 0] % 3).loss
+        elif self.arch == "bert":
+            loss = self.model(input_ids=x, labels=x[:, 0] % 3).loss
+        else:
+            loss = self.model(input_ids=x, labels=y).loss
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+
 MODELS = {
     "mlp": TinyMLP,
     "gpt": TinyGPT,
@@ -363,9 +412,12 @@ MODELS = {
     "hunyuan": lambda **kw: HFCausalLM("hunyuan_v1_dense", **kw),
     "rotary": RotaryGPT,
     "plain": PlainMLP,
+    "bertcls": lambda **kw: HFEncoder("bert", **kw),
+    "vit": lambda **kw: HFEncoder("vit", **kw),
+    "modernbert": lambda **kw: HFEncoder("modernbert", **kw),
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
-TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary"}
+TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary", "bertcls", "vit", "modernbert"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

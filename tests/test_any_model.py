@@ -18,7 +18,20 @@ from conftest import copy_inits
 from launch import run_lightning
 from parity_check import check_replicas, compare, load
 
-HF = ("llama", "qwen3", "gpt2", "opt", "stablelm", "apertus", "gptj", "falcon", "hunyuan")
+HF = (
+    "llama",
+    "qwen3",
+    "gpt2",
+    "opt",
+    "stablelm",
+    "apertus",
+    "gptj",
+    "falcon",
+    "hunyuan",
+    "bertcls",
+    "vit",
+    "modernbert",
+)
 
 
 def precision_of(case: str) -> str:
@@ -65,6 +78,12 @@ LAYOUTS = {
         "gptjmeta64",
         "falcon64",
         "hunyuan64",
+        # encoder and vision models: a BERT sequence classifier, a ViT image classifier (its forward reads the patch
+        # embedding's weight dtype on every stage), a ModernBERT masked LM (its forward reads each layer's attention
+        # type and unpacks a tuple from each layer)
+        "bertcls64",
+        "vit64",
+        "modernbert64",
     ],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
@@ -123,6 +142,25 @@ SHARDED["stablelm"] = SHARDED["llama"]
 # gradients summed over tp), its own plan the embedding and the head
 SHARDED["hunyuan"] = SHARDED["llama"]
 SHARDED["apertus"] = tuple(key for key in SHARDED["llama"] if key != "gate_proj.")
+# encoders, all the automatic plan: BERT's attention and MLP pairs, the pooler / classifier pair and its three
+# embeddings; ViT's attention and MLP pairs (the patch convolution and the classifier whole); ModernBERT's fused
+# q/k/v and gated MLP input stay whole (the layout says why), and so do the MLP outputs they feed, except the last
+# block's, whose output leaves the blocks (sharded, its output all-gathered); the token embedding and the MLM decoder
+# tied to it are split on the vocabulary
+SHARDED["bertcls"] = (
+    ".query.",
+    ".key.",
+    ".value.",
+    "output.dense.weight",
+    "intermediate.dense.",
+    "pooler.dense.",
+    "classifier.weight",
+    "word_embeddings.",
+    "position_embeddings.",
+    "token_type_embeddings.",
+)
+SHARDED["vit"] = ("q_proj.", "k_proj.", "v_proj.", "o_proj.weight", "fc1.", "fc2.weight")
+SHARDED["modernbert"] = ("tok_embeddings.weight", "decoder.", "layers.3.mlp.Wo.weight")
 
 
 def check_shares(got: dict, ref: dict, model: str, tp: int) -> list[str]:

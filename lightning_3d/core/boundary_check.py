@@ -117,9 +117,10 @@ class _Trace:
                 f"lightning_3d: pipeline stage {stage} (from {first}) uses the output of {source.name}, which another "
                 f"stage holds: a skip connection crosses the stage boundary between {source.name} and {first} (in "
                 f"{user}). Only the tensor flowing from block to block crosses stages (a block's first argument and "
-                "its output); residuals must be added inside the blocks, and no block may read an earlier block's "
-                f"output otherwise. Choose stage boundaries that no skip connection crosses. {self.found} "
-                f"{BLOCKS_CONTRACT}"
+                "its first output, not other values it returns, such as a position bias the first layer computes for "
+                "the others or an encoder's output the decoder's blocks read); residuals must be added inside the "
+                "blocks, and no block may read an earlier block's output otherwise. Choose stage boundaries that no "
+                f"skip connection crosses. {self.found} {BLOCKS_CONTRACT}"
             )
         source = foreign[0]
         raise ValueError(
@@ -140,15 +141,29 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _replace_first(value: Any, make: Any) -> tuple[Any, torch.Tensor | None]:
-    """``value`` with its first floating-point tensor (a tensor, or a tuple / list's first element) replaced."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
+def _tag_outputs(value: Any, make: Any, depth: int = 3) -> tuple[Any, torch.Tensor | None]:
+    """``value`` with each of its floating-point tensors replaced by ``make(tensor)`` (in tuples and lists, rebuilt;
+    in mappings and ``ModelOutput`` objects, in place), and the replacement of its first tensor (the tensor itself,
+    or a tuple / list's first element; ``None`` for a mapping), which flows to the next block.
+
+    Every output is tagged, not only the first: a block that also returns a value the next blocks use (T5's position
+    bias, made by the first block) or a module before the blocks that returns an object (an encoder's output, used by
+    the decoder's blocks) must not let a later stage read it."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            return value, None
         new = make(value)
         return new, new
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        if value[0].is_floating_point():
-            new = make(value[0])
-            return type(value)([new, *value[1:]]) if isinstance(value, list) else (new, *value[1:]), new
+    if isinstance(value, (tuple, list)) and depth:
+        items = [_tag_outputs(v, make, depth - 1)[0] for v in value]
+        first = items[0] if value and isinstance(value[0], torch.Tensor) and value[0].is_floating_point() else None
+        if isinstance(value, list):
+            return items, first
+        return (type(value)(*items) if hasattr(value, "_fields") else type(value)(items)), first
+    if isinstance(value, Mapping) and hasattr(value, "__setitem__") and depth:
+        for key, item in list(value.items()):
+            if isinstance(item, (torch.Tensor, tuple, list)):
+                value[key] = _tag_outputs(item, make, depth - 1)[0]
     return value, None
 
 
@@ -276,6 +291,19 @@ def make_skeleton(module: nn.Module) -> nn.Module | str:
     Returns:
         The copy, or why none could be made (the check is then left to the first step's real forward).
     """
+    skeleton = meta_copy(module)
+    if isinstance(skeleton, str):
+        return skeleton
+    if "_trainer" in vars(module):  # LightningModule.__getstate__ drops the trainer reference; keep it
+        skeleton.__dict__["_trainer"] = module.__dict__["_trainer"]
+    skeleton.__dict__["log"] = _no_log
+    skeleton.__dict__["log_dict"] = _no_log
+    return skeleton
+
+
+def meta_copy(module: nn.Module) -> nn.Module | str:
+    """A copy of ``module`` with its parameters and buffers on the meta device (no real memory); other tensor
+    attributes and non-module objects (the trainer, configs) shared, not copied; or why none could be made."""
     memo: dict[int, Any] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
         if id(tensor) not in memo:
@@ -298,10 +326,6 @@ def make_skeleton(module: nn.Module) -> nn.Module | str:
             skeleton = copy.deepcopy(module, {**memo, **_shared_hooks(module)})
         except Exception as err:  # an attribute that cannot be copied (a lock, a file)
             return f"the model could not be copied ({type(err).__name__}: {err})"
-    if "_trainer" in vars(module):  # LightningModule.__getstate__ drops the trainer reference; keep it
-        skeleton.__dict__["_trainer"] = module.__dict__["_trainer"]
-    skeleton.__dict__["log"] = _no_log
-    skeleton.__dict__["log_dict"] = _no_log
     return skeleton
 
 
@@ -485,7 +509,7 @@ def _outside_pre_hook(trace: _Trace, tag: _Tag) -> Any:
 def _output_hook(trace: _Trace, tag: _Tag, index: int | None) -> Any:
     def hook(sub: nn.Module, args: Any, output: Any) -> Any:
         trace.refuse_foreign(output, tag.stage, tag.name)
-        new, leaf = _replace_first(output, lambda t: trace.leaf(t, tag))
+        new, leaf = _tag_outputs(output, lambda t: trace.leaf(t, tag))
         if index is not None:
             trace.next_block = index + 1
             trace.prev_output = leaf

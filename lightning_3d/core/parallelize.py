@@ -619,10 +619,11 @@ def _build_split_stages(
         executor = StageExecutor(module, split, my_stages, whole=True)
         held_names: list[str] = []
     else:
-        executor = StageExecutor(module, split, my_stages, skeleton=model.skeleton)
+        executor = StageExecutor(module, split, my_stages, skeleton=model.skeleton, device=device)
         executor.prune()
         held_names = [n for s in my_stages for n in split.modules_of(s)]
     precision.convert_module(module)
+    executor.convert_stand_ins(precision.convert_module)  # their parameters' dtypes read as the model's
     tp = mesh["tp"].size()
     # a V schedule puts the first and the last stage on one rank: with tensor or data parallelism each stage is
     # wrapped on its own, so a weight tied across them gets a copy per stage there, summed as across ranks

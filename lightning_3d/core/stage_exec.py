@@ -5,9 +5,10 @@ the blocks need what the model's forward computes around them (attention masks, 
 So every stage runs the user's ``training_step`` (or evaluation step) itself, on its micro-batch of the batch
 (every rank of a data-parallel replica reads the same batch), with the model arranged for that stage:
 
-* modules held by other stages are stood in for: a block by :class:`Skipped` (returns its first argument), a module
-  before the blocks by :class:`Elsewhere` (returns zeros shaped like the stage's input: its output is never used),
-  a module after the blocks by an :class:`Elsewhere` that raises if it is ever reached;
+* modules held by other stages are stood in for (``stand_ins.py``): a block by a ``Skipped`` (returns what the block
+  would, in structure, with its first argument flowing through), a module before the blocks by an ``Elsewhere``
+  (returns zeros shaped like the stage's input: its output is never used), a module after the blocks by an
+  ``Elsewhere`` that raises if it is ever reached; their attributes read as the real modules' would;
 * on a later stage, a forward pre-hook on the stage's first block replaces the block's first tensor argument (the
   tensor flowing through the container) by the activation received from the previous stage;
 * on an earlier stage, a forward hook on the stage's last block stops the step (``_StageDone``) and the block's
@@ -36,9 +37,10 @@ from torch.distributed.tensor import DTensor
 from . import torch_compat
 from .agreed import mark_agreed
 from .blocks import BLOCKS_CONTRACT, ModelSplit
-from .boundary_check import check_first_step
+from .boundary_check import check_first_step, meta_copy
 from .log_relay import LogRecorder, StepLogs, silenced
 from .loss_weights import MicroBatchWeights
+from .stand_ins import Elsewhere, Skipped
 from .step import MicroBatchLoss, count_of, extract_loss, slice_batch
 
 
@@ -47,91 +49,6 @@ class _StageDone(BaseException):
     def __init__(self, output: torch.Tensor) -> None:
         super().__init__("stage output captured")
         self.output = output
-
-
-class Skipped(nn.Module):
-    """A block held by another pipeline stage: passes its first argument through (it is replaced later anyway).
-
-    Args:
-        fqn: the block's name in the model.
-        executor: records what the stand-in returns (see :meth:`StageExecutor.stand_in_output`).
-    """
-
-    def __init__(self, fqn: str, executor: StageExecutor) -> None:
-        super().__init__()
-        self.fqn = fqn
-        self.__dict__["_executor"] = executor
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        value = args[0] if args else next(iter(kwargs.values()))
-        return self._executor.stand_in_output(value, self.fqn)
-
-
-class Elsewhere(nn.Module):
-    """A module outside the blocks that another stage holds.
-
-    Args:
-        fqn: its name in the model.
-        role: ``"first"`` (before the blocks: stands in with zeros shaped like the stage's input, which the stage's
-            first block then replaces) or ``"last"`` (after the blocks: reaching it is an error).
-        executor: the executor whose current stage input the zeros are shaped like.
-    """
-
-    def __init__(self, fqn: str, role: str, executor: StageExecutor) -> None:
-        super().__init__()
-        self.fqn, self.role = fqn, role
-        self.__dict__["_executor"] = executor  # not a submodule
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        # the forward read a parameter or attribute of a module another stage holds (``self.embed.weight``)
-        executor, fqn = self.__dict__.get("_executor"), self.__dict__.get("fqn")
-        if executor is None or fqn is None:  # half-made (copy, unpickling): a plain miss
-            raise AttributeError(name)
-        current = executor.current
-        if current is None:
-            raise AttributeError(outside_steps_message(fqn, executor.split.stage_of(fqn)))
-        stage = current.stage
-        raise AttributeError(
-            f"lightning_3d: {fqn}.{name} was read on pipeline stage {stage}, but {fqn} is held by stage "
-            f"{executor.split.stage_of(fqn)}: a stage holds only its own modules. Call the module instead of "
-            f"reading its parameters (a head that reuses the embedding's weight: tie them as modules, "
-            "self.head.weight = self.embed.weight, and they stay one weight across the stages), or keep the value "
-            "in a buffer of the LightningModule, which every stage holds."
-        ) from None
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        current = self._executor.current
-        # Before the stage's first block its output is never used (the block's input is replaced by the received
-        # activation): a module the user placed on an earlier stage (``stages=``) may run there too.
-        if current is not None and current.received is not None and (self.role == "first" or not current.started):
-            return self._executor.stand_in_output(torch.zeros_like(current.received), self.fqn)
-        if current is None:
-            raise RuntimeError(outside_steps_message(self.fqn, self._executor.split.stage_of(self.fqn)))
-        stage = current.stage
-        raise RuntimeError(
-            f"lightning_3d: {self.fqn} is held by pipeline stage {self._executor.split.stage_of(self.fqn)}, but stage "
-            f"{stage} reached it {'before' if self.role == 'last' else 'without'} its blocks. Modules registered "
-            "before the block container run on the first stage and modules after it on the last unless "
-            "ThreeDStrategy(stages=...) places them; name the container with ThreeDStrategy(blocks=...) if another one "
-            f"was meant. {BLOCKS_CONTRACT}"
-        )
-
-
-def outside_steps_message(fqn: str, holder: int) -> str:
-    """Why a module of another stage was reached with no stage running: the model was called outside the steps."""
-    return (
-        f"lightning_3d: the model was called outside the training, validation, test and predict steps (in a hook such "
-        f"as on_validation_epoch_end, in a callback, or after fit), and reached {fqn}, which pipeline stage {holder} "
-        "holds. Under pipeline parallelism each rank holds only its stages' modules, and the model runs through the "
-        "pipeline only inside the steps, once per step. What needs the whole model on one rank, such as "
-        "generate() for sample text during training, works at pp=1 (tensor and data parallelism); with pp > 1, "
-        "generate after training from the saved weights: trainer.strategy.save_hf(path) on every rank, or "
-        "YourModule.load_from_checkpoint(checkpoint_folder) on one device."
-    )
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -188,6 +105,7 @@ class StageExecutor(MicroBatchLoss):
         whole: one stage holds the whole module (pp = 1 without a block container): nothing is arranged.
         skeleton: a meta-device copy of the unsplit model (``boundary_check.make_skeleton``), or why none could be
             made: :meth:`check_first_step` checks the stage boundaries with it before the first training step.
+        device: the stage's device (what a stand-in's parameter reports as its device).
     """
 
     def __init__(
@@ -197,8 +115,9 @@ class StageExecutor(MicroBatchLoss):
         local_stages: Sequence[int],
         whole: bool = False,
         skeleton: nn.Module | str | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        self.module, self.split = module, split
+        self.module, self.split, self.device = module, split, device
         self.num_stages = split.num_stages
         self.local_stages = list(local_stages)
         self.current: _Running | None = None
@@ -220,6 +139,7 @@ class StageExecutor(MicroBatchLoss):
         container = split.container
         self._blocks: dict[int, list[nn.Module]] = {s: [] for s in local_stages}
         self._swaps: dict[int, list[tuple[nn.Module, str, nn.Module]]] = {s: [] for s in local_stages}
+        self._stand_ins: list[Any] = []
         if whole or container is None:
             return
         self._blocks = {
@@ -245,11 +165,23 @@ class StageExecutor(MicroBatchLoss):
 
     # ------------------------------------------------------------------ stand-ins and hooks
     def _stand_in(self, name: str) -> nn.Module:
+        """The stand-in for the module ``name`` (still the real one in the model), with its meta copy."""
+        like = meta_copy(self.module.get_submodule(name))
+        like = like if isinstance(like, nn.Module) else None
+        self._stand_ins.append(stand_in := self._new_stand_in(name, like))
+        return stand_in
+
+    def _new_stand_in(self, name: str, like: nn.Module | None) -> nn.Module:
         if name in self.split.first:
-            return Elsewhere(name, "first", self)
+            return Elsewhere(name, "first", self, like)
         if name in self.split.last:
-            return Elsewhere(name, "last", self)
-        return Skipped(name, self)
+            return Elsewhere(name, "last", self, like)
+        return Skipped(name, self, like)
+
+    def convert_stand_ins(self, convert: Callable[[nn.Module], Any]) -> None:
+        """Apply the precision plugin's module conversion to the stand-ins' meta copies, as to the model."""
+        for stand_in in self._stand_ins:
+            stand_in.convert_like(convert)
 
     def stand_in_output(self, value: Any, fqn: str) -> Any:
         """What a stand-in returns. While a stage's first forward is being checked, a floating-point value becomes
@@ -316,9 +248,11 @@ class StageExecutor(MicroBatchLoss):
                 raise ValueError(
                     f"lightning_3d: pipeline stage {stage} (from {first}) uses the output of {source}, which another "
                     f"stage holds: a skip connection crosses the stage boundary between {source} and {first}. Only "
-                    "the tensor flowing from block to block crosses stages (a block's first argument and its output); "
-                    "residuals must be added inside the blocks, and no block may read an earlier block's output "
-                    f"otherwise. Choose stage boundaries that no skip connection crosses. {BLOCKS_CONTRACT}"
+                    "the tensor flowing from block to block crosses stages (a block's first argument and its first "
+                    "output, not other values it returns, such as a position bias the first layer computes for the "
+                    "others or an encoder's output the decoder's blocks read); residuals must be added inside the "
+                    "blocks, and no block may read an earlier block's output otherwise. Choose stage boundaries that "
+                    f"no skip connection crosses. {BLOCKS_CONTRACT}"
                 )
             todo.extend(next_node for next_node, _ in node.next_functions)
 

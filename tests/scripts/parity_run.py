@@ -90,6 +90,12 @@ CASES = {
     "falcon64": ("falcon", "64-true", 2, None, 1, "init"),
     # its own plan names the embedding and the head only: those kept, the blocks analysed
     "hunyuan64": ("hunyuan", "64-true", 2, None, 1, "init"),
+    # encoder and vision models: a sequence classifier (pooler and classifier after the blocks); an image classifier
+    # whose forward reads the patch embedding's weight dtype on every stage; a masked LM whose forward reads each
+    # layer's attention type and returns a tuple per layer, its decoder tied to the embedding
+    "bertcls64": ("bertcls", "64-true", 2, None, 1, "init"),
+    "vit64": ("vit", "64-true", 2, None, 1, "init"),
+    "modernbert64": ("modernbert", "64-true", 2, None, 1, "init"),
 }
 COUNTER: CollectiveCounter | None = None
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]

@@ -114,6 +114,80 @@ def test_what_crosses_a_boundary_is_named(kind: str, message: str) -> None:
     assert check_stage_boundaries(Net(kind), _split(Net(kind), cuts=()), IDS) is None  # one stage: nothing crosses
 
 
+class BiasBlock(nn.Module):
+    """Returns ``(hidden, bias)``: the first block makes the bias, the others use it (T5's position bias)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = torch.sigmoid(self.fc.bias) if bias is None else bias
+        return x + self.fc(x) + bias, bias
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"last_hidden_state": self.fc(x)}  # an output object, as a Hugging Face encoder's
+
+
+class MemoryBlock(Block):
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x) * memory.mean()
+
+
+class SecondOutputs(nn.Module):
+    """``kind="bias"``: blocks pass a bias along; ``kind="encoder"``: the blocks read an encoder's output."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.wte = nn.Embedding(8, 4)
+        self.encoder = Encoder()
+        self.h = nn.ModuleList((BiasBlock if kind == "bias" else MemoryBlock)() for _ in range(4))
+        self.head = nn.Linear(4, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x, bias = self.wte(idx), None
+        memory = self.encoder(x)["last_hidden_state"]
+        for block in self.h:
+            if self.kind == "bias":
+                x, bias = block(x, bias)
+            else:
+                x = block(x, memory)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("kind", "source"), [("bias", "h.1"), ("encoder", "encoder")]
+)  # fmt: skip
+def test_a_second_value_a_module_returns_cannot_cross_a_boundary(kind: str, source: str) -> None:
+    """Only a module's first output was tagged, so a bias the first block makes for the others (T5) or an encoder's
+    output object read by the blocks crossed to the next stage unnoticed: a Hugging Face T5 at tp2 x pp2 trained
+    with wrong gradients (0.03 off one device's after one step), no error."""
+    model = SecondOutputs(kind)
+    with pytest.raises(ValueError, match=rf"stage 1 \(from h.2\) uses the output of {source}, which another stage"):
+        check_stage_boundaries(model, _split(model), IDS)
+    assert check_stage_boundaries(model, _split(model, cuts=()), IDS) is None
+
+
+def test_an_encoder_decoder_split_in_its_decoder_is_refused() -> None:
+    """A Hugging Face T5 split at its decoder's blocks: the second decoder layer reads the position bias the first
+    one returns (and the encoder's output), neither of which crosses a stage boundary."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+                                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    assert find_blocks(model).fqn == "decoder.block"
+    ids = torch.ones(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"stage 1 \(from decoder.block.1\) uses the output of decoder.block.0"):
+        check_stage_boundaries(model, _split(model, cuts=(1,)), {"input_ids": ids, "labels": ids})
+
+
 def test_a_module_used_on_a_stage_that_does_not_hold_it_is_refused() -> None:
     model = Net("mid_norm")  # mid runs between h.0 and h.1 but belongs to the last stage by default
     with pytest.raises(ValueError, match=r"calls mid before h.1, which is pipeline stage 0's part of the forward, "
