@@ -148,3 +148,29 @@ def test_the_meta_copies_take_the_precision_plugins_conversion() -> None:
     executor.convert_stand_ins(lambda module: module.double())
     executor.current = type("Running", (), {"stage": 1})()
     assert model.embed.weight.dtype == torch.float64
+
+
+def test_a_block_that_cannot_run_on_the_meta_device_is_stood_in_for_by_its_input() -> None:
+    """A block whose forward reads a value back to the host (``.item()``) cannot run on its meta copy: the stand-in
+    then returns its first argument, as before the copies existed, and the stage still computes the right loss."""
+
+    class HostRead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+            if x.abs().max().item() > 1e6:  # data-dependent Python control flow
+                x = x / 1e6
+            return x + scale * torch.tanh(self.fc(x))
+
+    class Net2(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(HostRead() for _ in range(4))
+
+    torch.manual_seed(0)
+    model = Net2()
+    last_stage_against_reference(model)
+    skipped = model.blocks[0]
+    assert list(skipped.__dict__["_templates"].values()) == [None]  # tried once, cached as "no structure"
