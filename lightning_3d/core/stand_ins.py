@@ -54,7 +54,7 @@ def outside_steps_message(fqn: str, holder: int) -> str:
         "pipeline only inside the steps, once per step. What needs the whole model on one rank, such as "
         "generate() for sample text during training, works at pp=1 (tensor and data parallelism); with pp > 1, "
         "generate after training from the saved weights: trainer.strategy.save_hf(path) on every rank, or "
-        "trainer.save_checkpoint(path) read by LightningModule.load_from_checkpoint(path) in one process."
+        "YourModule.load_from_checkpoint(checkpoint_folder) on one device."
     )
 
 
