@@ -352,6 +352,11 @@ _HF_ENCODERS: dict[str, tuple[str, dict]] = {
     # (no q/k/v biases: a key bias gets a zero gradient, and its round-off alone is compared against one device's)
     "vit": ("AutoModelForImageClassification", {"image_size": 4, "patch_size": 2, "num_channels": 3, "num_labels": 3,
                                                 "qkv_bias": False, **_NO_DROPOUT}),
+    # its stages (the blocks split over the pipeline) return tuples that its encoder unpacks; they cannot run alone,
+    # so tensor parallelism keeps them whole
+    "swin": ("AutoModelForImageClassification", {"embed_dim": 8, "depths": [2, 2], "num_heads": [2, 4],
+                                                 "image_size": 4, "patch_size": 1, "window_size": 2, "num_channels": 3,
+                                                 "num_labels": 3, "drop_path_rate": 0.0, **_NO_DROPOUT}),
     # its layers alternate global and local attention, which its forward reads from each layer (attention_type);
     # the MLM head's decoder is tied to the token embedding (across the pipeline's ends)
     "modernbert": ("AutoModelForMaskedLM", {"max_position_embeddings": 16, "local_attention": 4, "pad_token_id": 0,
@@ -377,12 +382,13 @@ class HFEncoder(_Base):
         from transformers import AutoConfig
 
         auto, settings = _HF_ENCODERS[self.arch]
-        config = AutoConfig.for_model(self.arch, vocab_size=32, **_ENCODER_SIZES, **settings)
+        sizes = {} if self.arch == "swin" else _ENCODER_SIZES
+        config = AutoConfig.for_model(self.arch, vocab_size=32, **sizes, **settings)
         self.model = getattr(transformers, auto).from_config(config, attn_implementation="eager")
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        if self.arch == "vit":  # a 3 x 4 x 4 image per sample
+        if self.arch in ("vit", "swin"):  # a 3 x 4 x 4 image per sample
             pixels = torch.sin(x.to(torch.get_default_dtype())).repeat(1, 6)[:, :48].reshape(-1, 3, 4, 4)
             loss = self.model(pixel_values=pixels, labels=x[:, 0] % 3).loss
         elif self.arch == "bert":
@@ -415,9 +421,10 @@ MODELS = {
     "bertcls": lambda **kw: HFEncoder("bert", **kw),
     "vit": lambda **kw: HFEncoder("vit", **kw),
     "modernbert": lambda **kw: HFEncoder("modernbert", **kw),
+    "swin": lambda **kw: HFEncoder("swin", **kw),
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
-TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary", "bertcls", "vit", "modernbert"}
+TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary", "bertcls", "vit", "modernbert", "swin"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

@@ -84,6 +84,7 @@ LAYOUTS = {
         "bertcls64",
         "vit64",
         "modernbert64",
+        "swin64",  # its stages, split over the pipeline, return tuples its encoder unpacks
     ],
     (1, 4, 2): ["nano32", "nanotied64", "llama64", "qwen364", "gpt264"],
     # meta: head re-tied to a sharded embedding; plain: no block container (the whole module analysed)
@@ -161,6 +162,7 @@ SHARDED["bertcls"] = (
 )
 SHARDED["vit"] = ("q_proj.", "k_proj.", "v_proj.", "o_proj.weight", "fc1.", "fc2.weight")
 SHARDED["modernbert"] = ("tok_embeddings.weight", "decoder.", "layers.3.mlp.Wo.weight")
+SHARDED["swin"] = ()  # its stages cannot run alone for the analysis: every matrix whole (the layout says why)
 
 
 def check_shares(got: dict, ref: dict, model: str, tp: int) -> list[str]:

@@ -96,6 +96,8 @@ CASES = {
     "bertcls64": ("bertcls", "64-true", 2, None, 1, "init"),
     "vit64": ("vit", "64-true", 2, None, 1, "init"),
     "modernbert64": ("modernbert", "64-true", 2, None, 1, "init"),
+    # an image classifier whose pipeline blocks (Swin's stages) return tuples
+    "swin64": ("swin", "64-true", 2, None, 1, "init"),
 }
 COUNTER: CollectiveCounter | None = None
 SEQUENTIAL_CASES = ["mlp64", "gpt64", "mlp32", "gpt32", "mlp32acc", "gptbf"]
