@@ -112,7 +112,9 @@ class Absent(torch.Tensor):
                 return self._device.type == _ON_DEVICE[func]
             if func == torch.Tensor.__repr__:
                 return f"Absent({self._name}: held by pipeline stage {self._holder}, shape {tuple(self.shape)})"
-        absent = next(a for a in _flat(args, kwargs) if isinstance(a, Absent))
+        absent = next((a for a in _flat(args, kwargs) if isinstance(a, Absent)), self)
+        if not isinstance(absent, Absent):  # held where the arguments' structure hides it
+            raise RuntimeError("lightning_3d: a tensor another pipeline stage holds was used in a computation.")
         raise RuntimeError(_read_message(absent._name, absent._holder, absent._stage, "was used in a computation"))
 
 
