@@ -142,9 +142,9 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _tag_outputs(value: Any, make: Any, depth: int = 3) -> tuple[Any, torch.Tensor | None]:
-    """``value`` with each of its floating-point tensors replaced by ``make(tensor)`` (in tuples and lists, rebuilt;
-    in mappings and ``ModelOutput`` objects, in place), and the replacement of its first tensor (the tensor itself,
-    or a tuple / list's first element; ``None`` for a mapping), which flows to the next block.
+    """``value`` with each of its floating-point tensors replaced by ``make(tensor)`` (tuples, lists, mappings and
+    ``ModelOutput`` objects rebuilt or copied, never changed), and the replacement of its first tensor (the tensor
+    itself, or a tuple / list's first element; ``None`` for a mapping), which flows to the next block.
 
     Every output is tagged, not only the first: a block that also returns a value the next blocks use (T5's position
     bias, made by the first block) or a module before the blocks that returns an object (an encoder's output, used by
@@ -161,9 +161,11 @@ def _tag_outputs(value: Any, make: Any, depth: int = 3) -> tuple[Any, torch.Tens
             return items, first
         return (type(value)(*items) if hasattr(value, "_fields") else type(value)(items)), first
     if isinstance(value, Mapping) and hasattr(value, "__setitem__") and depth:
+        tagged = copy.copy(value)  # a shallow copy: a dict the module also keeps stays as it was
         for key, item in list(value.items()):
             if isinstance(item, (torch.Tensor, tuple, list)):
-                value[key] = _tag_outputs(item, make, depth - 1)[0]
+                tagged[key] = _tag_outputs(item, make, depth - 1)[0]
+        return tagged, None
     return value, None
 
 

@@ -132,7 +132,8 @@ class Encoder(nn.Module):
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"last_hidden_state": self.fc(x)}  # an output object, as a Hugging Face encoder's
+        self.kept = {"last_hidden_state": self.fc(x)}  # an output object, as a Hugging Face encoder's, also kept
+        return self.kept
 
 
 class MemoryBlock(Block):
@@ -173,6 +174,9 @@ def test_a_second_value_a_module_returns_cannot_cross_a_boundary(kind: str, sour
     with pytest.raises(ValueError, match=rf"stage 1 \(from h.2\) uses the output of {source}, which another stage"):
         check_stage_boundaries(model, _split(model), IDS)
     assert check_stage_boundaries(model, _split(model, cuts=()), IDS) is None
+    if kind == "encoder":  # the dict the module returned and kept holds its own tensors, not the check's tags
+        kept = model.encoder.kept["last_hidden_state"]
+        assert not kept.requires_grad or kept.grad_fn is not None
 
 
 def test_an_encoder_decoder_split_in_its_decoder_is_refused() -> None:
