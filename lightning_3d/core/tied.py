@@ -286,16 +286,23 @@ class TiedWeights:
         """Sum one batch's gradients of the tied weights over the embedding group, in ``grads`` (aligned with
         ``params``): both copies then hold the gradient single-device training computes for the one weight."""
         index = {id(p): i for i, p in enumerate(params)}
-        for canonical, copy in self.pairs:  # both copies here: first stage's gradient + last stage's
-            i, j = index[id(canonical)], index[id(copy)]
-            first, last = (grads[k] if grads[k] is not None else torch.zeros_like(params[k]) for k in (i, j))
+        copies: dict[int, list[int]] = {}  # every copy here, by its canonical parameter (all added, then assigned)
+        for canonical, copy in self.pairs:
+            copies.setdefault(index[id(canonical)], []).append(index[id(copy)])
+        for i, others in copies.items():  # the first stage's gradient + the other copies' (an encoder-decoder's
+            # embedding is registered under 4 names: the shared one, the encoder's, the decoder's and the head's)
+            total = grads[i] if grads[i] is not None else torch.zeros_like(params[i])
+            held = [grads[j] if grads[j] is not None else torch.zeros_like(params[j]) for j in others]
             with torch.no_grad():
-                if _same_layout(first, last):
-                    _local(first).add_(_local(last))
-                else:
-                    first.add_(_in_layout(last, first))
-            assign(last, first)
-            grads[i], grads[j] = first, last
+                for grad in held:
+                    if _same_layout(total, grad):
+                        _local(total).add_(_local(grad))
+                    else:
+                        total.add_(_in_layout(grad, total))
+            for j, grad in zip(others, held, strict=True):
+                assign(grad, total)
+                grads[j] = grad
+            grads[i] = total
         if self.group is None:
             return
         for param in self.params:

@@ -140,3 +140,25 @@ def test_untie_keeps_meta_copies_on_meta() -> None:
         root = tied()
     untie(root, [("embed.weight", "head.weight")])
     assert root.head.weight.is_meta and root.head.weight is not root.embed.weight
+
+
+def test_a_weight_tied_under_four_names_gets_the_sum_of_all_four_gradients_on_every_copy() -> None:
+    """An encoder-decoder registers its embedding as the shared one, the encoder's, the decoder's and the head's.
+    Untied on a rank that holds both ends (a V schedule with tp or dp > 1), the copies' gradients were summed pair
+    by pair with the first, each copy taking the sum as it stood then: only the last copy got the whole gradient,
+    and T5 and BART at tp2 x pp2 under dualpipev drifted from one device's after the first step (1e-5)."""
+    from lightning_3d.core.tied import TiedWeights, untie
+
+    names = ("shared", "enc", "dec", "head")
+    root = nn.ModuleDict({n: nn.Linear(4, 4, bias=False) for n in names})
+    for n in names[1:]:
+        root[n].weight = root["shared"].weight
+    group = tuple(f"{n}.weight" for n in names)
+    untie(root, [group])
+    assert len({id(root[n].weight) for n in names}) == 4
+    pairs = TiedWeights.local(root, [group])
+    params = [root[n].weight for n in names]
+    grads = [torch.full((4, 4), float(2**k)) for k in range(4)]  # 1 + 2 + 4 + 8
+    pairs.sum_grads(params, grads)
+    assert all(torch.equal(g, torch.full((4, 4), 15.0)) for g in grads), [g[0, 0].item() for g in grads]
+    assert pairs.for_norm(params) == [root["shared"].weight]  # the weight counted once in the norm
