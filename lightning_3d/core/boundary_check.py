@@ -1,27 +1,30 @@
 """Checking a model's stage boundaries at setup, on fake tensors: what crosses between pipeline stages.
 
-Under pipeline parallelism only the tensor flowing from block to block crosses a stage boundary (``stage_exec.py``).
-A skip connection across a boundary (a later stage reading an earlier block's or embedding's output), a residual
-added outside the blocks, an operation between two blocks on different stages, or a module used by a stage that
-does not hold it would give wrong numbers or fail mid-step. :func:`check_stage_boundaries` finds them before any
-rank communicates, by running the unsplit model's ``forward`` once on the LightningModule's
-``example_input_array`` under a ``FakeTensorMode`` (shapes and autograd graphs, no data, no compute, no
-collective, the random state untouched):
+Under pipeline parallelism a stage boundary carries the tensor flowing from block to block (``stage_exec.py``) and
+the outputs of modules that later stages read (``carry.py``): an encoder's output read by the decoder's blocks, a
+position bias the first block returns for the others, an embedding's output added after the blocks. What this
+module finds, before any rank communicates, by running the unsplit model's ``forward`` once on the
+LightningModule's ``example_input_array`` under a ``FakeTensorMode`` (shapes and autograd graphs, no data, no
+compute, no collective, the random state untouched):
 
-* every stage unit (a block or a module with parameters outside the blocks) has its output replaced by a fresh
-  leaf tagged with the unit's stage, and the first argument of each stage's first block by a leaf of that stage
-  (what the stage receives);
-* each unit's output, and the forward's result (the last stage's), may depend only on leaves of its own stage:
-  a leaf of another stage names the module whose output would cross the boundary;
-* a stage's first block must get exactly the previous block's output (anything computed in between would be
-  lost), and a module with parameters must be held by the stage running when it is called.
+* every stage unit (a block or a module with parameters outside the blocks) has each floating-point tensor of its
+  output replaced by a fresh leaf tagged with the unit, the tensor's place in the output and the unit's stage, and
+  the first argument of each stage's first block by a leaf of that stage (what the stage receives);
+* each unit's output, and the forward's result (the last stage's), may depend on leaves of its own stage and on
+  earlier stages' module outputs: those are the values to carry (:class:`Checked`'s ``carry``), each up to the
+  last stage that reads it;
+* refused, each named: a value computed between two blocks on either side of a boundary (a stage's first block
+  must get exactly the previous block's output: anything computed in between would be lost), a later stage's
+  module used by an earlier stage, and a module with parameters called by a stage that does not hold it.
 
-A module without an ``example_input_array`` is checked the same way before its first training step: at setup
-:func:`make_skeleton` keeps a structure-only copy of the unsplit model (parameters and buffers on the meta device,
-no real memory), and :func:`check_first_step` runs that copy's ``training_step`` on fake tensors shaped like the
-first micro-batch, on every rank before any pipeline communication of the step, so every rank raises the same error.
-When the code cannot run on fake tensors (data-dependent Python control flow, ``.item()``, a custom kernel), the check
-is left to the first training step's real forward (``StageExecutor._check_no_skip``).
+A module without an ``example_input_array`` is checked the same way before the first batch of each step hook: at
+setup :func:`make_skeleton` keeps a structure-only copy of the unsplit model (parameters and buffers on the meta
+device, no real memory), and :func:`check_first_step` runs that copy's ``training_step`` (or the evaluation step
+whose batch comes first, as sanity validation's does) on fake tensors shaped like the first micro-batch, on every
+rank before any pipeline communication of the step, so every rank finds the same values to carry and raises the
+same error. When the code cannot run on fake tensors (data-dependent Python control flow, ``.item()``, a custom
+kernel), nothing but the flowing tensor crosses a boundary, and the first training step's real forward checks that
+(``StageExecutor._check_no_skip``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ from torch.func import functional_call
 
 from . import torch_compat
 from .blocks import BLOCKS_CONTRACT, ModelSplit
+from .carry import Carried, CarryPlan, map_floating
 from .step import extract_loss
 
 FOUND_AT_SETUP = "(found at setup by running forward(example_input_array) on fake tensors)"
@@ -52,7 +56,22 @@ FOUND_AT_FIRST_STEP = (
 class _Tag:
     name: str
     stage: int
-    order: int  # model order, to name the module closest to a boundary
+    order: int  # model order, to name the module closest to a boundary (-1: a stage's received activation)
+    index: int = 0  # which floating-point tensor of the module's output (``carry.map_floating``'s numbering)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What a check of the stage boundaries found.
+
+    Attributes:
+        not_checked: ``None`` when the check ran, else why it could not (the check is then left to the first
+            training step's real forward, and nothing but the flowing tensor crosses a boundary).
+        carry: the module outputs a later stage reads, which the boundaries carry besides the flowing tensor.
+    """
+
+    not_checked: str | None = None
+    carry: CarryPlan = field(default_factory=CarryPlan)
 
 
 @dataclass
@@ -64,6 +83,7 @@ class _Trace:
     next_block: int = 0
     prev_output: torch.Tensor | None = None  # None: the previous block's output had no tensor to tag (a mapping)
     found: str = FOUND_AT_SETUP  # how the check ran, ending every message
+    carried: list[Carried] = field(default_factory=list)  # module outputs later stages read
 
     def stage_now(self) -> int:
         """The stage whose segment of the forward is running: the stage of the next block to be called."""
@@ -105,8 +125,16 @@ class _Trace:
             todo.extend(next_node for next_node, _ in node.next_functions)
         return sorted(found.values(), key=lambda t: t.order)
 
-    def refuse_foreign(self, value: Any, stage: int, user: str) -> None:
+    def refuse_foreign(self, value: Any, stage: int, user: str, carry: bool = True) -> None:
+        """Record the earlier stages' module outputs ``value`` (computed on ``stage``) depends on: the boundaries
+        carry them (``carry.py``). Refuse what cannot be carried: a later stage's output, an earlier stage's
+        received activation, and (``carry=False``) anything of another stage."""
         foreign = self.foreign(value, stage)
+        if not foreign:
+            return
+        carried = [t for t in foreign if carry and t.stage < stage and t.order >= 0]
+        self.carried += [Carried(t.stage, t.order, t.name, t.index, stage) for t in carried]
+        foreign = [t for t in foreign if t not in carried]
         if not foreign:
             return
         first = self.first_block_of(stage)
@@ -114,13 +142,12 @@ class _Trace:
         if earlier:
             source = earlier[-1]  # the closest to the boundary
             raise ValueError(
-                f"lightning_3d: pipeline stage {stage} (from {first}) uses the output of {source.name}, which another "
-                f"stage holds: a skip connection crosses the stage boundary between {source.name} and {first} (in "
-                f"{user}). Only the tensor flowing from block to block crosses stages (a block's first argument and "
-                "its first output, not other values it returns, such as a position bias the first layer computes for "
-                "the others or an encoder's output the decoder's blocks read); residuals must be added inside the "
-                "blocks, and no block may read an earlier block's output otherwise. Choose stage boundaries that no "
-                f"skip connection crosses. {self.found} {BLOCKS_CONTRACT}"
+                f"lightning_3d: pipeline stage {stage} (from {first}) uses {source.name}, which another stage "
+                f"holds: a skip connection crosses the stage boundary between {source.name} and {first} (in {user}). "
+                "A stage boundary carries the tensor flowing from block to block and the outputs of modules that "
+                "later stages read (an encoder's output, a position bias the first layer returns for the others), "
+                "not a value computed between two blocks; residuals must be added inside the blocks. Choose stage "
+                f"boundaries that no such value crosses. {self.found} {BLOCKS_CONTRACT}"
             )
         source = foreign[0]
         raise ValueError(
@@ -128,6 +155,9 @@ class _Trace:
             f"the later stage {source.stage} holds {source.name}. Put it on stage {stage} with "
             f"ThreeDStrategy(stages=...). {self.found}"
         )
+
+    def plan(self) -> CarryPlan:
+        return CarryPlan.merged(CarryPlan(tuple(self.carried)))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -141,32 +171,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def _tag_outputs(value: Any, make: Any, depth: int = 3) -> tuple[Any, torch.Tensor | None]:
-    """``value`` with each of its floating-point tensors replaced by ``make(tensor)`` (tuples, lists, mappings and
-    ``ModelOutput`` objects rebuilt or copied, never changed), and the replacement of its first tensor (the tensor
-    itself, or a tuple / list's first element; ``None`` for a mapping), which flows to the next block.
+def _tag_outputs(value: Any, make: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[Any, torch.Tensor | None]:
+    """``value`` with its ``i``-th floating-point tensor replaced by ``make(i, tensor)`` (``carry.map_floating``:
+    tuples, lists, mappings and ``ModelOutput`` objects rebuilt or copied, never changed), and the replacement of its
+    first tensor (the tensor itself, or a tuple / list's first element; ``None`` for a mapping), which flows to the
+    next block.
 
     Every output is tagged, not only the first: a block that also returns a value the next blocks use (T5's position
     bias, made by the first block) or a module before the blocks that returns an object (an encoder's output, used by
-    the decoder's blocks) must not let a later stage read it."""
+    the decoder's blocks) is carried to the later stages that read it."""
+    new = map_floating(value, make)
     if isinstance(value, torch.Tensor):
-        if not value.is_floating_point():
-            return value, None
-        new = make(value)
-        return new, new
-    if isinstance(value, (tuple, list)) and depth:
-        items = [_tag_outputs(v, make, depth - 1)[0] for v in value]
-        first = items[0] if value and isinstance(value[0], torch.Tensor) and value[0].is_floating_point() else None
-        if isinstance(value, list):
-            return items, first
-        return (type(value)(*items) if hasattr(value, "_fields") else type(value)(items)), first
-    if isinstance(value, Mapping) and hasattr(value, "__setitem__") and depth:
-        tagged = copy.copy(value)  # a shallow copy: a dict the module also keeps stays as it was
-        for key, item in list(value.items()):
-            if isinstance(item, (torch.Tensor, tuple, list)):
-                tagged[key] = _tag_outputs(item, make, depth - 1)[0]
-        return tagged, None
-    return value, None
+        return new, new if value.is_floating_point() else None
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return new, new[0] if value[0].is_floating_point() else None
+    return new, None
 
 
 def _path_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int, torch.Tensor] | None:
@@ -179,8 +198,9 @@ def _path_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str |
     return None
 
 
-def check_stage_boundaries(module: nn.Module, split: ModelSplit, example_input: Any) -> str | None:
-    """Run ``module``'s forward on fake tensors with ``example_input`` and refuse what crosses a stage boundary.
+def check_stage_boundaries(module: nn.Module, split: ModelSplit, example_input: Any) -> Checked:
+    """Run ``module``'s forward on fake tensors with ``example_input``: find what crosses a stage boundary (carried
+    or refused).
 
     Args:
         module: the LightningModule, unsplit (its parameters real or on the meta device; they are not touched).
@@ -189,11 +209,12 @@ def check_stage_boundaries(module: nn.Module, split: ModelSplit, example_input: 
             of keyword arguments.
 
     Returns:
-        ``None`` when the check ran, else why it could not (the check is then left to the first training step).
+        What the check found (:class:`Checked`): the values to carry, or why it could not run (the check is then
+        left to the first training step).
 
     Raises:
-        ValueError: a skip connection or another tensor crosses a stage boundary outside the block-to-block path,
-            or a module is used on a stage that does not hold it (each message names the modules).
+        ValueError: a value computed between blocks crosses a stage boundary, or a module is used on a stage that
+            does not hold it (each message names the modules).
     """
 
     def forward(model: nn.Module, inputs: Any) -> Any:
@@ -220,8 +241,9 @@ def trace_stage_boundaries(
     what: str,
     found: str,
     device: torch.device | None = None,
-) -> str | None:
-    """Run ``call(module, inputs)`` on fake tensors with the stage hooks in place and refuse what crosses a boundary.
+) -> Checked:
+    """Run ``call(module, inputs)`` on fake tensors with the stage hooks in place: record the module outputs later
+    stages read (the plan of what the boundaries carry) and refuse what cannot cross a boundary.
 
     ``module``'s parameters and buffers are swapped for fakes of the same shapes for the call (the module itself is
     not changed), and every tensor in ``inputs`` for a fake of the same shape.
@@ -237,19 +259,20 @@ def trace_stage_boundaries(
         device: the device of the fakes (default: the module's first real parameter's, else the CPU).
 
     Returns:
-        ``None`` when the check ran, else why it could not.
+        What the check found (:class:`Checked`).
 
     Raises:
-        ValueError: what crosses a stage boundary (each message names the modules).
+        ValueError: what cannot cross a stage boundary (each message names the modules).
     """
     container = split.container
     if container is None or split.num_stages < 2:
-        return None
+        return Checked()
     trace = _Trace(split, [container.block_fqn(b) for b in container.names], found=found)
     order = {name: i for i, name in enumerate([*split.first, *trace.blocks, *split.last])}
     wrapper = _Call(module, call)
     try:
-        with torch_compat.fake_tensor_mode(), _fork_rng(), torch.enable_grad():
+        # an evaluation step's check runs inside Lightning's inference mode, where no autograd graph is recorded
+        with torch.inference_mode(False), torch_compat.fake_tensor_mode(), _fork_rng(), torch.enable_grad():
             device = device if device is not None else _device(module)
             state = {}
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
@@ -259,15 +282,15 @@ def trace_stage_boundaries(
             with _hooks(module, split, trace, order):
                 result = functional_call(wrapper, state, (fake_inputs,))
             if trace.next_block != len(trace.blocks):
-                return f"{what} ran {trace.next_block} of the {len(trace.blocks)} blocks"
+                return Checked(f"{what} ran {trace.next_block} of the {len(trace.blocks)} blocks")
             trace.refuse_foreign(result, split.num_stages - 1, f"the {what}'s result")
     except ValueError as err:
         if str(err).startswith("lightning_3d:"):
             raise
-        return f"{type(err).__name__}: {err}"
+        return Checked(f"{type(err).__name__}: {err}")
     except Exception as err:  # the code cannot run on fake tensors: leave the check to the first step's real forward
-        return f"{type(err).__name__}: {err}"
-    return None
+        return Checked(f"{type(err).__name__}: {err}")
+    return Checked(None, trace.plan())
 
 
 class _Call(nn.Module):
@@ -365,22 +388,22 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 def check_first_step(
     skeleton: nn.Module, split: ModelSplit, hook: str, micro_batch: Any, rest: tuple[Any, ...]
-) -> str | None:
-    """Run ``skeleton``'s ``hook`` (``training_step``) on fake tensors shaped like ``micro_batch`` and refuse what
-    crosses a stage boundary: the first-step counterpart of :func:`check_stage_boundaries`.
+) -> Checked:
+    """Run ``skeleton``'s ``hook`` (``training_step``, or the first evaluation step) on fake tensors shaped like
+    ``micro_batch``: what crosses a stage boundary, the first-step counterpart of :func:`check_stage_boundaries`.
 
     Args:
         skeleton: from :func:`make_skeleton`.
         split: the stage assignment to check.
-        hook: the step method to run (``"training_step"``).
-        micro_batch: the first micro-batch of the first training batch (real tensors; only shapes are used).
+        hook: the step method to run (``"training_step"``, ``"validation_step"``, ...).
+        micro_batch: the first micro-batch of the hook's first batch (real tensors; only shapes are used).
         rest: the step's other arguments (the batch index).
 
     Returns:
-        ``None`` when the check ran, else why it could not.
+        What the check found (:class:`Checked`).
 
     Raises:
-        ValueError: what crosses a stage boundary (each message names the modules).
+        ValueError: what cannot cross a stage boundary (each message names the modules).
     """
 
     def step(model: nn.Module, batch: Any) -> Any:
@@ -471,7 +494,7 @@ def _block_pre_hook(trace: _Trace, index: int) -> Any:
             )
         key, value = found
         if trace.prev_output is not None and value is not trace.prev_output:
-            trace.refuse_foreign(value, stage, f"the input of {name}")
+            trace.refuse_foreign(value, stage, f"the input of {name}", carry=False)
             previous = trace.blocks[index - 1]
             raise ValueError(
                 f"lightning_3d: the input of {name} (the first block of pipeline stage {stage}) is not the output of "
@@ -511,7 +534,7 @@ def _outside_pre_hook(trace: _Trace, tag: _Tag) -> Any:
 def _output_hook(trace: _Trace, tag: _Tag, index: int | None) -> Any:
     def hook(sub: nn.Module, args: Any, output: Any) -> Any:
         trace.refuse_foreign(output, tag.stage, tag.name)
-        new, leaf = _tag_outputs(output, lambda t: trace.leaf(t, tag))
+        new, leaf = _tag_outputs(output, lambda i, t: trace.leaf(t, replace(tag, index=i)))
         if index is not None:
             trace.next_block = index + 1
             trace.prev_output = leaf

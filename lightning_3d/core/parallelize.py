@@ -31,6 +31,7 @@ from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
 from .block_calls import BlocksWithArguments, block_calls, called_after_blocks, trace_input
 from .blocks import sequential_blocks
 from .boundary_check import check_stage_boundaries, make_skeleton
+from .carry import CarryPlan
 from .checkpointing import CheckpointedBlocks, checkpoint_blocks, chosen_blocks
 from .compile import CompiledBlocks, compile_blocks
 from .data_parallel import apply_data_parallel
@@ -74,6 +75,9 @@ class ModelPlan:
     # a model split at its blocks under the automatic plan: the modules outside the blocks (embeddings, LM head),
     # by module-relative name (``tensor_parallel.resolve_outer_plan``); ``tp_plan`` is then the blocks' plan
     outer_plan: tpmod.TPPlan | None = None
+    # what the stage boundaries carry besides the flowing tensor, found by the setup check (``carry.py``); ``None``:
+    # found by the first step's check instead
+    carry: CarryPlan | None = None
 
 
 def plan_model(
@@ -302,21 +306,36 @@ def _plan_split_model(
     if is_meta:
         check_materializable(module, "", library_initializers(module))
     example_input = module.example_input_array
+    carry = None
     if example_input is not None:
         # Lightning's model summary would run a forward on rank 0 alone; the strategy hides the example from it.
         module._example_input_array = None
         if split.num_stages > 1:
-            not_checked = check_stage_boundaries(module, split, example_input)
-            if not_checked:
+            checked = check_stage_boundaries(module, split, example_input)
+            if checked.not_checked:
                 rank_zero_warn(
-                    f"lightning_3d: forward(example_input_array) could not run on fake tensors ({not_checked}); "
-                    "what crosses the pipeline stage boundaries is checked at the first training step instead."
+                    f"lightning_3d: forward(example_input_array) could not run on fake tensors "
+                    f"({checked.not_checked}); what crosses the pipeline stage boundaries is checked at the first "
+                    "training step instead."
                 )
+            else:
+                carry = checked.carry
     skeleton = None
-    if example_input is None and split.num_stages > 1 and container is not None:
+    if carry is None and split.num_stages > 1 and container is not None:
         skeleton = make_skeleton(module)  # before pruning: the first step checks the unsplit model's training_step
     return ModelPlan(
-        body, stage_plan, tp_plan, full_spec, example_input, is_meta, split, hf_plan, skeleton, tp_root, outer_plan
+        body,
+        stage_plan,
+        tp_plan,
+        full_spec,
+        example_input,
+        is_meta,
+        split,
+        hf_plan,
+        skeleton,
+        tp_root,
+        outer_plan,
+        carry,
     )
 
 
@@ -619,7 +638,7 @@ def _build_split_stages(
         executor = StageExecutor(module, split, my_stages, whole=True)
         held_names: list[str] = []
     else:
-        executor = StageExecutor(module, split, my_stages, skeleton=model.skeleton, device=device)
+        executor = StageExecutor(module, split, my_stages, skeleton=model.skeleton, device=device, carry=model.carry)
         executor.prune()
         held_names = [n for s in my_stages for n in split.modules_of(s)]
     precision.convert_module(module)

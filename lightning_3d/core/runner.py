@@ -230,8 +230,10 @@ class BatchRunner:
         total = batch_size_of(batch)
         n_micro, schedule = self.micro_batches_for(total, train)
         key = shape_key(batch)
-        if train and self.executor is not None:  # the first training batch, before any rank communicates for it
+        if self.executor is not None:  # a hook's first batch, before any rank communicates for it
             self.executor.check_first_step(hook, batch, rest, total, n_micro)
+            # a schedule's stages send the flowing tensor and what the boundaries carry: one set of stages per plan
+            key = (key, self.executor.carry_key)
         runtime.schedule(n_micro, key, train, schedule)  # build first: it may all-reduce held-back gradients
         # The schedule splits its input and its target on dim 0 into the micro-batches. The target given to the
         # last stage is `sample_index`, the batch's sample numbers: the loss function (or the stage executor) gets

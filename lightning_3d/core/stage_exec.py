@@ -12,7 +12,8 @@ So every stage runs the user's ``training_step`` (or evaluation step) itself, on
 * on a later stage, a forward pre-hook on the stage's first block replaces the block's first tensor argument (the
   tensor flowing through the container) by the activation received from the previous stage;
 * on an earlier stage, a forward hook on the stage's last block stops the step (``_StageDone``) and the block's
-  output tensor becomes the stage's output, sent to the next stage;
+  output tensor becomes the stage's output, sent to the next stage, followed by the module outputs later stages
+  read (``carry.py``: an encoder's output, a position bias), which the stand-ins of those modules return there;
 * on the last stage the step runs to its end: its loss, weighted by the micro-batch's share of the batch, is the
   stage's output, and its ``self.log`` calls are recorded (``log_relay.py``); other stages' logging is silenced.
 
@@ -30,14 +31,15 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import torch_compat
 from .agreed import mark_agreed
 from .blocks import BLOCKS_CONTRACT, ModelSplit
-from .boundary_check import check_first_step, meta_copy
+from .boundary_check import Checked, check_first_step, meta_copy
+from .carry import CarryPlan, floating_outputs, passed_on, sendable
 from .log_relay import LogRecorder, StepLogs, silenced
 from .loss_weights import MicroBatchWeights
 from .stand_ins import Elsewhere, Skipped
@@ -73,6 +75,8 @@ class _Running:
     checking: bool = False  # this forward checks that nothing but `received` crosses the boundary
     started: bool = False  # the stage's first block has been called
     stand_ins: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    # the values the boundaries carry (``carry.py``) that this micro-batch has so far: received, or made here
+    carried: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
 
 class StageModule(nn.Module):
@@ -106,6 +110,8 @@ class StageExecutor(MicroBatchLoss):
         skeleton: a meta-device copy of the unsplit model (``boundary_check.make_skeleton``), or why none could be
             made: :meth:`check_first_step` checks the stage boundaries with it before the first training step.
         device: the stage's device (what a stand-in's parameter reports as its device).
+        carry: what the boundaries carry besides the flowing tensor, when the setup check found it (else the
+            first step's check finds it).
     """
 
     def __init__(
@@ -116,8 +122,12 @@ class StageExecutor(MicroBatchLoss):
         whole: bool = False,
         skeleton: nn.Module | str | None = None,
         device: torch.device | None = None,
+        carry: CarryPlan | None = None,
     ) -> None:
         self.module, self.split, self.device = module, split, device
+        self.carry = CarryPlan()
+        self._producers: set[str] = set()  # modules with a forward hook that keeps what they make for later stages
+        self._traced: set[str] = set()  # the hooks whose first batch was checked on the skeleton
         self.num_stages = split.num_stages
         self.local_stages = list(local_stages)
         self.current: _Running | None = None
@@ -162,6 +172,8 @@ class StageExecutor(MicroBatchLoss):
                 blocks[0].register_forward_pre_hook(self._receive, with_kwargs=True)
             if stage < self.num_stages - 1:
                 blocks[-1].register_forward_hook(self._stop)
+        if carry is not None:
+            self.use_carry(carry)
 
     # ------------------------------------------------------------------ stand-ins and hooks
     def _stand_in(self, name: str) -> nn.Module:
@@ -196,37 +208,92 @@ class StageExecutor(MicroBatchLoss):
         current.stand_ins[id(leaf)] = (fqn, leaf)
         return leaf
 
-    def check_first_step(self, hook: str, batch: Any, rest: tuple[Any, ...], total: int, n_micro: int) -> None:
-        """Before the first training batch's schedule runs (no rank has communicated for it yet): check what crosses
-        the stage boundaries by running the skeleton's ``training_step`` on fake tensors shaped like the first
-        micro-batch. Every rank runs it alike, so every rank raises the same error; then the skeleton is freed.
-        When it cannot run on fake tensors, the first real forward of each stage is checked instead
-        (:meth:`_check_no_skip`) and rank 0 warns why.
+    def use_carry(self, plan: CarryPlan) -> bool:
+        """Carry what ``plan`` names across the boundaries from now on (with what was carried so far); whether that
+        changed anything (the schedules built before then send other tensors: ``carry_key`` tells them apart)."""
+        merged = CarryPlan.merged(self.carry, plan)
+        if merged == self.carry:
+            return False
+        self.carry = merged
+        for stage in self.local_stages:
+            for name in merged.made_on(stage):
+                if name not in self._producers:
+                    self._producers.add(name)
+                    keep = self._keeper(name, stage)
+                    self.module.get_submodule(name).register_forward_hook(keep, prepend=True)
+        if merged.values:
+            rank_zero_info(
+                "lightning_3d: besides the activation flowing from block to block, the pipeline stage boundaries "
+                f"carry what later stages read: {merged.describe()}."
+            )
+        return True
+
+    @property
+    def carry_key(self) -> tuple[tuple[str, int, int], ...]:
+        """Identifies what the boundaries carry (part of a schedule's cache key: its stages send these tensors)."""
+        return tuple((v.module, v.index, v.last) for v in self.carry.values)
+
+    def _keeper(self, name: str, stage: int) -> Callable[..., None]:
+        wanted = self.carry.of_module(name)
+
+        def keep(module: nn.Module, args: Any, output: Any) -> None:
+            current = self.current
+            if current is not None and current.stage == stage:
+                for index, tensor in floating_outputs(output, wanted).items():
+                    current.carried[(name, index)] = tensor
+
+        return keep
+
+    def carried_output(self, fqn: str) -> dict[int, torch.Tensor]:
+        """The values of ``fqn``'s output this stage received (its stand-in returns them in their places)."""
+        current = self.current
+        if current is None or not current.carried:
+            return {}
+        return {index: value for (name, index), value in current.carried.items() if name == fqn}
+
+    def check_first_step(self, hook: str, batch: Any, rest: tuple[Any, ...], total: int, n_micro: int) -> bool:
+        """Before a hook's first batch runs its schedule (no rank has communicated for it yet): check what crosses
+        the stage boundaries by running the skeleton's ``hook`` on fake tensors shaped like the first micro-batch,
+        and carry the module outputs later stages read (``carry.py``). Every rank runs it alike, so every rank
+        finds the same values and raises the same error. When it cannot run on fake tensors, the first real
+        training forward of each stage is checked instead (:meth:`_check_no_skip`) and rank 0 warns why.
+
+        Returns:
+            Whether what the boundaries carry changed (the schedules built before send other tensors).
 
         Raises:
-            ValueError: a tensor crosses a stage boundary outside the block-to-block path (marked agreed).
+            ValueError: a tensor crosses a stage boundary that cannot be carried (marked agreed).
         """
-        if self._skeleton is None or hook != "training_step":
-            return
-        skeleton, self._skeleton = self._skeleton, None
+        skeleton = self._skeleton
+        if skeleton is None or hook in self._traced:
+            return False
+        self._traced.add(hook)
+        training = hook == "training_step"
+        if training:
+            self._skeleton = None  # checked in training: freed (an evaluation hook after it uses the same plan)
         if isinstance(skeleton, str):
-            not_checked: str | None = skeleton
+            checked = Checked(skeleton)
         else:
             length = total // n_micro
             micro_batch = slice_batch(batch, 0, length, total)
             try:
-                not_checked = check_first_step(skeleton, self.split, hook, micro_batch, rest)
+                checked = check_first_step(skeleton, self.split, hook, micro_batch, rest)
             except ValueError as err:
                 raise mark_agreed(err) from None
             finally:
                 del skeleton
-        if not_checked:
-            rank_zero_warn(
-                f"lightning_3d: training_step could not run on fake tensors before the first step ({not_checked}); "
-                "what crosses the pipeline stage boundaries is checked during the first training step instead."
-            )
-            return
-        self._checked.update(self.local_stages)  # checked on the whole model: the in-schedule check is not needed
+        if checked.not_checked:
+            if training:
+                rank_zero_warn(
+                    f"lightning_3d: training_step could not run on fake tensors before the first step "
+                    f"({checked.not_checked}); what crosses the pipeline stage boundaries is checked during the "
+                    "first training step instead, and nothing but the activation flowing from block to block "
+                    "crosses them."
+                )
+            return False
+        if training:
+            self._checked.update(self.local_stages)  # checked on the whole model: the in-schedule check is not needed
+        return self.use_carry(checked.carry)
 
     def _check_no_skip(self, stage: int, output: torch.Tensor) -> None:
         """Raise if ``output`` depends on a stand-in's value: a tensor crossed the stage boundary outside the
@@ -307,7 +374,9 @@ class StageExecutor(MicroBatchLoss):
         raise _StageDone(tensor)
 
     @contextlib.contextmanager
-    def _arranged(self, stage: int, received: torch.Tensor | None, checking: bool = False) -> Iterator[None]:
+    def _arranged(
+        self, stage: int, received: torch.Tensor | None, checking: bool = False, carried: Sequence[torch.Tensor] = ()
+    ) -> Iterator[None]:
         swaps = self._swaps[stage]
         saved = [(parent, attr, torch_compat.child_modules(parent)[attr]) for parent, attr, _ in swaps]
         for parent, attr, stand_in in swaps:
@@ -319,12 +388,36 @@ class StageExecutor(MicroBatchLoss):
         if self.split.container is not None and self.split.stage_blocks[stage]:
             first_name = self.split.container.block_fqn(self.split.stage_blocks[stage][0])
         self.current = _Running(stage, received, first, last, first_name, checking and stage > 0)
+        keys = [v.key for v in self.carry.received_by(stage)]
+        if len(keys) != len(carried):
+            raise AssertionError(f"stage {stage} received {len(carried)} carried values, {len(keys)} expected")
+        self.current.carried.update(zip(keys, carried, strict=True))
         try:
             yield
         finally:
             self.current = None
             for parent, attr, real in saved:
                 torch_compat.child_modules(parent)[attr] = real
+
+    def _sent(self, stage: int, output: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """What ``stage`` sends the next stage: its last block's output, then the values the boundary carries."""
+        crossing = self.carry.crossing(stage)
+        if not crossing:
+            return output
+        current = self.current
+        assert current is not None
+        missing = [v for v in crossing if v.key not in current.carried]
+        if missing:
+            raise ValueError(
+                f"lightning_3d: on pipeline stage {stage} the forward did not call {missing[0].module} this time, "
+                f"whose output a later stage reads ({missing[0].describe()}, found by the check before the first "
+                "step); every step must run the model the same way under pipeline parallelism."
+            )
+        sent = [
+            sendable(current.carried[v.key]) if v.stage == stage else passed_on(current.carried[v.key])
+            for v in crossing
+        ]
+        return (output, *sent)
 
     # ------------------------------------------------------------------ one batch, one micro-batch
     def begin(
@@ -376,13 +469,14 @@ class StageExecutor(MicroBatchLoss):
         length = self._total // self._n_micro
         micro_batch = slice_batch(self._batch, chunk * length, length, self._total)
         received = inputs[0] if stage > 0 and inputs else None
+        carried = inputs[1:] if stage > 0 else ()
         last = stage == self.num_stages - 1
         if inferring and last:
-            return _inferred_loss(received, inputs)
+            return _inferred_loss(inputs)
         record = last and not inferring
         logging = self.recorder.recording(length, count_of(self._weights, chunk)) if record else silenced(self.module)
         checking = stage not in self._checked and torch.is_grad_enabled()
-        with self._arranged(stage, received, checking), logging:
+        with self._arranged(stage, received, checking, carried), logging:
             try:
                 result = self._step_fn(micro_batch, *self._rest)
             except _StageDone as done:
@@ -391,7 +485,7 @@ class StageExecutor(MicroBatchLoss):
                 if checking:
                     self._check_no_skip(stage, done.output)
                     self._checked.add(stage)
-                return done.output
+                return self._sent(stage, done.output)
             if checking and last:
                 loss = extract_loss(result, self._hook) if isinstance(result, (torch.Tensor, Mapping)) else None
                 if isinstance(loss, torch.Tensor):
@@ -414,7 +508,7 @@ class StageExecutor(MicroBatchLoss):
         return torch.zeros(1, device=_device(inputs)) if loss is None else loss.reshape(1)
 
 
-def _inferred_loss(received: torch.Tensor | None, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+def _inferred_loss(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
     """What the last stage returns to torch's shape inference, without running the user's step.
 
     The step's code after the model call (a torchmetrics ``update``, ``self.outputs.append(...)``) runs on the last
@@ -422,11 +516,14 @@ def _inferred_loss(received: torch.Tensor | None, inputs: Sequence[torch.Tensor]
     run it once more: the first evaluation (or training) batch of every fit / validate / test counted micro-batch 0
     twice in such state (hidden under sanity validation, whose epoch absorbed it). The last stage's output is a
     loss-shaped ``(1,)`` tensor that nothing receives; torch 2.13 then infers the input gradients' shapes from a
-    backward of it, so it depends on the received activation (a zero gradient of its shape and dtype)."""
-    if received is not None and received.is_floating_point() and received.requires_grad:
-        local = received.to_local() if isinstance(received, DTensor) else received
-        return (local * 0).sum().reshape(1)
-    return torch.zeros(1, device=_device(inputs))
+    backward of it, so it depends on every received tensor that needs a gradient (zero gradients of their shapes
+    and dtypes)."""
+    loss = torch.zeros(1, device=_device(inputs))
+    for received in inputs:
+        if received.is_floating_point() and received.requires_grad:
+            local = received.to_local() if isinstance(received, DTensor) else received
+            loss = loss + (local * 0).sum()
+    return loss
 
 
 def _device(inputs: Sequence[torch.Tensor]) -> torch.device | None:

@@ -33,6 +33,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 
 from .blocks import BLOCKS_CONTRACT
+from .carry import map_floating
 
 
 class _Executor(Protocol):
@@ -43,6 +44,8 @@ class _Executor(Protocol):
     device: torch.device | None
 
     def stand_in_output(self, value: Any, fqn: str) -> Any: ...
+
+    def carried_output(self, fqn: str) -> dict[int, torch.Tensor]: ...
 
 
 def outside_steps_message(fqn: str, holder: int) -> str:
@@ -218,6 +221,14 @@ class _StandIn(nn.Module):
     def _mark(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._executor.stand_in_output(tensor, self.fqn)
 
+    def _with_carried(self, output: Any) -> Any:
+        """``output`` with the values of the real module's output that this stage received (``carry.py``) in their
+        places: what an earlier stage's module made and this stage reads (an encoder's output, a position bias)."""
+        carried = self._executor.carried_output(self.fqn)
+        if not carried:
+            return output
+        return map_floating(output, lambda index, tensor: carried.get(index, tensor))
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -293,8 +304,8 @@ class Skipped(_StandIn):
         value = args[0] if args else next(iter(kwargs.values()))
         template = self._template(args, kwargs) if isinstance(value, torch.Tensor) else None
         if template is None:
-            return self._mark(value)
-        return template.fill(self._mark(value), value.device, self._mark)
+            return self._with_carried(self._mark(value))
+        return self._with_carried(template.fill(self._mark(value), value.device, self._mark))
 
 
 def _run_meta(like: nn.Module, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Template | None:
@@ -332,8 +343,8 @@ class Elsewhere(_StandIn):
             # zeros shaped like the real output (an encoder's output object, for the later stages of its decoder)
             template = self._template(args, kwargs)
             if template is None:
-                return self._mark(torch.zeros_like(current.received))
-            return template.fill(None, current.received.device, self._mark)
+                return self._with_carried(self._mark(torch.zeros_like(current.received)))
+            return self._with_carried(template.fill(None, current.received.device, self._mark))
         if current is None:
             raise RuntimeError(outside_steps_message(self.fqn, self._executor.split.stage_of(self.fqn)))
         stage = current.stage

@@ -14,6 +14,7 @@ from lightning_3d.core.blocks import find_blocks, split_model, stage_ranges_from
 from lightning_3d.core.boundary_check import (
     FOUND_AT_FIRST_STEP,
     FOUND_AT_SETUP,
+    Checked,
     check_first_step,
     check_stage_boundaries,
     make_skeleton,
@@ -81,37 +82,52 @@ def test_a_model_whose_blocks_chain_passes_and_nothing_real_is_touched() -> None
     model = Net()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     rng = torch.random.get_rng_state()
-    assert check_stage_boundaries(model, _split(model), IDS) is None
-    assert check_stage_boundaries(model, _split(model, cuts=(1, 2, 3)), (IDS,)) is None
-    assert check_stage_boundaries(model, _split(model), {"idx": IDS}) is None
+    assert check_stage_boundaries(model, _split(model), IDS) == Checked()  # ran, and nothing is carried
+    assert check_stage_boundaries(model, _split(model, cuts=(1, 2, 3)), (IDS,)) == Checked()
+    assert check_stage_boundaries(model, _split(model), {"idx": IDS}) == Checked()
     assert torch.equal(rng, torch.random.get_rng_state())
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
+def _carried(checked: Checked) -> list[tuple[str, int, int, int]]:
+    assert checked.not_checked is None, checked.not_checked
+    return [(v.module, v.index, v.stage, v.last) for v in checked.carry.values]
+
+
 def test_a_model_on_the_meta_device_is_checked_too() -> None:
     with torch.device("meta"):
         model = Net("skip")
-    with pytest.raises(ValueError, match=r"between wte and h\.2"):
+    assert _carried(check_stage_boundaries(model, _split(model), IDS)) == [("wte", 0, 0, 1)]
+    with torch.device("meta"):
+        model = Net("residual_outside")
+    with pytest.raises(ValueError, match=r"between h\.1 and h\.2"):
         check_stage_boundaries(model, _split(model), IDS)
 
 
 @pytest.mark.parametrize(
-    ("kind", "message"),
+    ("kind", "cuts", "carried"),
     [
-        ("skip", r"pipeline stage 1 \(from h.2\) uses the output of wte, which another stage holds: a skip "
-                 r"connection crosses the stage boundary between wte and h.2 \(in ln_f\)"),
-        ("residual_outside", r"a skip connection crosses the stage boundary between h.1 and h.2 \(in the input of "
-                             r"h.2\)"),
-        ("kwarg_from_embedding", r"stage boundary between wte and h.2 \(in h.2\)"),
+        ("skip", (2,), [("wte", 0, 0, 1)]),  # the embedding's output added after the blocks, on the last stage
+        ("skip", (1, 3), [("wte", 0, 0, 2)]),  # ... passed on by the middle stage
+        ("kwarg_from_embedding", (2,), [("wte", 0, 0, 1)]),  # read by the blocks of stage 1
+        ("kwarg_from_embedding", (1, 2, 3), [("wte", 0, 0, 3)]),
     ],
 )  # fmt: skip
-def test_what_crosses_a_boundary_is_named(kind: str, message: str) -> None:
+def test_a_module_output_a_later_stage_reads_is_carried(kind: str, cuts: tuple[int, ...], carried: list) -> None:
+    """An earlier stage's module output that a later stage reads was refused; now the boundaries carry it up to the
+    last stage that reads it."""
     model = Net(kind)
-    with pytest.raises(ValueError, match=message) as err:
+    assert _carried(check_stage_boundaries(model, _split(model, cuts=cuts), IDS)) == carried
+    assert check_stage_boundaries(Net(kind), _split(Net(kind), cuts=()), IDS) == Checked()  # one stage
+
+
+def test_a_value_computed_between_two_blocks_is_refused_and_named() -> None:
+    model = Net("residual_outside")  # x = x + block(x): the sum made between h.1 and h.2 would be lost
+    with pytest.raises(ValueError, match=r"a skip connection crosses the stage boundary between h.1 and h.2 \(in "
+                                         r"the input of h.2\)") as err:  # fmt: skip
         check_stage_boundaries(model, _split(model), IDS)
     assert FOUND_AT_SETUP in str(err.value)
-    assert check_stage_boundaries(Net(kind), _split(Net(kind), cuts=()), IDS) is None  # one stage: nothing crosses
 
 
 class BiasBlock(nn.Module):
@@ -164,32 +180,32 @@ class SecondOutputs(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("kind", "source"), [("bias", "h.1"), ("encoder", "encoder")]
+    ("kind", "carried"), [("bias", [("h.1", 1, 0, 1)]), ("encoder", [("encoder", 0, 0, 1)])]
 )  # fmt: skip
-def test_a_second_value_a_module_returns_cannot_cross_a_boundary(kind: str, source: str) -> None:
+def test_a_second_value_a_module_returns_is_carried(kind: str, carried: list) -> None:
     """Only a module's first output was tagged, so a bias the first block makes for the others (T5) or an encoder's
     output object read by the blocks crossed to the next stage unnoticed: a Hugging Face T5 at tp2 x pp2 trained
-    with wrong gradients (0.03 off one device's after one step), no error."""
+    with wrong gradients (0.03 off one device's after one step), no error. Every floating-point output is tagged,
+    and the one a later stage reads is carried (the bias as the last block before the boundary returns it)."""
     model = SecondOutputs(kind)
-    with pytest.raises(ValueError, match=rf"stage 1 \(from h.2\) uses the output of {source}, which another stage"):
-        check_stage_boundaries(model, _split(model), IDS)
-    assert check_stage_boundaries(model, _split(model, cuts=()), IDS) is None
+    assert _carried(check_stage_boundaries(model, _split(model), IDS)) == carried
+    assert check_stage_boundaries(model, _split(model, cuts=()), IDS) == Checked()
     if kind == "encoder":  # the dict the module returned and kept holds its own tensors, not the check's tags
         kept = model.encoder.kept["last_hidden_state"]
         assert not kept.requires_grad or kept.grad_fn is not None
 
 
-def test_an_encoder_decoder_split_in_its_decoder_is_refused() -> None:
-    """A Hugging Face T5 split at its decoder's blocks: the second decoder layer reads the position bias the first
-    one returns (and the encoder's output), neither of which crosses a stage boundary."""
+def test_an_encoder_decoder_split_in_its_decoder_carries_the_encoder_output_and_the_position_biases() -> None:
+    """A Hugging Face T5 split at its decoder's blocks: the second decoder layer reads the position biases the first
+    one returns and the encoder's output."""
     transformers = pytest.importorskip("transformers")
     config = transformers.T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
                                    dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
     model = transformers.T5ForConditionalGeneration(config)
     assert find_blocks(model).fqn == "decoder.block"
     ids = torch.ones(2, 5, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"stage 1 \(from decoder.block.1\) uses the output of decoder.block.0"):
-        check_stage_boundaries(model, _split(model, cuts=(1,)), {"input_ids": ids, "labels": ids})
+    carried = _carried(check_stage_boundaries(model, _split(model, cuts=(1,)), {"input_ids": ids, "labels": ids}))
+    assert carried == [("encoder", 0, 0, 1), ("decoder.block.0", 1, 0, 1), ("decoder.block.0", 2, 0, 1)]
 
 
 def test_a_module_used_on_a_stage_that_does_not_hold_it_is_refused() -> None:
@@ -198,7 +214,7 @@ def test_a_module_used_on_a_stage_that_does_not_hold_it_is_refused() -> None:
                                          r"but stage 1 holds it. Put mid on stage 0"):  # fmt: skip
         check_stage_boundaries(model, _split(model), IDS)
     placed = _split(model, [["h.0", "mid", "h.1"], ["h.2", "h.3"]])
-    assert check_stage_boundaries(model, placed, IDS) is None
+    assert check_stage_boundaries(model, placed, IDS) == Checked()
     moved = _split(Net(), [["h.0", "h.1"], ["wte", "h.2", "h.3"]])  # the embedding is needed by stage 0
     with pytest.raises(ValueError, match=r"calls wte before the blocks, which is pipeline stage 0's part"):
         check_stage_boundaries(Net(), moved, IDS)
@@ -209,7 +225,7 @@ def test_a_module_used_on_a_stage_that_does_not_hold_it_is_refused() -> None:
 
 def test_a_forward_that_needs_real_values_leaves_the_check_to_the_first_step() -> None:
     model = Net("data_dependent")
-    reason = check_stage_boundaries(model, _split(model), IDS)
+    reason = check_stage_boundaries(model, _split(model), IDS).not_checked
     assert reason is not None and "DataDependent" in reason
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -234,8 +250,8 @@ class DictNet(Net):
 
 
 def test_extra_outputs_and_blocks_returning_mappings_are_not_refused() -> None:
-    assert check_stage_boundaries(Net("extra_output"), _split(Net("extra_output")), IDS) is None
-    assert check_stage_boundaries(DictNet(), _split(DictNet(), cuts=(1, 3)), IDS) is None
+    assert check_stage_boundaries(Net("extra_output"), _split(Net("extra_output")), IDS) == Checked()
+    assert check_stage_boundaries(DictNet(), _split(DictNet(), cuts=(1, 3)), IDS) == Checked()
 
 
 class LitNet(LightningModule):
@@ -283,7 +299,7 @@ def test_the_first_step_check_runs_training_step_on_fakes() -> None:
     lit = LitNet()
     before = {n: p.detach().clone() for n, p in lit.named_parameters()}
     skeleton = make_skeleton(lit)
-    assert check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,)) is None
+    assert check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,)) == Checked()
     assert lit.logged == [] and skeleton.logged == ["train_loss"]  # the copy's step ran, its log did nothing
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in lit.named_parameters())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in skeleton.modules())
@@ -308,13 +324,13 @@ class _Copyable:
 
 
 def test_a_hook_that_cannot_be_copied_is_shared_and_the_check_still_runs() -> None:
-    lit = LitNet("skip")
+    lit = LitNet("residual_outside")
     recorder = _Uncopyable()
     for module in lit.modules():
         module.register_forward_pre_hook(recorder.hook)
     skeleton = make_skeleton(lit)
     assert not isinstance(skeleton, str), skeleton  # was: "the model could not be copied (RuntimeError: ...)"
-    with pytest.raises(ValueError, match=r"between net\.wte and net\.h\.2"):
+    with pytest.raises(ValueError, match=r"between net\.h\.1 and net\.h\.2"):
         check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,))
     assert recorder.calls > 0  # the shared hook ran on the copy's fake forward
 
@@ -326,34 +342,45 @@ def test_a_hook_that_cannot_be_copied_is_shared_and_the_check_still_runs() -> No
     assert isinstance(copy.__self__, _Copyable) and copy.__self__ is not original.__self__
 
 
-def test_the_first_step_check_refuses_a_skip_across_stages() -> None:
+def test_the_first_step_check_carries_a_skip_and_refuses_a_sum_between_blocks() -> None:
     skeleton = make_skeleton(LitNet("skip"))
+    assert _carried(check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,))) == [
+        ("net.wte", 0, 0, 1)
+    ]
+    skeleton = make_skeleton(LitNet("residual_outside"))
     with pytest.raises(ValueError) as err:
         check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,))
     message = str(err.value)
-    assert "a skip connection crosses the stage boundary between net.wte and net.h.2" in message
+    assert "a skip connection crosses the stage boundary between net.h.1 and net.h.2" in message
     assert FOUND_AT_FIRST_STEP in message and FOUND_AT_SETUP not in message
 
 
 def test_a_data_dependent_training_step_leaves_the_check_to_the_first_step() -> None:
     skeleton = make_skeleton(LitNet("data_dependent"))
-    reason = check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,))
+    reason = check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,)).not_checked
     assert reason is not None and "DataDependent" in reason, reason
 
 
-def test_the_executor_checks_the_first_training_batch_once_then_frees_the_skeleton() -> None:
-    bad = LitNet("skip")
+def test_the_executor_checks_each_hooks_first_batch_once_then_frees_the_skeleton() -> None:
+    bad = LitNet("residual_outside")
     executor = StageExecutor(bad, _split(bad), [0], skeleton=make_skeleton(bad))
-    with pytest.raises(ValueError, match=r"between net\.wte and net\.h\.2") as err:
+    with pytest.raises(ValueError, match=r"between net\.h\.1 and net\.h\.2") as err:
         executor.check_first_step("training_step", BATCH, (0,), 4, 2)
     assert is_agreed(err.value) and executor._skeleton is None  # every rank raises it: printed once, no fail-fast
 
     good = LitNet()
     executor = StageExecutor(good, _split(good), [0], skeleton=make_skeleton(good))
-    executor.check_first_step("validation_step", BATCH, (0,), 4, 2)  # sanity-check validation: not yet
-    assert executor._skeleton is not None and not executor._checked
-    executor.check_first_step("training_step", BATCH, (0,), 4, 2)
+    assert not executor.check_first_step("validation_step", BATCH, (0,), 4, 2)  # sanity-check validation: checked
+    assert executor._skeleton is not None and not executor._checked  # kept for training_step's check
+    assert not executor.check_first_step("training_step", BATCH, (0,), 4, 2)  # nothing carried: nothing changed
     assert executor._skeleton is None and executor._checked == {0}  # no in-schedule check needed any more
+    assert not executor.check_first_step("validation_step", BATCH, (0,), 4, 2)  # once per hook
+
+    skip = LitNet("skip")
+    executor = StageExecutor(skip, _split(skip), [0, 1], skeleton=make_skeleton(skip))
+    before = executor.carry_key
+    assert executor.check_first_step("training_step", BATCH, (0,), 4, 2)  # what is carried changed
+    assert executor.carry_key != before and [v.module for v in executor.carry.values] == ["net.wte"]
 
     dependent = LitNet("data_dependent")
     executor = StageExecutor(dependent, _split(dependent), [0], skeleton=make_skeleton(dependent))

@@ -244,3 +244,41 @@ def test_a_module_placed_on_an_earlier_stage_runs_there_and_is_stood_in_for_late
             got = stage(received)[0]
             want = F.cross_entropy(ref.head(ref.blocks[3](ref.blocks[2](received, scale=0.5), scale=0.5)), y)
         assert torch.allclose(got, want)
+
+
+def test_an_earlier_blocks_output_read_after_the_blocks_is_carried_to_the_last_stage() -> None:
+    """The skip (blocks.0's output added before the head) was refused; the first step's check now finds it, stage 0
+    sends it after its last block's output, and the last stage's stand-in for blocks.0 returns it: the loss and the
+    gradients of both received tensors are the unsplit model's."""
+    from lightning_3d.core.boundary_check import make_skeleton
+
+    torch.manual_seed(0)
+    model = Net(skip=True)
+    ref = copy.deepcopy(model)
+    x, y = batch()
+    outputs = []
+    for stage in (0, 1):
+        net = copy.deepcopy(model)
+        split = split_model(net, find_blocks(net), pp=2, ranges=[range(0, 2), range(2, 4)])
+        executor = StageExecutor(net, split, [stage], skeleton=make_skeleton(net))
+        executor.prune()
+        assert executor.check_first_step("training_step", (x, y), (0,), 4, 2)  # what crosses changed
+        assert [(v.module, v.index, v.stage, v.last) for v in executor.carry.values] == [("blocks.0", 0, 0, 1)]
+        module = StageModule(stage, {n: net.get_submodule(n) for n in split.modules_of(stage)}, executor)
+        executor.begin("training_step", net.training_step, (x, y), (0,), 4, 2, 1.0, True)
+        executor.on_chunk(stage, 0)
+        if stage == 0:
+            sent = module(torch.arange(4))
+            assert isinstance(sent, tuple) and len(sent) == 2
+            outputs = [t.detach().requires_grad_(True) for t in sent]
+        else:
+            loss = module(*outputs)
+            loss.sum().backward()
+    h0 = ref.blocks[0](ref.embed(x[:2]), scale=0.5)
+    h2 = ref.blocks[1](h0, scale=0.5)
+    # the last stage's part: from blocks.1's output and blocks.0's, each a leaf (stage 0 takes both gradients back)
+    h2, h0 = h2.detach().requires_grad_(True), h0.detach().requires_grad_(True)
+    want = F.cross_entropy(ref.head(ref.blocks[3](ref.blocks[2](h2, scale=0.5), scale=0.5) + h0), y[:2]) * 0.5
+    assert torch.allclose(loss[0], want)
+    grads = torch.autograd.grad(want, (h2, h0))
+    assert all(torch.allclose(o.grad, g) for o, g in zip(outputs, grads, strict=True))
