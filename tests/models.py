@@ -357,6 +357,17 @@ _HF_ENCODERS: dict[str, tuple[str, dict]] = {
     "swin": ("AutoModelForImageClassification", {"embed_dim": 8, "depths": [2, 2], "num_heads": [2, 4],
                                                  "image_size": 4, "patch_size": 1, "window_size": 2, "num_channels": 3,
                                                  "num_labels": 3, "drop_path_rate": 0.0, **_NO_DROPOUT}),
+    # encoder-decoders: the decoder's blocks read the encoder's output (cross-attention) and, in T5, the position
+    # biases its first block returns; BART registers its decoder's embedding norm after the layers and runs it first
+    "t5": ("AutoModelForSeq2SeqLM", {"d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 2, "num_decoder_layers": 4,
+                                     "num_heads": 4, "dropout_rate": 0.0, "relative_attention_num_buckets": 8,
+                                     "decoder_start_token_id": 0, "pad_token_id": 0}),
+    "bart": ("AutoModelForSeq2SeqLM", {"d_model": 16, "encoder_layers": 2, "decoder_layers": 4,
+                                       "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                                       "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 16,
+                                       "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+                                       "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+                                       "decoder_start_token_id": 2, "forced_eos_token_id": None}),
     # its layers alternate global and local attention, which its forward reads from each layer (attention_type);
     # the MLM head's decoder is tied to the token embedding (across the pipeline's ends)
     "modernbert": ("AutoModelForMaskedLM", {"max_position_embeddings": 16, "local_attention": 4, "pad_token_id": 0,
@@ -382,7 +393,7 @@ class HFEncoder(_Base):
         from transformers import AutoConfig
 
         auto, settings = _HF_ENCODERS[self.arch]
-        sizes = {} if self.arch == "swin" else _ENCODER_SIZES
+        sizes = {} if self.arch in ("swin", "t5", "bart") else _ENCODER_SIZES
         config = AutoConfig.for_model(self.arch, vocab_size=32, **sizes, **settings)
         self.model = getattr(transformers, auto).from_config(config, attn_implementation="eager")
 
@@ -422,9 +433,11 @@ MODELS = {
     "vit": lambda **kw: HFEncoder("vit", **kw),
     "modernbert": lambda **kw: HFEncoder("modernbert", **kw),
     "swin": lambda **kw: HFEncoder("swin", **kw),
+    "t5": lambda **kw: HFEncoder("t5", **kw),
+    "bart": lambda **kw: HFEncoder("bart", **kw),
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
-TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary", "bertcls", "vit", "modernbert", "swin"}
+TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary", "bertcls", "vit", "modernbert", "swin", "t5", "bart"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

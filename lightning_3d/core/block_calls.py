@@ -160,9 +160,18 @@ def called_after_blocks(module: nn.Module, container_fqn: str, outside: Sequence
         not run on fake tensors): the caller then keeps registration order, and the stage boundary check, at setup
         or at the first step, names any module a stage runs without holding it.
     """
+    return first_calls(module, container_fqn, outside, example_input)[1]
+
+
+def first_calls(
+    module: nn.Module, container_fqn: str, outside: Sequence[str], example_input: Any
+) -> tuple[set[str], set[str]]:
+    """The modules among ``outside`` one forward on fake tensors first calls before its first block, and after it
+    (BART's decoder registers ``layernorm_embedding`` after its layers and runs it before them); arguments and the
+    empty answer as :func:`called_after_blocks`'."""
     found = trace_input(module, container_fqn, example_input)
     if found is None:
-        return set()
+        return set(), set()
     root_name, inputs = found
     root = module.get_submodule(root_name)
     prefix = f"{root_name}." if root_name else ""
@@ -187,11 +196,11 @@ def called_after_blocks(module: nn.Module, container_fqn: str, outside: Sequence
     try:
         _run_on_fake(root, inputs)
     except Exception:  # the forward does not run on fake tensors: registration order, checked later
-        return set()
+        return set(), set()
     finally:
         for handle in handles:
             handle.remove()
-    return after
+    return before, after
 
 
 def _run_on_fake(module: nn.Module, inputs: Any) -> None:

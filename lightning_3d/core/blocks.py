@@ -196,14 +196,16 @@ def find_blocks(root: nn.Module, name: str | None = None) -> BlockContainer:
 
 
 def outside_modules(
-    root: nn.Module, container: BlockContainer, called_after: Collection[str] = ()
+    root: nn.Module, container: BlockContainer, called_after: Collection[str] = (), called_before: Collection[str] = ()
 ) -> tuple[list[str], list[str]]:
     """Modules with parameters outside the container, as (before, after) it.
 
     Walks from the root down the path to the container: at each level, siblings registered before the path go
     first, siblings after it go last. A sibling without parameters is on every stage and listed in neither.
     ``called_after``: modules registered before the container that the forward calls after it
-    (``block_calls.called_after_blocks``); they go last, ahead of the ones registered after it.
+    (``block_calls.called_after_blocks``); they go last, ahead of the ones registered after it. ``called_before``:
+    modules registered after the container that the forward calls before it (``block_calls.called_before_blocks``);
+    they go first, after the ones registered before it.
     """
     before: list[str] = []
     after_levels: list[list[str]] = []  # per level: a deeper level's modules run first after the blocks
@@ -236,7 +238,9 @@ def outside_modules(
         prefix = f"{prefix}{part}."
     moved = [name for name in before if name in called_after]
     after = [name for level in after_levels for name in level]
-    return [name for name in before if name not in moved], moved + after
+    early = [name for name in after if name in called_before]
+    first = [name for name in before if name not in moved] + early
+    return first, moved + [name for name in after if name not in early]
 
 
 def tied_parameters(root: nn.Module) -> list[tuple[str, ...]]:
@@ -255,12 +259,13 @@ def split_model(
     stages_per_rank: int = 1,
     placement: dict[str, int] | None = None,
     called_after: Collection[str] = (),
+    called_before: Collection[str] = (),
 ) -> ModelSplit:
     """Assign blocks to ``pp * stages_per_rank`` stages by ``ranges`` (indices into ``container.names``), and the
-    outside modules to the first / last stage (``called_after``: see :func:`outside_modules`), or to the stage
-    ``placement`` names (see :func:`stage_ranges_from_names`)."""
+    outside modules to the first / last stage (``called_after``, ``called_before``: see :func:`outside_modules`),
+    or to the stage ``placement`` names (see :func:`stage_ranges_from_names`)."""
     num_stages = pp * stages_per_rank
-    before, after = outside_modules(root, container, called_after)
+    before, after = outside_modules(root, container, called_after, called_before)
     stage_blocks = [[container.names[i] for i in r] for r in ranges]
     stage_to_rank = [s % pp for s in range(num_stages)]
     split = ModelSplit(container, stage_blocks, before, after, stage_to_rank, placement=dict(placement or {}))

@@ -28,7 +28,7 @@ from torchmetrics import Metric
 from . import blocks, partition, pieces, torch_compat
 from . import tensor_parallel as tpmod
 from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
-from .block_calls import BlocksWithArguments, block_calls, called_after_blocks, trace_input
+from .block_calls import BlocksWithArguments, block_calls, first_calls, trace_input
 from .blocks import sequential_blocks
 from .boundary_check import check_stage_boundaries, make_skeleton
 from .carry import CarryPlan
@@ -241,10 +241,15 @@ def _plan_split_model(
                 costs = partitioner.stage_costs(layers, ranges)
                 estimates = [partitioner.describe(c, stage) for stage, c in enumerate(costs)]
         called_after: set[str] = set()
+        called_before: set[str] = set()
         if num_stages > 1:  # a module registered before the blocks but run after them goes with the last stage
-            before, _ = blocks.outside_modules(module, container)
-            called_after = called_after_blocks(module, container.fqn, before, module.example_input_array)
-        split = blocks.split_model(module, container, pp, ranges, stages_per_rank, placement, called_after)
+            # and one registered after the blocks but run before them with the first
+            before, after = blocks.outside_modules(module, container)
+            calls = first_calls(module, container.fqn, [*before, *after], module.example_input_array)
+            called_before, called_after = calls[0] & set(after), calls[1] & set(before)
+        split = blocks.split_model(
+            module, container, pp, ranges, stages_per_rank, placement, called_after, called_before
+        )
         parent_name, _, attr = container.fqn.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         body = partition.BodyRef(parent=parent, attr=attr, fqn=container.fqn, module=container.module)  # type: ignore[arg-type]

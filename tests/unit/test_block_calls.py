@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.core.block_calls import ArgSpec, BlocksWithArguments, block_calls, called_after_blocks
+from lightning_3d.core.block_calls import ArgSpec, BlocksWithArguments, block_calls, called_after_blocks, first_calls
 from lightning_3d.core.parallelize import plan_model
 from lightning_3d.core.tensor_parallel.styles import style_kind
 
@@ -188,6 +188,23 @@ def test_a_hugging_face_model_without_an_example_runs_on_its_dummy_inputs():
     assert plan.split.first == [f"{decoder}.{n}" for n in ("embed_tokens", "embed_positions", "project_in")]
     assert plan.split.last == [f"{decoder}.project_out", f"{decoder}.final_layer_norm", "model.lm_head"]
     assert plan.split.stage_of(f"{decoder}.final_layer_norm") == 1
+
+
+def test_an_encoder_decoders_module_registered_after_the_blocks_but_run_before_them_goes_first():
+    """BART's decoder registers ``layernorm_embedding`` after its layers and runs it before them: by registration it
+    went with the last stage, and the stage boundary check refused the model at pp=2 (stage 0's part of the forward
+    calls it). Found on the model's dummy inputs, it goes with the first stage."""
+    pytest.importorskip("transformers")
+    from models import HFEncoder
+
+    module = HFEncoder("bart")
+    module.configure_model()
+    decoder = "model.model.decoder"
+    before, after = first_calls(module, f"{decoder}.layers", [f"{decoder}.layernorm_embedding", "model.lm_head"], None)
+    assert before == {f"{decoder}.layernorm_embedding"} and after == {"model.lm_head"}
+    plan = plan_model(module, tp=1, pp=2)
+    assert plan.split.stage_of(f"{decoder}.layernorm_embedding") == 0
+    assert plan.split.stage_of("model.model.encoder") == 0 and plan.split.stage_of("model.lm_head") == 1
 
 
 def test_a_hugging_face_model_without_a_plan_or_an_example_is_analysed_on_its_dummy_inputs():

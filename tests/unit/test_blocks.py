@@ -98,6 +98,16 @@ def test_modules_the_forward_calls_after_the_blocks_go_last_whatever_their_regis
     assert split.stage_of("transformer.wte") == 1
 
 
+def test_modules_the_forward_calls_before_the_blocks_go_first_whatever_their_registration() -> None:
+    """BART's decoder registers its embedding norm after its layers and runs it before them."""
+    model = Nano()
+    before, after = outside_modules(model, find_blocks(model), called_before={"transformer.ln_f"})
+    assert before == ["transformer.wte", "transformer.ln_f"]
+    assert after == ["small", "lm_head"]
+    split = split_model(model, find_blocks(model), 2, [range(0, 1), range(1, 2)], called_before={"transformer.ln_f"})
+    assert split.stage_of("transformer.ln_f") == 0
+
+
 def test_parameters_owned_directly_are_refused() -> None:
     model = Nano()
     model.scale = nn.Parameter(torch.ones(()))

@@ -1,0 +1,52 @@
+"""core/carry.py across processes: encoder-decoders whose later pipeline stages read an earlier stage's module
+outputs train and validate as on one device.
+
+scripts/carry_run.py fits a Hugging Face T5 and a BART (4 decoder blocks, the pipeline's blocks; the encoder on the
+first stage) in float64 with sanity validation (the evaluation hook's first batch comes first) and validation every
+2 steps, then validates once more. The later stages read the encoder's output (every decoder block's
+cross-attention) and T5's position biases (returned by the first decoder block for the others), carried across the
+boundaries besides the flowing activation: up to the last stage through the middle ones at four stages. Each value
+is compared with one process running the same model and batches, relative 1e-10 (float64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launch import run_lightning
+
+pytest.importorskip("transformers")
+
+CASES = ("t5", "bart")
+LAYOUTS = {
+    # (tp, pp, schedule, stages per rank): two stages; four stages on two ranks in a V, with tensor parallelism
+    "pp2-1f1b": (1, 2, "1f1b", 1),
+    "tp2-pp2-zbv": (2, 2, "zbvzerobubble", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def carry_reference(tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("carry_ref")
+    run_lightning("carry_run.py", ["--ref", "--cases", ",".join(CASES), "--out", out], timeout=180)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_encoder_decoders_train_and_validate_as_on_one_device(carry_reference, tmp_path, layout):
+    tp, pp, schedule, per_rank = LAYOUTS[layout]
+    args = ["--tp", tp, "--pp", pp, "--schedule", schedule, "--stages-per-rank", per_rank]
+    run_lightning(
+        "carry_run.py", [*args, "--cases", ",".join(CASES), "--init", carry_reference, "--out", tmp_path], timeout=300
+    )
+    for case in CASES:
+        ref = torch.load(carry_reference / f"carry_{case}.pt")
+        got = torch.load(tmp_path / f"carry_{case}.pt")
+        assert len(ref["train"]) == len(got["train"]) == 4 and len(ref["val"]) == len(got["val"]) == 4, (ref, got)
+        for what in ("train", "val"):
+            for step, (r, g) in enumerate(zip(ref[what], got[what], strict=True)):
+                assert g == pytest.approx(r, rel=1e-10), f"{case} {what} {step}: {g} vs {r}"
+        assert got["validate"] == pytest.approx(ref["validate"], rel=1e-10), case
+        assert len(set(ref["train"])) > 1  # the model learns: a later value depends on the earlier steps' gradients
