@@ -234,12 +234,11 @@ class StageExecutor(MicroBatchLoss):
         return tuple((v.module, v.index, v.last) for v in self.carry.values)
 
     def _keeper(self, name: str, stage: int) -> Callable[..., None]:
-        wanted = self.carry.of_module(name)
-
         def keep(module: nn.Module, args: Any, output: Any) -> None:
             current = self.current
             if current is not None and current.stage == stage:
-                for index, tensor in floating_outputs(output, wanted).items():
+                # read now: a later hook's check may carry more of this module's outputs
+                for index, tensor in floating_outputs(output, self.carry.of_module(name)).items():
                     current.carried[(name, index)] = tensor
 
         return keep

@@ -282,3 +282,31 @@ def test_an_earlier_blocks_output_read_after_the_blocks_is_carried_to_the_last_s
     assert torch.allclose(loss[0], want)
     grads = torch.autograd.grad(want, (h2, h0))
     assert all(torch.allclose(o.grad, g) for o, g in zip(outputs, grads, strict=True))
+
+
+def test_values_a_later_check_adds_for_a_module_already_carrying_one_are_sent_too() -> None:
+    """An evaluation step's check (sanity validation comes first) may find one output of a module to carry and
+    training's check another of the same module: the module's hook must send both from then on."""
+    from lightning_3d.core.carry import Carried, CarryPlan
+
+    class TwoOut(Block):
+        def forward(self, x: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+            h = super().forward(x, scale)
+            return h, h * 2
+
+    torch.manual_seed(0)
+    model = Net()
+    model.blocks[1] = TwoOut()
+    model.forward = lambda x: model.head(model.blocks[3](model.blocks[2](model.blocks[1](model.blocks[0](
+        model.embed(x)))[0])))  # fmt: skip
+    split = split_model(model, find_blocks(model, "blocks"), pp=2, ranges=[range(0, 2), range(2, 4)])
+    executor = StageExecutor(model, split, [0])
+    executor.prune()
+    executor.use_carry(CarryPlan((Carried(0, 2, "blocks.1", 1, 1),)))  # found first (validation)
+    executor.use_carry(CarryPlan((Carried(0, 2, "blocks.1", 0, 1),)))  # and then (training)
+    module = StageModule(0, {n: model.get_submodule(n) for n in split.modules_of(0)}, executor)
+    x, y = batch()
+    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(0, 0)
+    flowing, first, second = module(torch.arange(4))
+    assert torch.equal(first, flowing) and torch.allclose(second, flowing * 2)
