@@ -72,15 +72,15 @@ SETUP_ERRORS = {
     "body_not_called": "training_step returned without calling the body 'body'",
     "heads_not_divisible": "tp values that work: 1, 5",
     "skip_across_stages": (
-        "a skip connection crosses the stage boundary between transformer.h.0 and transformer.h.2 (in "
-        "transformer.ln_f)",
+        "a skip connection crosses the stage boundary between transformer.h.1 and transformer.h.2 (in the input of "
+        "transformer.h.2)",
         "(found before the first training step, on every rank, by running training_step",
     ),
     "residual_outside_blocks": "a skip connection crosses the stage boundary between transformer.h.1 and "
     "transformer.h.2",
     "skip_found_at_setup": (
-        "a skip connection crosses the stage boundary between transformer.h.0 and transformer.h.2 (in "
-        "transformer.ln_f)",
+        "a skip connection crosses the stage boundary between transformer.h.1 and transformer.h.2 (in the input of "
+        "transformer.h.2)",
         "(found at setup by running forward(example_input_array) on fake tensors)",
     ),
     "no_container": "ThreeDStrategy(blocks='attribute.path'), or use pp=1",

@@ -61,7 +61,10 @@ class FiveHeads(TinyGPT):
 
 
 class SkipAcrossStages(NanoGPT):
-    """A U-Net-like skip: the first block's output is added again after the last block (crosses pp=2's boundary)."""
+    """A U-Net-like skip added between two blocks: the first block's output is added to the second's, which is the
+    input of the third, on the next stage at pp=2. A module's output a later stage reads is carried across the
+    boundary (``core/carry.py``: added after the last block, this skip trains), but a sum made between the blocks on
+    either side of a boundary would be lost there."""
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
@@ -70,7 +73,9 @@ class SkipAcrossStages(NanoGPT):
             x = block(x)
             if i == 0:
                 skip = x
-        return self.lm_head(self.transformer.ln_f(x + skip))
+            if i == 1:
+                x = x + skip
+        return self.lm_head(self.transformer.ln_f(x))
 
 
 class SkipFoundAtSetup(SkipAcrossStages):
