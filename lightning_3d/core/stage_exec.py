@@ -313,12 +313,14 @@ class StageExecutor(MicroBatchLoss):
                 first = current.first_block_name or "its first block"
                 raise ValueError(
                     f"lightning_3d: pipeline stage {stage} (from {first}) uses the output of {source}, which another "
-                    f"stage holds: a skip connection crosses the stage boundary between {source} and {first}. Only "
-                    "the tensor flowing from block to block crosses stages (a block's first argument and its first "
-                    "output, not other values it returns, such as a position bias the first layer computes for the "
-                    "others or an encoder's output the decoder's blocks read); residuals must be added inside the "
-                    "blocks, and no block may read an earlier block's output otherwise. Choose stage boundaries that "
-                    f"no skip connection crosses. {BLOCKS_CONTRACT}"
+                    f"stage holds: a skip connection crosses the stage boundary between {source} and {first}. The "
+                    "outputs of modules that later stages read (an encoder's output, a position bias the first layer "
+                    "returns for the others) are carried across the boundaries only when the check before the first "
+                    "step runs the step on fake tensors, which it could not (rank 0 warned why): so only the tensor "
+                    "flowing from block to block crosses stages here. Make training_step run on fake tensors (no "
+                    ".item() or Python branch on a tensor's value), give the module an example_input_array that the "
+                    "forward runs on, or choose stage boundaries that no such value crosses. "
+                    f"{BLOCKS_CONTRACT}"
                 )
             todo.extend(next_node for next_node, _ in node.next_functions)
 

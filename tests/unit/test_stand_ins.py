@@ -77,7 +77,8 @@ def test_a_skipped_block_returns_the_blocks_structure_and_its_plain_attributes()
 
 def test_a_skipped_blocks_other_outputs_used_on_a_later_stage_are_refused() -> None:
     """A value a block returns besides the flowing tensor, used by a later stage's blocks (T5's position bias, made
-    by the first block): its real value is on another stage, so the stage-boundary check names it."""
+    by the first block): when no check before the first step found it to carry (the step could not run on fake
+    tensors; here no skeleton), the stand-in's zeros stand for it, and the first real forward's check names it."""
     with pytest.raises(ValueError, match=r"stage 1 \(from blocks.2\) uses the output of blocks.1"):
         run_last_stage(TupleNet(uses_bias=True))
 
