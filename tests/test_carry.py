@@ -2,7 +2,7 @@
 outputs train and validate as on one device.
 
 scripts/carry_run.py fits a Hugging Face T5 and a BART (4 decoder blocks, the pipeline's blocks; the encoder on the
-first stage) in float64 with sanity validation (the evaluation hook's first batch comes first) and validation every
+first stage) in float64, at pp2, tp2 x pp2 (ZB-V) and pp2 x dp2 (FSDP), with sanity validation (the evaluation hook's first batch comes first) and validation every
 2 steps, then validates once more. The later stages read the encoder's output (every decoder block's
 cross-attention) and T5's position biases (returned by the first decoder block for the others), carried across the
 boundaries besides the flowing activation: up to the last stage through the middle ones at four stages. Each value
@@ -20,9 +20,11 @@ pytest.importorskip("transformers")
 
 CASES = ("t5", "bart")
 LAYOUTS = {
-    # (tp, pp, schedule, stages per rank): two stages; four stages on two ranks in a V, with tensor parallelism
-    "pp2-1f1b": (1, 2, "1f1b", 1),
-    "tp2-pp2-zbv": (2, 2, "zbvzerobubble", 2),
+    # (tp, pp, dp, schedule, stages per rank): two stages; four stages on two ranks in a V, with tensor parallelism;
+    # two stages under FSDP over two replicas
+    "pp2-1f1b": (1, 2, 1, "1f1b", 1),
+    "tp2-pp2-zbv": (2, 2, 1, "zbvzerobubble", 2),
+    "pp2-dp2-fsdp": (1, 2, 2, "1f1b", 1),
 }
 
 
@@ -36,8 +38,9 @@ def carry_reference(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_encoder_decoders_train_and_validate_as_on_one_device(carry_reference, tmp_path, layout):
-    tp, pp, schedule, per_rank = LAYOUTS[layout]
-    args = ["--tp", tp, "--pp", pp, "--schedule", schedule, "--stages-per-rank", per_rank]
+    tp, pp, dp, schedule, per_rank = LAYOUTS[layout]
+    args = ["--tp", tp, "--pp", pp, "--dp", dp, "--schedule", schedule, "--stages-per-rank", per_rank]
+    args += ["--data-parallel", "fsdp" if dp > 1 else "replicate"]
     run_lightning(
         "carry_run.py", [*args, "--cases", ",".join(CASES), "--init", carry_reference, "--out", tmp_path], timeout=300
     )

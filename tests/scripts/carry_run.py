@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--ref", action="store_true")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--data-parallel", default="replicate", help="replicate or fsdp")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--stages-per-rank", type=int, default=1)
     parser.add_argument("--cases", default="t5,bart")
@@ -68,17 +70,18 @@ def main() -> None:
         L.seed_everything(3, verbose=False)
         torch.set_default_dtype(torch.float64)
         if args.ref:
-            strategy, devices = "auto", 1
+            strategy, devices, batch = "auto", 1, GLOBAL_BATCH
         else:
             strategy = ThreeDStrategy(
                 tp=args.tp,
                 pp=args.pp,
-                micro_batches=4,
+                micro_batches=4 // args.dp,
                 schedule=args.schedule,
                 stages_per_rank=args.stages_per_rank,
+                data_parallel=args.data_parallel,
                 print_layout=False,
             )
-            devices = args.tp * args.pp
+            devices, batch = args.tp * args.pp * args.dp, GLOBAL_BATCH // args.dp
         recorder = Recorder(Path(args.init or out) / f"carry_{case}.init.pt", args.ref)
         trainer = L.Trainer(
             accelerator="cpu",
@@ -97,7 +100,7 @@ def main() -> None:
             callbacks=[recorder],
         )
         model = Seq2Seq(case)
-        data = OrderedData(case, GLOBAL_BATCH, n=GLOBAL_BATCH * 4, val_n=GLOBAL_BATCH * 2)
+        data = OrderedData(case, batch, n=GLOBAL_BATCH * 4, val_n=GLOBAL_BATCH * 2)
         trainer.fit(model, datamodule=data)
         recorder.rec["validate"] = float(trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"])
         if trainer.global_rank == 0:
