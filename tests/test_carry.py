@@ -2,11 +2,12 @@
 outputs train and validate as on one device.
 
 scripts/carry_run.py fits a Hugging Face T5 and a BART (4 decoder blocks, the pipeline's blocks; the encoder on the
-first stage) in float64, at pp2, tp2 x pp2 (ZB-V) and pp2 x dp2 (FSDP), with sanity validation (the evaluation hook's first batch comes first) and validation every
-2 steps, then validates once more. The later stages read the encoder's output (every decoder block's
-cross-attention) and T5's position biases (returned by the first decoder block for the others), carried across the
-boundaries besides the flowing activation: up to the last stage through the middle ones at four stages. Each value
-is compared with one process running the same model and batches, relative 1e-10 (float64).
+first stage) in float64, at pp2, tp2 x pp2 (ZB-V) and pp2 x dp2 (FSDP), with sanity validation (the evaluation
+hook's first batch comes first) and validation every 2 steps, then validates once more. The later stages read the
+encoder's output (every decoder block's cross-attention) and T5's position biases (returned by the first decoder
+block for the others), carried across the boundaries besides the flowing activation: up to the last stage through
+the middle ones at four stages. Each value is compared with one process running the same model and batches,
+relative 1e-10 (float64).
 """
 
 from __future__ import annotations
