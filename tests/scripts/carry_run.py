@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import HFEncoder, OrderedData
+from models import HFEncoder, OrderedData, quiet_trainer
 
 GLOBAL_BATCH = 8
 
@@ -83,19 +83,14 @@ def main() -> None:
             )
             devices, batch = args.tp * args.pp * args.dp, GLOBAL_BATCH // args.dp
         recorder = Recorder(Path(args.init or out) / f"carry_{case}.init.pt", args.ref)
-        trainer = L.Trainer(
-            accelerator="cpu",
+        trainer = quiet_trainer(
             devices=devices,
             strategy=strategy,
             precision="64-true",
             max_steps=4,
             val_check_interval=2,
-            num_sanity_val_steps=1,
+            num_sanity_val_steps=1,  # the evaluation hook's first batch comes before training's
             limit_val_batches=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
             use_distributed_sampler=False,
             callbacks=[recorder],
         )
