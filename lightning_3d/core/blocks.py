@@ -204,7 +204,7 @@ def outside_modules(
     first, siblings after it go last. A sibling without parameters is on every stage and listed in neither.
     ``called_after``: modules registered before the container that the forward calls after it
     (``block_calls.called_after_blocks``); they go last, ahead of the ones registered after it. ``called_before``:
-    modules registered after the container that the forward calls before it (``block_calls.called_before_blocks``);
+    modules registered after the container that the forward calls before it (``block_calls.first_calls``);
     they go first, after the ones registered before it.
     """
     before: list[str] = []

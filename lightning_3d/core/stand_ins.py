@@ -10,7 +10,10 @@ those another stage holds. Those are replaced on each rank by stand-ins that let
   same shape, its first entry the tensor flowing through, other tensors zeros of their real shapes (marked, so the
   first step's check refuses them if the stage uses them: their real values live on another stage) and other
   entries as the block returns them (``None`` for attention weights not asked for). The structure comes from the
-  real block's copy on the meta device, run once per input signature (shapes, dtypes, flags), then cached.
+  real block's copy on the meta device, run once per input signature (shapes, dtypes, flags), then cached. Where
+  the stage received the real value of one of those tensors (``carry.py``: a position bias the block made on an
+  earlier stage), the stand-in returns that value in its place; the same for :class:`Elsewhere` (an encoder's
+  output).
 * :class:`Elsewhere`, a module outside the blocks another stage holds: before the blocks (embeddings) it returns
   zeros shaped like the stage's input, which the stage's first block then replaces; after them (final norm, head) it
   raises if ever reached.
