@@ -72,7 +72,8 @@ class ThreeDSettings:
             them such as ``"lm_head"``). A ``tp_plan`` attribute on the LightningModule works the same.
         tp_autoplan: find the plan for standard blocks automatically from the data flow (and, with an
             ``example_input_array``, for the embeddings and the head outside a split model's blocks).
-        partitioner: ``"uniform"`` (layers per stage), ``"parameters"``, ``"compute"`` (minimise the slowest
+        partitioner: ``"uniform"`` (layers per stage), ``"parameters"`` (parameters per stage, the end stages'
+            modules outside the blocks counted), ``"compute"`` (minimise the slowest
             stage's forward + backward time, each layer timed at setup on the module's ``example_input_array``
             shape; FLOPs counted on the meta device when timing is impossible),
             ``"memory"`` (minimise the largest stage peak: parameters, gradients, Adam states and the activations

@@ -80,6 +80,12 @@ class ModelPlan:
     carry: CarryPlan | None = None
 
 
+def _numel(module: nn.Module, names: Sequence[str]) -> int:
+    """The parameters of the modules ``names`` (each counted once)."""
+    unique = {id(p): p for name in names for p in module.get_submodule(name).parameters()}
+    return sum(p.numel() for p in unique.values())
+
+
 def plan_model(
     module: LightningModule,
     *,
@@ -229,9 +235,20 @@ def _plan_split_model(
                 f"Use pp <= {len(layers) // stages_per_rank}."
             )
         placement: dict[str, int] = {}
+        called_after: set[str] = set()
+        called_before: set[str] = set()
+        if num_stages > 1:  # a module registered before the blocks but run after them goes with the last stage
+            # and one registered after the blocks but run before them with the first
+            before, after = blocks.outside_modules(module, container)
+            calls = first_calls(module, container.fqn, [*before, *after], module.example_input_array)
+            called_before, called_after = calls[0] & set(after), calls[1] & set(before)
         if stages is not None:
             ranges, placement = blocks.stage_ranges_from_names(module, container, stages, num_stages)
         else:
+            if type(partitioner) is partition.ParameterPartitioner and num_stages > 1:
+                # the end stages' modules outside the blocks (embeddings, head, an encoder-decoder's encoder) count
+                first, last = blocks.outside_modules(module, container, called_after, called_before)
+                partitioner = partition.ParameterPartitioner(_numel(module, first), _numel(module, last))
             if isinstance(partitioner, (ComputePartitioner, MemoryPartitioner)):  # blocks profiled in the whole model
                 partitioner = partitioner.for_blocks(module, [m for _, m in layers], module.example_input_array)
             ranges = partition.checked_ranges(partitioner, layers, num_stages, what="blocks")
@@ -240,13 +257,6 @@ def _plan_split_model(
                 ranges = rank_balanced(partitioner, layers, ranges, ranks)  # a rank's stages together
                 costs = partitioner.stage_costs(layers, ranges)
                 estimates = [partitioner.describe(c, stage) for stage, c in enumerate(costs)]
-        called_after: set[str] = set()
-        called_before: set[str] = set()
-        if num_stages > 1:  # a module registered before the blocks but run after them goes with the last stage
-            # and one registered after the blocks but run before them with the first
-            before, after = blocks.outside_modules(module, container)
-            calls = first_calls(module, container.fqn, [*before, *after], module.example_input_array)
-            called_before, called_after = calls[0] & set(after), calls[1] & set(before)
         split = blocks.split_model(
             module, container, pp, ranges, stages_per_rank, placement, called_after, called_before
         )

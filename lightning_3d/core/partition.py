@@ -140,17 +140,27 @@ class UniformPartitioner:
 
 
 class ParameterPartitioner:
-    """Balance stages by parameter count (greedy, contiguous); a policy for uneven layers."""
+    """Balance stages by parameter count (greedy, contiguous); a policy for uneven layers.
+
+    Args:
+        first: parameters the first stage holds besides its layers (a model split at its blocks: the embeddings,
+            an encoder-decoder's whole encoder); counted towards its share.
+        last: the same for the last stage (final norm, head).
+    """
+
+    def __init__(self, first: int = 0, last: int = 0) -> None:
+        self.first, self.last = first, last
 
     def __call__(self, layers: Sequence[tuple[str, nn.Module]], num_stages: int) -> list[range]:
         sizes = [sum(p.numel() for p in m.parameters()) or 1 for _, m in layers]
-        ranges, start, remaining = [], 0, float(sum(sizes))
+        ranges, start, remaining = [], 0, float(sum(sizes) + self.first + self.last)
         for stage in range(num_stages):
             stages_left = num_stages - stage
             if stages_left == 1:
                 ranges.append(range(start, len(layers)))
                 break
-            target, acc, end = remaining / stages_left, 0.0, start
+            acc = float(self.first) if stage == 0 else 0.0
+            target, end = remaining / stages_left, start
             # leave at least one layer for every later stage
             while end < len(layers) - (stages_left - 1) and (end == start or acc + sizes[end] / 2 <= target):
                 acc += sizes[end]

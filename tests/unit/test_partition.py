@@ -100,6 +100,35 @@ def test_parameter_partitioner_leaves_a_layer_for_every_later_stage() -> None:
     assert ranges == [range(0, 2), range(2, 3), range(3, 4)]
 
 
+def test_parameter_partitioner_counts_what_the_end_stages_hold_besides_their_layers() -> None:
+    """A model split at its blocks: the first stage also holds the embeddings (an encoder-decoder's whole encoder)
+    and the last the head; they count towards those stages' shares, still at least one layer each."""
+    body = nn.Sequential(*[lin() for _ in range(4)])  # 4 x 16 parameters
+    assert ParameterPartitioner(first=32)(layers_of(body), 2) == [range(0, 1), range(1, 4)]
+    assert ParameterPartitioner(last=32)(layers_of(body), 2) == [range(0, 3), range(3, 4)]
+    assert ParameterPartitioner(first=10_000)(layers_of(body), 3) == [range(0, 1), range(1, 3), range(3, 4)]
+    assert ParameterPartitioner(first=16, last=16)(layers_of(body), 2) == ParameterPartitioner()(layers_of(body), 2)
+
+
+def test_the_parameter_partitioner_counts_an_encoder_decoders_encoder_on_the_first_stage() -> None:
+    """T5 split at its decoder's 4 blocks: the encoder (and the shared embedding) sit on the first stage, which
+    took two of the decoder's blocks like the second stage; now one."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lightning_3d.core.parallelize import plan_model
+
+    from models import HFEncoder
+
+    module = HFEncoder("t5")
+    module.configure_model()
+    assert plan_model(module, tp=1, pp=2, partitioner="uniform").split.stage_blocks == [["0", "1"], ["2", "3"]]
+    split = plan_model(module, tp=1, pp=2, partitioner="parameters").split
+    assert split.stage_blocks == [["0"], ["1", "2", "3"]] and "model.encoder" in split.first
+
+
 def test_every_partitioner_covers_all_layers_contiguously() -> None:
     body = nn.Sequential(lin(8, 8), nn.GELU(), lin(8, 2), lin(2, 2), nn.ReLU(), lin(2, 30), lin(30, 3))
     for name, cls in PARTITIONERS.items():
