@@ -362,18 +362,34 @@ _HF_ENCODERS: dict[str, tuple[str, dict]] = {
     "t5": ("AutoModelForSeq2SeqLM", {"d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 2, "num_decoder_layers": 4,
                                      "num_heads": 4, "dropout_rate": 0.0, "relative_attention_num_buckets": 8,
                                      "decoder_start_token_id": 0, "pad_token_id": 0}),
+    # T5 v1.1 / FLAN-T5: a gated MLP (wi_0, wi_1 -> wo) and a head not tied to the embedding
+    "flant5": ("AutoModelForSeq2SeqLM", {"d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 2,
+                                         "num_decoder_layers": 4, "num_heads": 4, "dropout_rate": 0.0,
+                                         "relative_attention_num_buckets": 8, "decoder_start_token_id": 0,
+                                         "pad_token_id": 0, "feed_forward_proj": "gated-gelu",
+                                         "tie_word_embeddings": False}),
     "bart": ("AutoModelForSeq2SeqLM", {"d_model": 16, "encoder_layers": 2, "decoder_layers": 4,
                                        "encoder_attention_heads": 4, "decoder_attention_heads": 4,
                                        "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 16,
                                        "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
                                        "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
                                        "decoder_start_token_id": 2, "forced_eos_token_id": None}),
+    # BART's layout, with LayerDrop on (M2M100's and NLLB's configs default to 0.05): refused at pp > 1
+    "m2m_100": ("AutoModelForSeq2SeqLM", {"d_model": 16, "encoder_layers": 2, "decoder_layers": 4,
+                                          "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                                          "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 16,
+                                          "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
+                                          "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+                                          "decoder_start_token_id": 2}),
     # its layers alternate global and local attention, which its forward reads from each layer (attention_type);
     # the MLM head's decoder is tied to the token embedding (across the pipeline's ends)
     "modernbert": ("AutoModelForMaskedLM", {"max_position_embeddings": 16, "local_attention": 4, "pad_token_id": 0,
                                             "bos_token_id": 2, "eos_token_id": 1, "cls_token_id": 2,
                                             "sep_token_id": 1}),
 }  # fmt: skip
+
+
+_HF_TYPES = {"flant5": "t5"}  # test names that are not Hugging Face model types
 
 
 class HFEncoder(_Base):
@@ -393,8 +409,8 @@ class HFEncoder(_Base):
         from transformers import AutoConfig
 
         auto, settings = _HF_ENCODERS[self.arch]
-        sizes = {} if self.arch in ("swin", "t5", "bart") else _ENCODER_SIZES
-        config = AutoConfig.for_model(self.arch, vocab_size=32, **sizes, **settings)
+        sizes = {} if self.arch in ("swin", "t5", "flant5", "bart", "m2m_100") else _ENCODER_SIZES
+        config = AutoConfig.for_model(_HF_TYPES.get(self.arch, self.arch), vocab_size=32, **sizes, **settings)
         self.model = getattr(transformers, auto).from_config(config, attn_implementation="eager")
 
     def training_step(self, batch, batch_idx):
@@ -434,10 +450,11 @@ MODELS = {
     "modernbert": lambda **kw: HFEncoder("modernbert", **kw),
     "swin": lambda **kw: HFEncoder("swin", **kw),
     "t5": lambda **kw: HFEncoder("t5", **kw),
+    "flant5": lambda **kw: HFEncoder("flant5", **kw),
     "bart": lambda **kw: HFEncoder("bart", **kw),
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
-TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary", "bertcls", "vit", "modernbert", "swin", "t5", "bart"}
+TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary", "bertcls", "vit", "modernbert", "swin", "t5", "flant5", "bart"}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

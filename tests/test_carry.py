@@ -1,13 +1,13 @@
 """core/carry.py across processes: encoder-decoders whose later pipeline stages read an earlier stage's module
 outputs train and validate as on one device.
 
-scripts/carry_run.py fits a Hugging Face T5 and a BART (4 decoder blocks, the pipeline's blocks; the encoder on the
-first stage) in float64, at pp2, tp2 x pp2 (ZB-V) and pp2 x dp2 (FSDP), with sanity validation (the evaluation
-hook's first batch comes first) and validation every 2 steps, then validates once more. The later stages read the
-encoder's output (every decoder block's cross-attention) and T5's position biases (returned by the first decoder
-block for the others), carried across the boundaries besides the flowing activation: up to the last stage through
-the middle ones at four stages. Each value is compared with one process running the same model and batches,
-relative 1e-10 (float64).
+scripts/carry_run.py fits a Hugging Face T5, a FLAN-T5 (T5 v1.1: gated MLP, untied head) and a BART (4 decoder
+blocks, the pipeline's blocks; the encoder on the first stage) in float64, at pp2, tp2 x pp2 (ZB-V) and pp2 x dp2
+(FSDP), with sanity validation (the evaluation hook's first batch comes first) and validation every 2 steps, then
+validates once more. The later stages read the encoder's output (every decoder block's cross-attention) and T5's
+position biases (returned by the first decoder block for the others), carried across the boundaries besides the
+flowing activation: up to the last stage through the middle ones at four stages. Each value is compared with one
+process running the same model and batches, relative 1e-10 (float64).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from launch import run_lightning
 
 pytest.importorskip("transformers")
 
-CASES = ("t5", "bart")
+CASES = ("t5", "flant5", "bart")
 LAYOUTS = {
     # (tp, pp, dp, schedule, stages per rank): two stages; four stages on two ranks in a V, with tensor parallelism;
     # two stages under FSDP over two replicas

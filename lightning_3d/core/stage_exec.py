@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from . import torch_compat
 from .agreed import mark_agreed
-from .blocks import BLOCKS_CONTRACT, ModelSplit
+from .blocks import BLOCKS_CONTRACT, ModelSplit, layer_drop, refuse_layer_drop
 from .boundary_check import Checked, check_first_step, meta_copy
 from .carry import CarryPlan, floating_outputs, passed_on, sendable
 from .log_relay import LogRecorder, StepLogs, silenced
@@ -128,6 +128,8 @@ class StageExecutor(MicroBatchLoss):
         self.carry = CarryPlan()
         self._producers: set[str] = set()  # modules with a forward hook that keeps what they make for later stages
         self._traced: set[str] = set()  # the hooks whose first batch was checked on the skeleton
+        # read on the unsplit model, the same on every rank; a single stage runs every block the model calls
+        self._layer_drop = layer_drop(module) if split.num_stages > 1 else []
         self.num_stages = split.num_stages
         self.local_stages = list(local_stages)
         self.current: _Running | None = None
@@ -261,13 +263,20 @@ class StageExecutor(MicroBatchLoss):
             Whether what the boundaries carry changed (the schedules built before send other tensors).
 
         Raises:
-            ValueError: a tensor crosses a stage boundary that cannot be carried (marked agreed).
+            ValueError: a tensor crosses a stage boundary that cannot be carried, or (training) the model skips
+                blocks at random (LayerDrop; :func:`~lightning_3d.core.blocks.refuse_layer_drop`); marked agreed.
         """
+        training = hook == "training_step"
+        if training and hook not in self._traced and self.module.training:
+            try:
+                refuse_layer_drop(self._layer_drop)
+            except ValueError as err:
+                raise mark_agreed(err) from None
         skeleton = self._skeleton
         if skeleton is None or hook in self._traced:
+            self._traced.add(hook)
             return False
         self._traced.add(hook)
-        training = hook == "training_step"
         if training:
             self._skeleton = None  # checked in training: freed (an evaluation hook after it uses the same plan)
         if isinstance(skeleton, str):

@@ -26,7 +26,8 @@ GLOBAL_BATCH = 8
 
 
 class Seq2Seq(HFEncoder):
-    """The test models' encoder-decoder (T5 or BART, every position's next token as its label), validated too."""
+    """The test models' encoder-decoder (T5, FLAN-T5 or BART, every position's next token as its label),
+    validated too."""
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
