@@ -199,6 +199,23 @@ class NanoGPT(_Base):
     validation_step = TinyGPT.validation_step
 
 
+class SkippingGPT(NanoGPT):
+    """NanoGPT skipping blocks while training as LayerDrop does (``continue`` in the loop), by a pattern of the
+    step instead of a draw, so that one device skips the same ones: none, then block 1, blocks 2 and 3, blocks 0
+    and 1 (at pp2: a stage's last block, all of the last stage's, all of the first's)."""
+
+    PATTERN = ((), (1,), (2, 3), (0, 1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        skip = self.PATTERN[self.global_step % len(self.PATTERN)] if self.training else ()
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for i, block in enumerate(self.transformer.h):
+            if i not in skip:
+                x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
 def rotary_tables(head_dim: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of rotary position embeddings, ``(length, head_dim // 2)``."""
     inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -374,13 +391,15 @@ _HF_ENCODERS: dict[str, tuple[str, dict]] = {
                                        "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
                                        "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
                                        "decoder_start_token_id": 2, "forced_eos_token_id": None}),
-    # BART's layout, with LayerDrop on (M2M100's and NLLB's configs default to 0.05): refused at pp > 1
+    # BART's layout with LayerDrop (M2M100's and NLLB's configs default to 0.05), drawn so that it is the same on one
+    # device: every decoder layer skipped while training (the encoder's output then reaches no block), none in eval
     "m2m_100": ("AutoModelForSeq2SeqLM", {"d_model": 16, "encoder_layers": 2, "decoder_layers": 4,
                                           "encoder_attention_heads": 4, "decoder_attention_heads": 4,
                                           "encoder_ffn_dim": 32, "decoder_ffn_dim": 32, "max_position_embeddings": 16,
                                           "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0,
                                           "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
-                                          "decoder_start_token_id": 2}),
+                                          "decoder_start_token_id": 2, "encoder_layerdrop": 0.0,
+                                          "decoder_layerdrop": 1.0}),
     # its layers alternate global and local attention, which its forward reads from each layer (attention_type);
     # the MLM head's decoder is tied to the token embedding (across the pipeline's ends)
     "modernbert": ("AutoModelForMaskedLM", {"max_position_embeddings": 16, "local_attention": 4, "pad_token_id": 0,
@@ -451,10 +470,26 @@ MODELS = {
     "swin": lambda **kw: HFEncoder("swin", **kw),
     "t5": lambda **kw: HFEncoder("t5", **kw),
     "flant5": lambda **kw: HFEncoder("flant5", **kw),
+    "m2m_100": lambda **kw: HFEncoder("m2m_100", **kw),
+    "skipgpt": SkippingGPT,
     "bart": lambda **kw: HFEncoder("bart", **kw),
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
-TOKEN_MODELS |= {"gptj", "falcon", "hunyuan", "rotary", "bertcls", "vit", "modernbert", "swin", "t5", "flant5", "bart"}
+TOKEN_MODELS |= {
+    "gptj",
+    "falcon",
+    "hunyuan",
+    "rotary",
+    "bertcls",
+    "vit",
+    "modernbert",
+    "swin",
+    "t5",
+    "flant5",
+    "bart",
+    "m2m_100",
+    "skipgpt",
+}
 
 
 def dataset(model: str, n: int = 64, seed: int = 0) -> Dataset:

@@ -254,30 +254,14 @@ def tied_parameters(root: nn.Module) -> list[tuple[str, ...]]:
 def layer_drop(root: nn.Module) -> list[tuple[str, float]]:
     """The modules of ``root`` that skip their blocks at random while training (LayerDrop, as Hugging Face's
     encoders and decoders do: ``if self.training and torch.rand([]) < self.layerdrop: skip the layer``), with their
-    ``layerdrop`` probability; empty when none does."""
+    ``layerdrop`` probability; empty when none does. A stage runs whichever of its blocks the model calls
+    (``stage_exec``); the stage-boundary check turns it off to see every block (``boundary_check``)."""
     found = []
     for name, module in root.named_modules():
         rate = getattr(module, "layerdrop", None)
         if isinstance(rate, float) and rate > 0:
             found.append((name, rate))
     return found
-
-
-def refuse_layer_drop(found: Sequence[tuple[str, float]]) -> None:
-    """Raise for the modules :func:`layer_drop` found: under pipeline parallelism a stage runs all its blocks on
-    every micro-batch (its first block receives the previous stage's activation, its last block's output is sent
-    on), so a block skipped at random would leave the stage nothing to feed or to send."""
-    if not found:
-        return
-    named = ", ".join(f"{name} (layerdrop = {rate:g})" for name, rate in found)
-    raise ValueError(
-        f"lightning_3d: {named} skip their blocks at random while training (LayerDrop); under pipeline parallelism "
-        "every stage runs its blocks on every micro-batch (its first block receives the previous stage's "
-        "activation, its last block's output is sent to the next), so LayerDrop is not supported at pp > 1. Set "
-        "it to 0 in the model's config before building the model (Hugging Face: encoder_layerdrop, "
-        "decoder_layerdrop or layerdrop; M2M100 and NLLB default to 0.05), or train at pp = 1, where tensor and "
-        "data parallelism run it. Evaluation never skips a block and runs at any pp."
-    )
 
 
 def split_model(

@@ -41,7 +41,7 @@ from torch import nn
 from torch.func import functional_call
 
 from . import torch_compat
-from .blocks import BLOCKS_CONTRACT, ModelSplit
+from .blocks import BLOCKS_CONTRACT, ModelSplit, layer_drop
 from .carry import Carried, CarryPlan, map_floating
 from .step import extract_loss
 
@@ -271,8 +271,15 @@ def trace_stage_boundaries(
     order = {name: i for i, name in enumerate([*split.first, *trace.blocks, *split.last])}
     wrapper = _Call(module, call)
     try:
-        # an evaluation step's check runs inside Lightning's inference mode, where no autograd graph is recorded
-        with torch.inference_mode(False), torch_compat.fake_tensor_mode(), _fork_rng(), torch.enable_grad():
+        # an evaluation step's check runs inside Lightning's inference mode, where no autograd graph is recorded;
+        # every block runs (LayerDrop off), so the check sees what any draw of skipped blocks could need
+        with (
+            torch.inference_mode(False),
+            torch_compat.fake_tensor_mode(),
+            _fork_rng(),
+            torch.enable_grad(),
+            _every_block_runs(module),
+        ):
             device = device if device is not None else _device(module)
             state = {}
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
@@ -291,6 +298,19 @@ def trace_stage_boundaries(
     except Exception as err:  # the code cannot run on fake tensors: leave the check to the first step's real forward
         return Checked(f"{type(err).__name__}: {err}")
     return Checked(None, trace.plan())
+
+
+@contextlib.contextmanager
+def _every_block_runs(module: nn.Module) -> Iterator[None]:
+    """LayerDrop off in ``module`` for the check (its ``torch.rand([]) < layerdrop`` cannot run on fake tensors)."""
+    dropping = [(module.get_submodule(name), rate) for name, rate in layer_drop(module)]
+    try:
+        for sub, _ in dropping:
+            sub.layerdrop = 0.0
+        yield
+    finally:
+        for sub, rate in dropping:
+            sub.layerdrop = rate
 
 
 class _Call(nn.Module):

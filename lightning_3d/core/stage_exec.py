@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from . import torch_compat
 from .agreed import mark_agreed
-from .blocks import BLOCKS_CONTRACT, ModelSplit, layer_drop, refuse_layer_drop
+from .blocks import BLOCKS_CONTRACT, ModelSplit
 from .boundary_check import Checked, check_first_step, meta_copy
 from .carry import CarryPlan, floating_outputs, passed_on, sendable
 from .log_relay import LogRecorder, StepLogs, silenced
@@ -73,7 +73,8 @@ class _Running:
     last_block: nn.Module | None  # stops the step (all but the last stage)
     first_block_name: str | None = None
     checking: bool = False  # this forward checks that nothing but `received` crosses the boundary
-    started: bool = False  # the stage's first block has been called
+    started: bool = False  # a block of the stage has been called (the first one called got ``received``)
+    last_called: int = -1  # position in the stage of the last block called (a lower one again: a second model call)
     stand_ins: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
     # the values the boundaries carry (``carry.py``) that this micro-batch has so far: received, or made here
     carried: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
@@ -128,8 +129,6 @@ class StageExecutor(MicroBatchLoss):
         self.carry = CarryPlan()
         self._producers: set[str] = set()  # modules with a forward hook that keeps what they make for later stages
         self._traced: set[str] = set()  # the hooks whose first batch was checked on the skeleton
-        # read on the unsplit model, the same on every rank; a single stage runs every block the model calls
-        self._layer_drop = layer_drop(module) if split.num_stages > 1 else []
         self.num_stages = split.num_stages
         self.local_stages = list(local_stages)
         self.current: _Running | None = None
@@ -168,12 +167,18 @@ class StageExecutor(MicroBatchLoss):
                 stand_in = self._stand_in(name)
                 swaps.append((parent, attr, stand_in))
             self._swaps[stage] = swaps
+        # every block of a stage: the model may skip some (LayerDrop), so the first one called gets ``received``
+        self._position = {id(b): (s, i) for s in local_stages for i, b in enumerate(self._blocks[s])}
         for stage in local_stages:
             blocks = self._blocks[stage]
-            if stage > 0:
-                blocks[0].register_forward_pre_hook(self._receive, with_kwargs=True)
+            for block in blocks:
+                block.register_forward_pre_hook(self._receive, with_kwargs=True)
             if stage < self.num_stages - 1:
                 blocks[-1].register_forward_hook(self._stop)
+        if self.num_stages - 1 in local_stages:  # the last stage's blocks all skipped: its first module after them
+            for name in split.last:
+                if split.stage_of(name) == self.num_stages - 1:
+                    module.get_submodule(name).register_forward_pre_hook(self._receive_after, with_kwargs=True)
         if carry is not None:
             self.use_carry(carry)
 
@@ -263,20 +268,13 @@ class StageExecutor(MicroBatchLoss):
             Whether what the boundaries carry changed (the schedules built before send other tensors).
 
         Raises:
-            ValueError: a tensor crosses a stage boundary that cannot be carried, or (training) the model skips
-                blocks at random (LayerDrop; :func:`~lightning_3d.core.blocks.refuse_layer_drop`); marked agreed.
+            ValueError: a tensor crosses a stage boundary that cannot be carried (marked agreed).
         """
-        training = hook == "training_step"
-        if training and hook not in self._traced and self.module.training:
-            try:
-                refuse_layer_drop(self._layer_drop)
-            except ValueError as err:
-                raise mark_agreed(err) from None
         skeleton = self._skeleton
         if skeleton is None or hook in self._traced:
-            self._traced.add(hook)
             return False
         self._traced.add(hook)
+        training = hook == "training_step"
         if training:
             self._skeleton = None  # checked in training: freed (an evaluation hook after it uses the same plan)
         if isinstance(skeleton, str):
@@ -347,10 +345,16 @@ class StageExecutor(MicroBatchLoss):
             torch_compat.child_modules(parent)[attr] = self._stand_in(name)
 
     def _receive(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Before each block of the stage: the first one called (the stage's first block, or a later one when the
+        model skips blocks) gets the received activation as its flowing tensor; a block before the last one called
+        means the model runs a second time."""
         current = self.current
-        if current is None or block is not current.first_block or current.received is None:
+        stage, index = self._position.get(id(block), (None, -1))
+        if current is None or stage != current.stage:
             return None
-        if current.started:  # a second model call in one step (generate(), a second forward pass)
+        first = current.last_called < 0
+        if index <= current.last_called and current.received is not None:
+            # a second model call in one step (generate(), a second forward pass)
             raise ValueError(
                 f"lightning_3d: {type(self.module).__name__}.{self._hook} ran the model a second time on pipeline "
                 f"stage {current.stage}; under pipeline parallelism a step runs the model once per micro-batch (the "
@@ -359,16 +363,37 @@ class StageExecutor(MicroBatchLoss):
                 "tensor and data parallelism run them unchanged, so generate in a run at pp=1 (a trainer.validate / "
                 f"predict of the checkpoint with ThreeDStrategy(tp=..., pp=1)). {BLOCKS_CONTRACT}"
             )
+        current.last_called = index
+        if not first or current.received is None:
+            return None
         current.started = True
-        if args and isinstance(args[0], torch.Tensor):
-            return (current.received, *args[1:]), kwargs
-        for key in ("hidden_states", "x", "hidden", "input", "inputs"):
-            if isinstance(kwargs.get(key), torch.Tensor):
-                return args, {**kwargs, key: current.received}
-        raise ValueError(
-            f"lightning_3d: the first block of pipeline stage {current.stage} was called without a tensor as its first "
-            f"argument; the tensor flowing from block to block must be the first argument. {BLOCKS_CONTRACT}"
-        )
+        return _with_flowing(current.received, args, kwargs, f"the first block of pipeline stage {current.stage}")
+
+    def _receive_after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Before a module after the blocks on the last stage: when the model skipped all of the stage's blocks
+        (LayerDrop), the received activation is what flows into it."""
+        current = self.current
+        if current is None or current.started or current.received is None or current.stage != self.num_stages - 1:
+            return None
+        current.started = True
+        return _with_flowing(current.received, args, kwargs, f"{type(module).__name__} after the blocks")
+
+    def reached(self, fqn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A stand-in was called: when it stands in for a module of a later stage, the model went past this stage's
+        blocks without calling the last one (it skipped blocks: LayerDrop), and the stage ends here, sending the
+        flowing tensor (the received one when no block of the stage ran)."""
+        current = self.current
+        if current is None or current.last_block is None or self.split.stage_of(fqn) <= current.stage:
+            return
+        if current.received is not None and not current.started:
+            raise _StageDone(passed_on(current.received))
+        flowing = args[0] if args else next(iter(kwargs.values()), None)
+        if not isinstance(flowing, torch.Tensor):
+            raise ValueError(
+                f"lightning_3d: pipeline stage {current.stage} reached {fqn} (held by a later stage) without a tensor "
+                f"as its first argument; the tensor flowing from block to block must be the first. {BLOCKS_CONTRACT}"
+            )
+        raise _StageDone(flowing)
 
     def _stop(self, block: nn.Module, args: Any, output: Any) -> None:
         current = self.current
@@ -516,6 +541,19 @@ class StageExecutor(MicroBatchLoss):
         loss = self._loss_of(result, chunk, length)
         # a (1,)-shaped output, so that torch can join the micro-batches' outputs (loss_fn sums it back)
         return torch.zeros(1, device=_device(inputs)) if loss is None else loss.reshape(1)
+
+
+def _with_flowing(value: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], who: str) -> Any:
+    """A forward pre-hook's result: the call's flowing tensor (its first argument) replaced by ``value``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (value, *args[1:]), kwargs
+    for key in ("hidden_states", "x", "hidden", "input", "inputs"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return args, {**kwargs, key: value}
+    raise ValueError(
+        f"lightning_3d: {who} was called without a tensor as its first argument; the tensor flowing from block to "
+        f"block must be the first argument. {BLOCKS_CONTRACT}"
+    )
 
 
 def _inferred_loss(inputs: Sequence[torch.Tensor]) -> torch.Tensor:

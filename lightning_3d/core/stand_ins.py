@@ -50,6 +50,8 @@ class _Executor(Protocol):
 
     def carried_output(self, fqn: str) -> dict[int, torch.Tensor]: ...
 
+    def reached(self, fqn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+
 
 def outside_steps_message(fqn: str, holder: int) -> str:
     """Why a module of another stage was reached with no stage running: the model was called outside the steps."""
@@ -304,6 +306,7 @@ class Skipped(_StandIn):
     """
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._executor.reached(self.fqn, args, kwargs)  # a later stage's block: this stage ends here
         value = args[0] if args else next(iter(kwargs.values()))
         template = self._template(args, kwargs) if isinstance(value, torch.Tensor) else None
         if template is None:
@@ -339,6 +342,8 @@ class Elsewhere(_StandIn):
         self.role = role
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.role == "last":
+            self._executor.reached(self.fqn, args, kwargs)  # past the running stage's blocks: it ends here
         current = self._executor.current
         # Before the stage's first block its output is never used (the block's input is replaced by the received
         # activation): a module the user placed on an earlier stage (``stages=``) may run there too.

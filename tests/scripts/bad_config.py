@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Subset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import HFCausalLM, HFEncoder, NanoGPT, TinyGPT, TinyMLP, dataset, loader
+from models import HFCausalLM, NanoGPT, TinyGPT, TinyMLP, dataset, loader
 
 
 class NoBody(TinyMLP):
@@ -131,7 +131,6 @@ CASES = {
     "no_container": (NoContainer, {"pp": 2}, 2, 8),
     "kv_heads_not_divisible": (lambda: HFCausalLM("llama"), {"tp": 4}, 4, 8),
     "batch_per_world_rank": (WorldRankData, {"pp": 2}, 2, 8),
-    "layer_drop": (lambda: HFEncoder("m2m_100"), {"pp": 2}, 2, 8),
 }
 
 
@@ -149,7 +148,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     model = module_cls()
-    model_name = "gpt" if isinstance(model, (TinyGPT, NanoGPT, HFCausalLM, HFEncoder)) else "mlp"
+    model_name = "gpt" if isinstance(model, (TinyGPT, NanoGPT, HFCausalLM)) else "mlp"
     if isinstance(model, WorldRankData):
         trainer.fit(model)  # its own train_dataloader
     else:

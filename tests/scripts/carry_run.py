@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
 
-from models import HFEncoder, OrderedData, quiet_trainer
+from models import MODELS, HFEncoder, OrderedData, quiet_trainer
 
 GLOBAL_BATCH = 8
 
@@ -95,7 +95,8 @@ def main() -> None:
             use_distributed_sampler=False,
             callbacks=[recorder],
         )
-        model = Seq2Seq(case)
+        # a Hugging Face encoder-decoder, validated too; or a test model with validation of its own
+        model = Seq2Seq(case) if case in ("t5", "flant5", "bart", "m2m_100") else MODELS[case]()
         data = OrderedData(case, batch, n=GLOBAL_BATCH * 4, val_n=GLOBAL_BATCH * 2)
         trainer.fit(model, datamodule=data)
         recorder.rec["validate"] = float(trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"])

@@ -96,6 +96,71 @@ def test_last_stage_takes_the_received_tensor_and_returns_the_weighted_loss() ->
     assert logs.entries["train_loss"].weight == 2.0
 
 
+class LayerDrop(Net):
+    """Skips the blocks named in ``drop`` as Hugging Face's LayerDrop does (``continue`` in the model's loop)."""
+
+    def __init__(self, drop: set[int]) -> None:
+        super().__init__()
+        self.drop = drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i, block in enumerate(self.blocks):
+            if i not in self.drop:
+                h = block(h, scale=0.5)
+        return self.head(h)
+
+
+def unsplit_drop(ref: LayerDrop, h: torch.Tensor, blocks: range, drop: set[int]) -> torch.Tensor:
+    for i in blocks:
+        if i not in drop:
+            h = ref.blocks[i](h, scale=0.5)
+    return h
+
+
+@pytest.mark.parametrize("drop", [{1}, {0, 1}, {2}, {3}, {2, 3}, {1, 2}, {0, 1, 2, 3}])
+def test_blocks_the_model_skips_leave_each_stage_what_flows(drop: set[int]) -> None:
+    """LayerDrop (M2M100's and NLLB's default config) under pp2: a stage's first block skipped, its last, or all of
+    them. The first stage sends what its last called block made (or the embedding's output), the last stage feeds
+    the received tensor to the first of its blocks that runs (or to the head). Before 2026-12-05 a skipped first
+    block left the received tensor unused and a skipped last block ran the step past the stage."""
+    torch.manual_seed(0)
+    x, y = batch()
+    ref = LayerDrop(drop)
+    ref.load_state_dict(Net().state_dict())
+    for index in (0, 1):
+        model = copy.deepcopy(ref)
+        executor, stage = stage_of(model, index)
+        executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
+        executor.on_chunk(index, 0)
+        if index == 0:
+            out = stage(torch.arange(0, 2))
+            assert torch.allclose(out, unsplit_drop(ref, ref.embed(x[:2]), range(0, 2), drop))
+            continue
+        received = torch.randn(2, 4, requires_grad=True)
+        out = stage(received)
+        want = F.cross_entropy(ref.head(unsplit_drop(ref, received, range(2, 4), drop)), y[:2]) * 0.5
+        assert torch.allclose(out[0], want)
+        (got,) = torch.autograd.grad(out.sum(), received)
+        (expected,) = torch.autograd.grad(want, received)
+        assert torch.allclose(got, expected)
+
+
+def test_a_middle_stage_whose_blocks_are_all_skipped_passes_the_received_tensor_on() -> None:
+    model = LayerDrop({2})
+    split = split_model(model, find_blocks(model), pp=3, ranges=[range(0, 2), range(2, 3), range(3, 4)])
+    executor = StageExecutor(model, split, [1])
+    executor.prune()
+    stage = StageModule(1, {n: model.get_submodule(n) for n in split.modules_of(1)}, executor)
+    executor.begin("training_step", model.training_step, batch(), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(1, 0)
+    received = torch.randn(2, 4, requires_grad=True)
+    out = stage(received)
+    assert torch.equal(out, received) and out is not received  # a copy: torch detaches stage outputs in place
+    (grad,) = torch.autograd.grad(out.sum(), received)
+    assert torch.equal(grad, torch.ones_like(received))
+
+
 def test_shape_inference_runs_the_step_on_every_stage_but_the_last() -> None:
     """torch's shape inference (no chunk): the first stage runs the step up to its blocks (it must send their
     output's shape); the last stage answers without running the step, whose code after the model call (metric
