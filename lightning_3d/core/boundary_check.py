@@ -302,15 +302,22 @@ def trace_stage_boundaries(
 
 @contextlib.contextmanager
 def _every_block_runs(module: nn.Module) -> Iterator[None]:
-    """LayerDrop off in ``module`` for the check (its ``torch.rand([]) < layerdrop`` cannot run on fake tensors)."""
-    dropping = [(module.get_submodule(name), rate) for name, rate in layer_drop(module)]
+    """LayerDrop off in ``module`` for the check (its ``torch.rand([]) < layerdrop`` cannot run on fake tensors):
+    the modules' own ``layerdrop`` and a Hugging Face config's (speech encoders read ``self.config.layerdrop``)."""
+    holders: list[Any] = [module.get_submodule(name) for name, _ in layer_drop(module)]
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        rate = getattr(config, "layerdrop", None)
+        if isinstance(rate, float) and rate > 0 and all(config is not h for h in holders):
+            holders.append(config)
+    rates = [h.layerdrop for h in holders]
     try:
-        for sub, _ in dropping:
-            sub.layerdrop = 0.0
+        for holder in holders:
+            holder.layerdrop = 0.0
         yield
     finally:
-        for sub, rate in dropping:
-            sub.layerdrop = rate
+        for holder, rate in zip(holders, rates, strict=True):
+            holder.layerdrop = rate
 
 
 class _Call(nn.Module):
