@@ -205,6 +205,8 @@ class _StandIn(nn.Module):
     """What both stand-ins share: the name of the module stood in for, the executor and the real module's meta copy
     (not a submodule: its meta parameters are not the model's)."""
 
+    _whole_tensor = False  # a template for an output that is one tensor too (else: ``None``, the input flows on)
+
     def __init__(self, fqn: str, executor: _Executor, like: nn.Module | None) -> None:
         super().__init__()
         self.fqn = fqn
@@ -220,7 +222,7 @@ class _StandIn(nn.Module):
         key = (self.training, torch.is_grad_enabled(), _signature(args), _signature(kwargs))
         templates = self.__dict__["_templates"]
         if key not in templates:
-            templates[key] = _run_meta(like, self.training, args, kwargs)
+            templates[key] = _run_meta(like, self.training, args, kwargs, self._whole_tensor)
         return templates[key]
 
     def _mark(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -314,16 +316,19 @@ class Skipped(_StandIn):
         return self._with_carried(template.fill(self._mark(value), value.device, self._mark))
 
 
-def _run_meta(like: nn.Module, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Template | None:
-    """The block's output structure from its meta copy, or ``None`` where the copy cannot run on the meta device (a
-    value read back to the host) or returns the flowing tensor alone: the stand-in then returns its input."""
+def _run_meta(
+    like: nn.Module, training: bool, args: tuple[Any, ...], kwargs: dict[str, Any], whole_tensor: bool = False
+) -> _Template | None:
+    """The module's output structure from its meta copy, or ``None`` where the copy cannot run on the meta device (a
+    value read back to the host) or returns one tensor and ``whole_tensor`` is false (a block: the stand-in then
+    returns its input)."""
     like.train(training)
     try:
         with torch.no_grad():
             output = like(*_to_meta(args), **_to_meta(kwargs))
     except Exception:
         return None
-    return None if isinstance(output, torch.Tensor) else _Template(output)
+    return None if isinstance(output, torch.Tensor) and not whole_tensor else _Template(output)
 
 
 class Elsewhere(_StandIn):
@@ -336,6 +341,8 @@ class Elsewhere(_StandIn):
         executor: the executor whose current stage input the zeros are shaped like.
         like: the real module's meta copy (attribute reads), or ``None``.
     """
+
+    _whole_tensor = True  # zeros shaped like the real output (a speech encoder's features are not the hidden size)
 
     def __init__(self, fqn: str, role: str, executor: _Executor, like: nn.Module | None = None) -> None:
         super().__init__(fqn, executor, like)

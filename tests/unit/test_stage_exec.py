@@ -161,6 +161,53 @@ def test_a_middle_stage_whose_blocks_are_all_skipped_passes_the_received_tensor_
     assert torch.equal(grad, torch.ones_like(received))
 
 
+class Projection(nn.Module):
+    """wav2vec2's feature projection: features of another width in, the hidden states and the normed features out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(6), nn.Linear(6, 4)
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = self.norm(features)
+        return self.fc(normed), normed
+
+
+class SpeechNet(Net):
+    """A feature extractor whose output is not the blocks' width, then a projection returning a tuple (wav2vec2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.embed, self.blocks, self.head  # registered again after the modules that run before the blocks
+        self.features = nn.Linear(3, 6)
+        self.projection = Projection()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.projection(self.features(x))
+        for block in self.blocks:
+            h = block(h, scale=0.5)
+        return self.head(h)
+
+
+def test_a_module_before_the_blocks_stands_in_with_its_own_output_shape() -> None:
+    """The later stage's stand-in for a module before the blocks returned zeros shaped like the received activation,
+    so a module after it that stands in too (run on its meta copy for its output structure) got the wrong width and
+    returned one tensor: wav2vec2 at pp2 died with "too many values to unpack (expected 2)" on stage 1."""
+    torch.manual_seed(0)
+    model = SpeechNet()
+    ref = copy.deepcopy(model)
+    executor, stage = stage_of(model, 1)
+    x, y = torch.randn(6, 3), torch.randint(0, 2, (6,))  # 3 per micro-batch: unpacking the wrong one's rows fails
+    received = torch.randn(3, 4, requires_grad=True)
+    executor.begin("training_step", model.training_step, (x, y), (0,), 6, 2, 1.0, True)
+    executor.on_chunk(1, 0)
+    out = stage(received)
+    want = F.cross_entropy(ref.head(ref.blocks[3](ref.blocks[2](received, scale=0.5), scale=0.5)), y[:3]) * 0.5
+    assert torch.allclose(out[0], want)
+
+
 def test_shape_inference_runs_the_step_on_every_stage_but_the_last() -> None:
     """torch's shape inference (no chunk): the first stage runs the step up to its blocks (it must send their
     output's shape); the last stage answers without running the step, whose code after the model call (metric
