@@ -47,7 +47,7 @@ def test_encoder_decoders_train_and_validate_as_on_one_device(carry_reference, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pp2-1f1b", "tp2-pp2-zbv"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_blocks_skipped_while_training_train_as_on_one_device(carry_reference, tmp_path, layout):
     """Before 2026-12-05 a skipped first block left its stage's received activation unused and a skipped last
     block ran the step on past the stage (*"model.transformer.ln_f is held by pipeline stage 1, but stage 0 reached
