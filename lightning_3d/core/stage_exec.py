@@ -9,11 +9,15 @@ So every stage runs the user's ``training_step`` (or evaluation step) itself, on
   would, in structure, with its first argument flowing through), a module before the blocks by an ``Elsewhere``
   (returns zeros shaped like the stage's input: its output is never used), a module after the blocks by an
   ``Elsewhere`` that raises if it is ever reached; their attributes read as the real modules' would;
-* on a later stage, a forward pre-hook on the stage's first block replaces the block's first tensor argument (the
-  tensor flowing through the container) by the activation received from the previous stage;
+* on a later stage, a forward pre-hook on the stage's blocks replaces the first tensor argument (the tensor flowing
+  through the container) of the first one called by the activation received from the previous stage;
 * on an earlier stage, a forward hook on the stage's last block stops the step (``_StageDone``) and the block's
   output tensor becomes the stage's output, sent to the next stage, followed by the module outputs later stages
   read (``carry.py``: an encoder's output, a position bias), which the stand-ins of those modules return there;
+* blocks the model skips (LayerDrop: ``continue`` in its loop) change only where that happens: a stage whose last
+  block was skipped stops at the first stand-in of a later stage's module, sending what flows into it; one whose
+  blocks were all skipped sends the received activation on (the last stage feeds it to the first module after
+  the blocks);
 * on the last stage the step runs to its end: its loss, weighted by the micro-batch's share of the batch, is the
   stage's output, and its ``self.log`` calls are recorded (``log_relay.py``); other stages' logging is silenced.
 
@@ -69,7 +73,6 @@ class _Running:
 
     stage: int
     received: torch.Tensor | None
-    first_block: nn.Module | None  # gets ``received`` (later stages)
     last_block: nn.Module | None  # stops the step (all but the last stage)
     first_block_name: str | None = None
     checking: bool = False  # this forward checks that nothing but `received` crosses the boundary
@@ -417,12 +420,11 @@ class StageExecutor(MicroBatchLoss):
         for parent, attr, stand_in in swaps:
             torch_compat.child_modules(parent)[attr] = stand_in
         blocks = self._blocks[stage]
-        first = blocks[0] if blocks else None
         last = blocks[-1] if blocks and stage < self.num_stages - 1 else None
         first_name = None
         if self.split.container is not None and self.split.stage_blocks[stage]:
             first_name = self.split.container.block_fqn(self.split.stage_blocks[stage][0])
-        self.current = _Running(stage, received, first, last, first_name, checking and stage > 0)
+        self.current = _Running(stage, received, last, first_name, checking and stage > 0)
         keys = [v.key for v in self.carry.received_by(stage)]
         if len(keys) != len(carried):
             raise AssertionError(f"stage {stage} received {len(carried)} carried values, {len(keys)} expected")

@@ -336,8 +336,10 @@ class Elsewhere(_StandIn):
 
     Args:
         fqn: its name in the model.
-        role: ``"first"`` (before the blocks: stands in with zeros shaped like the stage's input, which the stage's
-            first block then replaces) or ``"last"`` (after the blocks: reaching it is an error).
+        role: ``"first"`` (before the blocks: stands in with zeros shaped like the real module's output, from its
+            meta copy, else like the stage's input; the stage's first block then gets the received activation) or
+            ``"last"`` (after the blocks: reaching it ends an earlier stage whose last block the model skipped;
+            reaching it with no stage running, the model called outside the steps, is an error).
         executor: the executor whose current stage input the zeros are shaped like.
         like: the real module's meta copy (attribute reads), or ``None``.
     """
