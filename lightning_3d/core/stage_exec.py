@@ -170,11 +170,12 @@ class StageExecutor(MicroBatchLoss):
                 stand_in = self._stand_in(name)
                 swaps.append((parent, attr, stand_in))
             self._swaps[stage] = swaps
-        # every block of a stage: the model may skip some (LayerDrop), so the first one called gets ``received``
-        self._position = {id(b): (s, i) for s in local_stages for i, b in enumerate(self._blocks[s])}
+        # every block of a later stage: the model may skip some (LayerDrop), so the first one called gets ``received``
+        # (the first stage receives nothing: no hook on its blocks)
+        self._position = {id(b): (s, i) for s in local_stages if s > 0 for i, b in enumerate(self._blocks[s])}
         for stage in local_stages:
             blocks = self._blocks[stage]
-            for block in blocks:
+            for block in blocks if stage > 0 else ():
                 block.register_forward_pre_hook(self._receive, with_kwargs=True)
             if stage < self.num_stages - 1:
                 blocks[-1].register_forward_hook(self._stop)
