@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         "--schedule",
         default=None,
         help="B1: the pipeline schedule timed beside 1F1B (1f1b (default), gpipe, interleaved1f1b, "
-        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank); B3: one or "
+        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank; or a CSV "
+        "action list at pp 2, with its own stages per rank and micro-batch count); B3: one or "
         "several (A,B,...; a name or a CSV action list), each measured alone",
     )
     parser.add_argument(

@@ -39,14 +39,27 @@ DEFAULT_SCHEDULE, DEFAULT_PARTITIONER = "1f1b", "uniform"
 
 def compared_schedules(schedule: str) -> tuple[str, ...]:
     """The schedules one B1 run times: GPipe and 1F1B by default, else 1F1B and the chosen one (same run)."""
-    name = schedule.lower()
+    from lightning_3d.core.csv_schedule import is_csv_schedule
+
+    name = schedule if is_csv_schedule(schedule) else schedule.lower()
     return SCHEDULES if name == DEFAULT_SCHEDULE else ("1f1b", name)
 
 
+def schedule_label(schedule: str) -> str:
+    """A schedule's name in file names: a CSV action list's file stem, else the name."""
+    from lightning_3d.core.csv_schedule import is_csv_schedule
+
+    return Path(schedule).stem if is_csv_schedule(schedule) else schedule
+
+
 def stages_per_rank_of(schedule: str) -> int:
-    """Stages per rank B1 gives a schedule: 1 for the single-stage ones, 2 for the multi-stage ones."""
+    """Stages per rank B1 gives a schedule: 1 for the single-stage ones, 2 for the multi-stage ones, a CSV action
+    list's own."""
+    from lightning_3d.core.csv_schedule import is_csv_schedule, read_csv_schedule
     from lightning_3d.core.pipeline import is_multi_stage
 
+    if is_csv_schedule(schedule):  # the file's own count (a 1F1B-like list has one stage per rank)
+        return read_csv_schedule(schedule).stages_per_rank
     return 2 if is_multi_stage(schedule) else 1
 
 
@@ -209,7 +222,7 @@ def worker(
             stats, timelines = recorded[len(recorded) // 2]
             stats["recorded_steps"] = [dict(st) for st, _ in recorded]  # copies: no cycle through stats
             if rank == 0:
-                stem = Path(timeline_dir) / f"B1_timeline_{name}_m{timeline_m}"
+                stem = Path(timeline_dir) / f"B1_timeline_{schedule_label(name)}_m{timeline_m}"
                 write_chrome_trace(timelines, stem.with_suffix(".json"), stats)
                 try:
                     plot_gantt(timelines, stem.with_suffix(".png"), summary=stats)
@@ -270,12 +283,13 @@ def run(
         partitioner: how the body is split into stages (``"uniform"``, ``"parameters"``, ``"compute"``,
             ``"memory"``), for every schedule of the run.
     """
+    from lightning_3d.core.csv_schedule import is_csv_schedule
     from lightning_3d.core.pipeline import check_schedule_name
 
     from .common import launch
 
     check_schedule_name(schedule)
-    schedule = schedule.lower()
+    schedule = schedule if is_csv_schedule(schedule) else schedule.lower()
     names = compared_schedules(schedule)
     ms = [1, 2, 4] if tiny else [1, 2, 4, 8, 16]
     timeline_m = 4 if tiny else 8

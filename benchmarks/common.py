@@ -364,10 +364,14 @@ def build_schedule(
     the GPT's mean cross-entropy as loss (gradients scaled by ``1 / n_micro``, torch's default)."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+    from lightning_3d.core import torch_compat
+    from lightning_3d.core.csv_schedule import is_csv_schedule
     from lightning_3d.core.pipeline import schedule_class
 
     cls = schedule_class(name)
     built = cpu_stages(stages, num_stages, group)
+    if is_csv_schedule(name):  # torch's action runtime over the file's list
+        return torch_compat.csv_schedule(built, n_micro, name, loss_fn=gpt_loss)
     if issubclass(cls, PipelineScheduleSingle):
         return cls(built[0], n_micro, loss_fn=gpt_loss)
     return cls(built, n_micro, loss_fn=gpt_loss)

@@ -432,6 +432,22 @@ def test_b1_sweep_table_and_goals():
     assert goals == {"csv": True, "zbvzerobubble": True}  # at or above 1F1B's speed-up at the same m
 
 
+def test_b1_takes_a_csv_action_list_as_its_schedule(tmp_path):
+    """``B1 --schedule path.csv``: the file's stages per rank (1 for a 1F1B-like list, not the 2 of torch's
+    multi-stage schedules, whose runtime reads CSVs), its path kept as written, its stem in file names."""
+    b1 = _import("benchmarks.b1_pipeline")
+    one = tmp_path / "My1F1B_pp2.csv"
+    one.write_text("0F0,0F1,0B0,0B1\n,1F0,1B0,1F1,1B1\n")
+    two = tmp_path / "zbv.csv"
+    _import("lightning_3d.core.pipeline").write_csv_schedule("zbvzerobubble", 2, 2, 4, two)
+    assert b1.stages_per_rank_of(str(one)) == 1 and b1.stages_per_rank_of(str(two)) == 2
+    assert b1.stages_per_rank_of("1f1b") == 1 and b1.stages_per_rank_of("interleaved1f1b") == 2
+    assert b1.compared_schedules(str(one)) == ("1f1b", str(one))  # the path's capitals kept
+    assert b1.compared_schedules("GPipe") == ("1f1b", "gpipe")
+    assert b1.schedule_label(str(one)) == "My1F1B_pp2" and b1.schedule_label("1f1b") == "1f1b"
+    assert b1.runnable_ms(str(one), [1, 2, 4, 8]) == [2]  # the file's own micro-batch count
+
+
 def test_sweep_and_b3_schedule_options_are_refused_elsewhere(tmp_path):
     main = _import("benchmarks.__main__").main
     for argv in (["B2", "--sweep"], ["B1", "B3", "--sweep"], ["B2", "--schedule", "1f1b"]):
