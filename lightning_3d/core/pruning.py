@@ -32,6 +32,8 @@ from lightning.pytorch.callbacks import ModelPruning
 from torch import nn
 from torch.nn.utils import prune as torch_prune
 
+from . import torch_compat
+
 
 def pruning_callbacks(callbacks: Sequence[Any]) -> list[ModelPruning]:
     """The ``ModelPruning`` callbacks among ``callbacks``."""
@@ -150,7 +152,7 @@ def natural_name(module: nn.Module, name: str) -> str:
     holder = module.get_submodule(owner)
     pruned = any(
         isinstance(hook, torch_prune.BasePruningMethod) and getattr(hook, "_tensor_name", None) == base
-        for hook in holder._forward_pre_hooks.values()
+        for hook in torch_compat.forward_pre_hooks(holder)
     )
     return name[: -len("_orig")] if pruned else name
 

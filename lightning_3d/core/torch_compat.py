@@ -382,6 +382,17 @@ def child_modules(module: nn.Module) -> dict[str, nn.Module | None]:
     return module._modules
 
 
+def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks registered on ``module`` itself (``module._forward_hooks``), in registration order."""
+    return list(module._forward_hooks.values())
+
+
+def forward_pre_hooks(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward pre-hooks registered on ``module`` itself (``module._forward_pre_hooks``), in registration
+    order (``torch.nn.utils.prune`` keeps its pruning method there)."""
+    return list(module._forward_pre_hooks.values())
+
+
 def fake_tensor_mode() -> Any:
     """A ``FakeTensorMode`` (``torch._subclasses``): tensors made or computed inside it carry shapes, dtypes and
     autograd graphs but no data, so a model's forward runs without compute; real tensors it meets become fakes."""
