@@ -445,6 +445,43 @@ class HFEncoder(_Base):
         return loss
 
 
+class HiddenStates(_Base):
+    """An unmodified Hugging Face base model (BERT or Llama) whose step reads ``outputs.hidden_states``: a classifier
+    on the mean of every layer's hidden states (the embedding's included; the label: the first token modulo 3).
+    Transformers 5 records them with forward hooks on the layers, so under pipeline parallelism the stand-ins for
+    other stages' layers must record them too (``core/hf_outputs.py``), with the values carried from those stages."""
+
+    def __init__(self, arch: str = "bert", lr: float = 0.01, **kwargs):
+        self.arch = arch
+        super().__init__(lr=lr, optimizer="sgd", **kwargs)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from transformers import AutoConfig, AutoModel
+
+        if self.arch == "bert":
+            settings = {"max_position_embeddings": 16, **_ENCODER_SIZES, **_NO_DROPOUT}
+            config = AutoConfig.for_model("bert", vocab_size=32, **settings)
+        else:
+            config = hf_config(self.arch)
+        self.model = AutoModel.from_config(config, attn_implementation="eager")
+        self.head = nn.Linear(config.hidden_size, 3)
+
+    def _loss(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=x, output_hidden_states=True).hidden_states
+        assert len(hidden) == self.model.config.num_hidden_layers + 1, len(hidden)
+        return F.cross_entropy(self.head(torch.stack(hidden).mean(0).mean(1)), x[:, 0] % 3)
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch[0])
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch[0]), sync_dist=True)
+
+
 MODELS = {
     "mlp": TinyMLP,
     "gpt": TinyGPT,
@@ -472,6 +509,8 @@ MODELS = {
     "flant5": lambda **kw: HFEncoder("flant5", **kw),
     "m2m_100": lambda **kw: HFEncoder("m2m_100", **kw),
     "skipgpt": SkippingGPT,
+    "bert-hs": lambda **kw: HiddenStates("bert", **kw),
+    "llama-hs": lambda **kw: HiddenStates("llama", **kw),
     "bart": lambda **kw: HFEncoder("bart", **kw),
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
@@ -489,6 +528,8 @@ TOKEN_MODELS |= {
     "bart",
     "m2m_100",
     "skipgpt",
+    "bert-hs",
+    "llama-hs",
 }
 
 

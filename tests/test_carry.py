@@ -24,6 +24,9 @@ CASES = ("t5", "flant5", "bart")
 # step (a stage's last block, all of the last stage's, all of the first's: at four stages a middle stage's too), and
 # an M2M100 whose config skips every decoder layer in training (its encoder's output, carried, then reaches no block)
 SKIPPING = ("skipgpt", "m2m_100")
+# steps reading Hugging Face's outputs.hidden_states (every layer's, recorded by hooks on the layers): the last stage's
+# stand-ins for the first stage's layers record the values carried from there
+HIDDEN = ("bert-hs", "llama-hs")
 LAYOUTS = {
     # (tp, pp, dp, schedule, stages per rank): two stages; four stages on two ranks in a V, with tensor parallelism;
     # two stages under FSDP over two replicas
@@ -36,7 +39,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def carry_reference(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("carry_ref")
-    run_lightning("carry_run.py", ["--ref", "--cases", ",".join(CASES + SKIPPING), "--out", out], timeout=240)
+    cases = ",".join(CASES + SKIPPING + HIDDEN)
+    run_lightning("carry_run.py", ["--ref", "--cases", cases, "--out", out], timeout=240)
     return out
 
 
@@ -55,6 +59,15 @@ def test_blocks_skipped_while_training_train_as_on_one_device(carry_reference, t
     layerdrop``) and died with *"a skip connection crosses the stage boundary between model.model.encoder and
     model.model.decoder.layers.2"*."""
     check_layout(carry_reference, tmp_path, layout, SKIPPING)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hidden_states_read_by_the_step_are_the_layers_own(carry_reference, tmp_path, layout):
+    """Before 2026-12-05 the last stage's ``hidden_states`` (transformers 5 records them with hooks on the layers)
+    left out the layers other stages hold: 3 of 5 at pp2, a wrong mean without a word (the test models assert the
+    count); step-1 gradients were 1e-4 off one device's."""
+    check_layout(carry_reference, tmp_path, layout, HIDDEN)
 
 
 def check_layout(carry_reference, tmp_path, layout: str, cases: tuple[str, ...]) -> None:

@@ -490,7 +490,9 @@ def _hooks(module: nn.Module, split: ModelSplit, trace: _Trace, order: dict[str,
                 )
             else:
                 handles.append(sub.register_forward_pre_hook(_outside_pre_hook(trace, tag)))
-            handles.append(sub.register_forward_hook(_output_hook(trace, tag, block_index.get(name))))
+            # first among the module's forward hooks: the ones already there (Hugging Face's output recorders:
+            # ``hf_outputs.py``) then see the tagged output, which a later stage's read carries
+            handles.append(sub.register_forward_hook(_output_hook(trace, tag, block_index.get(name)), prepend=True))
         yield
     finally:
         for handle in handles:

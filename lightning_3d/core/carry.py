@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from . import torch_compat
 
@@ -54,19 +55,6 @@ def map_floating(value: Any, fn: Callable[[int, torch.Tensor], Any], depth: int 
         return item
 
     return visit(value, depth)
-
-
-def floating_outputs(value: Any, wanted: Sequence[int]) -> dict[int, torch.Tensor]:
-    """The floating-point tensors of ``value`` at the indices ``wanted`` (:func:`map_floating`'s numbering)."""
-    found: dict[int, torch.Tensor] = {}
-
-    def keep(index: int, tensor: torch.Tensor) -> torch.Tensor:
-        if index in wanted:
-            found[index] = tensor
-        return tensor
-
-    map_floating(value, keep)
-    return found
 
 
 @dataclass(frozen=True, order=True)
@@ -131,10 +119,24 @@ class CarryPlan:
         return "; ".join(v.describe() for v in self.values)
 
 
+def settled(value: torch.Tensor) -> torch.Tensor:
+    """``value`` with any pending tensor-parallel reduction done: a DTensor with partial placements (a vocabulary-
+    parallel embedding's output) redistributed to replicated there, else ``value`` itself. A carried output is
+    settled where its module returns it, so its one reduction happens once (torch's masked partial of an embedding
+    keeps its mask for one reduction only) and both the next module and the later stage read the reduced value."""
+    if not isinstance(value, DTensor) or not any(p.is_partial() for p in value.placements):
+        return value
+    return value.redistribute(value.device_mesh, [Replicate() if p.is_partial() else p for p in value.placements])
+
+
 def sendable(value: torch.Tensor) -> torch.Tensor:
-    """``value`` as a stage sends it: contiguous (the process group sends it as it is, and a position bias is often
-    an expanded view), and not a view (torch's split backward detaches each stage output in place, which a view
-    refuses); a copy only when it is either."""
+    """``value`` as a stage sends it: a plain tensor (a tensor-parallel DTensor, such as a vocabulary-parallel
+    embedding's output before its reduction, crosses as its full value, gathered over the tp ranks, who all run this;
+    the gradient flows back through the gather), contiguous (the process group sends it as it is, and a position bias
+    is often an expanded view), and not a view (torch's split backward detaches each stage output in place, which a
+    view refuses); a copy only when it is either."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
     if value.is_contiguous() and not torch_compat.is_view(value):
         return value
     return value.clone(memory_format=torch.contiguous_format)

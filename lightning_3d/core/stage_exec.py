@@ -39,11 +39,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import torch_compat
+from . import hf_outputs, torch_compat
 from .agreed import mark_agreed
 from .blocks import BLOCKS_CONTRACT, ModelSplit
 from .boundary_check import Checked, check_first_step, meta_copy
-from .carry import CarryPlan, floating_outputs, passed_on, sendable
+from .carry import CarryPlan, map_floating, passed_on, sendable, settled
 from .log_relay import LogRecorder, StepLogs, silenced
 from .loss_weights import MicroBatchWeights
 from .stand_ins import Elsewhere, Skipped
@@ -160,6 +160,7 @@ class StageExecutor(MicroBatchLoss):
             s: [torch_compat.child_modules(container.module)[b] for b in split.stage_blocks[s]] for s in local_stages
         }
         held = {name for s in local_stages for name in split.modules_of(s)}
+        hf_outputs.install_recorders(module)  # the stand-ins run the recorders of the blocks they stand for
         # Modules this rank holds that a given local stage does not: stood in for while that stage runs.
         for stage in local_stages:
             mine = set(split.modules_of(stage))
@@ -189,9 +190,11 @@ class StageExecutor(MicroBatchLoss):
     # ------------------------------------------------------------------ stand-ins and hooks
     def _stand_in(self, name: str) -> nn.Module:
         """The stand-in for the module ``name`` (still the real one in the model), with its meta copy."""
-        like = meta_copy(self.module.get_submodule(name))
+        real = self.module.get_submodule(name)
+        like = meta_copy(real)
         like = like if isinstance(like, nn.Module) else None
         self._stand_ins.append(stand_in := self._new_stand_in(name, like))
+        hf_outputs.copy_recorders(real, stand_in, f"{name} (pipeline stage {self.split.stage_of(name)})")
         return stand_in
 
     def _new_stand_in(self, name: str, like: nn.Module | None) -> nn.Module:
@@ -244,13 +247,24 @@ class StageExecutor(MicroBatchLoss):
         """Identifies what the boundaries carry (part of a schedule's cache key: its stages send these tensors)."""
         return tuple((v.module, v.index, v.last) for v in self.carry.values)
 
-    def _keeper(self, name: str, stage: int) -> Callable[..., None]:
-        def keep(module: nn.Module, args: Any, output: Any) -> None:
+    def _keeper(self, name: str, stage: int) -> Callable[..., Any]:
+        def keep(module: nn.Module, args: Any, output: Any) -> Any:
             current = self.current
-            if current is not None and current.stage == stage:
-                # read now: a later hook's check may carry more of this module's outputs
-                for index, tensor in floating_outputs(output, self.carry.of_module(name)).items():
-                    current.carried[(name, index)] = tensor
+            if current is None or current.stage != stage:
+                return None
+            wanted = self.carry.of_module(name)  # read now: a later hook's check may carry more of its outputs
+            changed = []
+
+            def settle(index: int, tensor: torch.Tensor) -> torch.Tensor:
+                if index not in wanted:
+                    return tensor
+                current.carried[(name, index)] = kept = settled(tensor)
+                if kept is not tensor:
+                    changed.append(index)
+                return kept
+
+            new = map_floating(output, settle)
+            return new if changed else None  # a pending tensor-parallel reduction done once, here
 
         return keep
 

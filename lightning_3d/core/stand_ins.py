@@ -35,6 +35,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 
+from . import hf_outputs
 from .blocks import BLOCKS_CONTRACT
 from .carry import map_floating
 
@@ -324,7 +325,7 @@ def _run_meta(
     returns its input)."""
     like.train(training)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), hf_outputs.not_recording():
             output = like(*_to_meta(args), **_to_meta(kwargs))
     except Exception:
         return None

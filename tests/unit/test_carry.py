@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import torch
 
-from lightning_3d.core.carry import Carried, CarryPlan, floating_outputs, map_floating, passed_on, sendable
+from lightning_3d.core.carry import Carried, CarryPlan, map_floating, passed_on, sendable, settled
 
 # an encoder's output read up to stage 3, a bias made on stage 1 and read on stage 2 only
 ENCODER = Carried(0, 0, "encoder", 0, 3)
@@ -36,7 +36,9 @@ def test_floating_tensors_are_numbered_in_one_order_and_structures_are_copied_no
     ids = torch.arange(3)
     kept = OrderedDict(hidden=a, extra=(ids, b), none=None)
     output = (kept, [c], "text")
-    assert floating_outputs(output, [0, 1, 2]) == {0: a, 1: b, 2: c}  # integer tensors are not numbered
+    seen: dict[int, torch.Tensor] = {}
+    map_floating(output, lambda i, t: seen.setdefault(i, t))
+    assert seen == {0: a, 1: b, 2: c}  # integer tensors are not numbered
     doubled = map_floating(output, lambda i, t: t * 0 + i)
     assert isinstance(doubled[0], OrderedDict) and doubled[0] is not kept and kept["hidden"] is a
     assert doubled[0]["hidden"].tolist() == [0.0] and doubled[0]["extra"][0] is ids
@@ -58,3 +60,30 @@ def test_a_sent_value_is_contiguous_and_not_a_view_and_a_passed_on_one_has_its_o
     assert torch.equal(received.grad, torch.ones(2, 4))
     frozen = torch.randn(2)
     assert passed_on(frozen) is frozen  # no gradient to carry back: sent as it is
+
+
+def test_a_carried_tensor_parallel_value_is_reduced_once_and_crosses_whole(gloo_world) -> None:
+    """A vocabulary-parallel embedding's output (a DTensor pending a masked reduction, which torch keeps for one
+    reduction only) read on a later stage: settled where the module returns it, so the next module and the send both
+    read the one reduction; sent as a plain tensor, its gradient flowing back through the DTensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    weight = torch.randn(8, 4, requires_grad=True)
+    ids = torch.tensor([[1, 5, 7]])
+    sharded = DTensor.from_local(weight, mesh, [Shard(0)])
+    out = torch.nn.functional.embedding(DTensor.from_local(ids, mesh, [Replicate()]), sharded)
+    assert out.placements[0].is_partial()  # torch's masked partial
+    kept = settled(out)
+    assert kept.placements == (Replicate(),) and settled(kept) is kept
+    next_module_reads = kept.redistribute(mesh, [Replicate()]).to_local()  # no second reduction of the mask
+    sent = sendable(kept)
+    assert not isinstance(sent, DTensor) and torch.equal(sent, weight[ids].detach())
+    assert torch.equal(next_module_reads, sent)
+    (sent * 2).sum().backward()
+    want = torch.zeros(8, 4)
+    want[[1, 5, 7]] = 2.0
+    assert torch.equal(weight.grad, want)
+    plain = torch.randn(2, requires_grad=True) * 1
+    assert settled(plain) is plain

@@ -1,0 +1,118 @@
+"""Hugging Face's recorded outputs (``output_hidden_states``, ``output_attentions``, router logits) under pipeline
+parallelism.
+
+Transformers 5 records these with forward hooks on the modules of given classes (a model's ``_can_record_outputs``:
+BERT's hidden states from each ``BertLayer``, its attentions from each ``BertSelfAttention``), installed the first
+time a forward asks for them (``transformers.utils.output_capturing``). A pipeline stage runs the model's forward
+with stand-ins for the blocks other stages hold (``stand_ins.py``), which are not of those classes: their hidden
+states would be left out of ``outputs.hidden_states``, and a step reading ``hidden_states[i]`` (a mean over the
+last layers, a layer-wise loss) on the last stage would read another layer's, or fewer of them, without a word.
+
+So, before the stand-ins are made, :func:`install_recorders` installs Hugging Face's recorders on the whole model,
+and :func:`copy_recorders` gives each stand-in the recorders of the module it stands for: it records what it
+returns, which is the value carried from the stage that ran the block when the step reads it (``carry.py``: the
+stage-boundary check runs the step on the unsplit model, whose recorders show the read), else zeros that the first
+step's check refuses if the step reads them. Recorders inside a block (attention weights, a mixture-of-experts
+router's logits for its load-balancing loss) cannot run on a stage that does not hold the block: a forward that
+asks for them while such a stand-in runs is refused, naming what was asked.
+
+Earlier transformers versions collect hidden states in the model's own loop over the blocks (the stand-ins'
+outputs are collected as the blocks' would be): nothing to do there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from . import torch_compat
+
+_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _capturing() -> ModuleType | None:
+    """Hugging Face's output-capturing module, when transformers is in use and has one (5.x); never imports
+    transformers for a model that is not one of its own."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        import transformers.utils.output_capturing as capturing
+    except ImportError:
+        return None
+    needed = ("maybe_install_capturing_hooks", "_active_collector")
+    return capturing if all(hasattr(capturing, name) for name in needed) else None
+
+
+def install_recorders(model: nn.Module) -> None:
+    """Install Hugging Face's output recorders on every Hugging Face model inside ``model`` now (they stay inactive
+    until a forward asks for an output), so that the modules the stand-ins replace have theirs to copy."""
+    capturing = _capturing()
+    if capturing is None:
+        return
+    from transformers import PreTrainedModel
+
+    for sub in model.modules():
+        if isinstance(sub, PreTrainedModel) and getattr(sub, "_can_record_outputs", None):
+            capturing.maybe_install_capturing_hooks(sub)
+
+
+def recorders(module: nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks of ``module`` itself that are Hugging Face output recorders."""
+    return [hook for hook in torch_compat.forward_hooks(module) if getattr(hook, "__module__", None) == _CAPTURING]
+
+
+def copy_recorders(real: nn.Module, stand_in: nn.Module, where: str) -> None:
+    """Give ``stand_in`` the recorders of ``real`` (the module it stands for); if modules inside ``real`` record
+    outputs, refuse a forward that asks for them while ``stand_in`` runs (``where`` names the module and its stage)."""
+    for hook in recorders(real):
+        stand_in.register_forward_hook(hook)
+    if any(recorders(sub) for sub in real.modules() if sub is not real):
+        stand_in.register_forward_pre_hook(_refuse_inner_recording(where))
+
+
+def _refuse_inner_recording(where: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        asked = recorded_inside()
+        if asked:
+            names = ", ".join(asked)
+            raise ValueError(
+                f"lightning_3d: the model's forward asks Hugging Face to record {names} (output_{asked[0]}=True, or a "
+                f"config that records them, such as output_router_logits=True for a mixture of experts' load-"
+                f"balancing loss), which the model records inside its blocks; under pipeline parallelism a stage runs "
+                f"only its own blocks, so those of {where} cannot be recorded here and the tuple would miss them. "
+                "Leave them off while training with pp > 1 (outputs.hidden_states works: each stage's block outputs "
+                "that the step reads are carried to the last stage), or train at pp=1 (tensor and data parallelism "
+                "record them as one device does)."
+            )
+
+    return hook
+
+
+def recorded_inside() -> list[str]:
+    """The outputs the running Hugging Face forward records besides hidden states (``attentions``,
+    ``router_logits``...): empty when none is being recorded."""
+    capturing = _capturing()
+    collected = capturing._active_collector.get() if capturing is not None else None
+    if not isinstance(collected, dict):
+        return []
+    return sorted(key for key in collected if not key.startswith("_") and key != "hidden_states")
+
+
+@contextlib.contextmanager
+def not_recording() -> Iterator[None]:
+    """Nothing is recorded inside (a stand-in running the real module's meta copy for its output structure: the
+    copy has the recorders too, and its meta tensors must not join the outputs)."""
+    capturing = _capturing()
+    if capturing is None:
+        yield
+        return
+    token = capturing._active_collector.set(None)
+    try:
+        yield
+    finally:
+        capturing._active_collector.reset(token)

@@ -1,0 +1,129 @@
+"""core/hf_outputs.py: Hugging Face's recorded outputs on a pipeline stage, in one process (no communication).
+
+A tiny BERT whose step reads ``outputs.hidden_states`` (transformers 5 records them with forward hooks on the
+layers), split into two stages at its layers; each stage is run as a rank holding it would run it, and the last
+stage's loss and the gradients it sends back are checked against the unsplit model's pieces by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_3d.core import hf_outputs
+from lightning_3d.core.blocks import find_blocks, split_model
+from lightning_3d.core.boundary_check import make_skeleton
+from lightning_3d.core.stage_exec import StageExecutor, StageModule
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.skipif(hf_outputs._capturing() is None, reason="transformers records no outputs by hooks")
+
+
+class Pooled(LightningModule):
+    """A classifier on the mean of BERT's hidden states (the embedding's and every layer's)."""
+
+    def __init__(self, attentions: bool = False) -> None:
+        super().__init__()
+        config = transformers.BertConfig(
+            vocab_size=16, hidden_size=8, num_hidden_layers=4, num_attention_heads=2, intermediate_size=16,
+            max_position_embeddings=8, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        config._attn_implementation = "eager"  # (sdpa returns no attention weights)
+        self.bert = transformers.BertModel(config, add_pooling_layer=False)
+        self.head = nn.Linear(8, 3)
+        self.attentions = attentions
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.bert(input_ids=x, output_hidden_states=True, output_attentions=self.attentions)
+        assert len(out.hidden_states) == 5, len(out.hidden_states)
+        return F.cross_entropy(self.head(torch.stack(out.hidden_states).mean(0).mean(1)), y)
+
+
+def run_stages(model: Pooled, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Both stages of ``model`` at pp2 (layers 0-1 | 2-3) on one micro-batch of 2: the last stage's loss and what
+    stage 0 sent (leaves holding the gradients the last stage sent back)."""
+    sent: list[torch.Tensor] = []
+    for stage in (0, 1):
+        net = copy.deepcopy(model)
+        split = split_model(net, find_blocks(net), pp=2, ranges=[range(0, 2), range(2, 4)])
+        executor = StageExecutor(net, split, [stage], skeleton=make_skeleton(net))
+        executor.prune()
+        executor.check_first_step("training_step", (x, y), (0,), 4, 2)
+        module = StageModule(stage, {n: net.get_submodule(n) for n in split.modules_of(stage)}, executor)
+        executor.begin("training_step", net.training_step, (x, y), (0,), 4, 2, 1.0, True)
+        executor.on_chunk(stage, 0)
+        if stage == 0:
+            sent = [t.detach().requires_grad_(True) for t in module(x[:2])]
+        else:
+            loss = module(*sent)
+            loss.sum().backward()
+    return loss, sent
+
+
+def test_the_last_stage_reads_every_layers_hidden_state_carried_from_where_it_was_made() -> None:
+    """Before 2026-12-05 the last stage's ``hidden_states`` held 3 of the 5 (its stand-ins for stage 0's layers
+    are not ``BertLayer``s, so Hugging Face's recorders skipped them): a wrong mean, without a word."""
+    torch.manual_seed(0)
+    model = Pooled()
+    x, y = torch.randint(0, 16, (4, 6)), torch.tensor([0, 1, 2, 0])
+    loss, sent = run_stages(model, x, y)
+    ref = model.bert
+
+    def layer(i: int, h: torch.Tensor) -> torch.Tensor:
+        out = ref.encoder.layer[i](h)
+        return out[0] if isinstance(out, tuple) else out
+
+    h0 = ref.embeddings(input_ids=x[:2])
+    h1 = layer(0, h0)
+    h2 = layer(1, h1)
+    # the last stage's part, from what stage 0 sent: its last layer's output (flowing to layer 2), then the values
+    # the step reads, in model order (the embedding's output, layer 0's, layer 1's), each a leaf that takes its
+    # gradient back
+    flowing, emb, first, second = (t.detach().requires_grad_(True) for t in (h2, h0, h1, h2))
+    h3 = layer(2, flowing)
+    h4 = layer(3, h3)
+    pooled = torch.stack([emb, first, second, h3, h4]).mean(0).mean(1)
+    want = F.cross_entropy(model.head(pooled), y[:2]) * 0.5
+    assert len(sent) == 4 and all(torch.allclose(s, h) for s, h in zip(sent, (h2, h0, h1, h2), strict=True))
+    assert torch.allclose(loss[0], want)
+    grads = torch.autograd.grad(want, (flowing, emb, first, second))
+    assert all(torch.allclose(s.grad, g, atol=1e-7) for s, g in zip(sent, grads, strict=True))
+
+
+def test_outputs_recorded_inside_another_stages_layers_are_refused_by_name() -> None:
+    """Attention weights are recorded by hooks on each layer's attention module, which a stage not holding the
+    layer never runs: the tuple would miss them. The last stage refuses, naming what was asked and the layer."""
+    torch.manual_seed(0)
+    model = Pooled(attentions=True)
+    x, y = torch.randint(0, 16, (4, 6)), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(
+        ValueError, match=r"record attentions, cross_attentions .*bert\.encoder\.layer\.0 \(pipeline stage 0\)"
+    ):
+        run_stages(model, x, y)
+
+
+def test_recorders_are_installed_before_the_split_and_silent_while_a_meta_copy_runs() -> None:
+    model = Pooled()
+    layer = model.bert.encoder.layer[0]
+    assert hf_outputs.recorders(layer) == []  # Hugging Face installs them at the first forward that asks
+    hf_outputs.install_recorders(model)
+    assert len(hf_outputs.recorders(layer)) == 1 and hf_outputs.recorders(model.head) == []
+    hf_outputs.install_recorders(model)  # once only
+    assert len(hf_outputs.recorders(layer)) == 1
+    capturing = hf_outputs._capturing()
+    token = capturing._active_collector.set({"hidden_states": [], "attentions": []})
+    try:
+        assert hf_outputs.recorded_inside() == ["attentions"]
+        with hf_outputs.not_recording():
+            assert hf_outputs.recorded_inside() == []
+            layer(torch.randn(1, 3, 8))
+        assert capturing._active_collector.get() == {"hidden_states": [], "attentions": []}
+    finally:
+        capturing._active_collector.reset(token)
+    assert hf_outputs.recorded_inside() == []
