@@ -81,9 +81,9 @@ def _refuse_inner_recording(where: str) -> Callable[..., None]:
         if asked:
             names = ", ".join(asked)
             raise ValueError(
-                f"lightning_3d: the model's forward asks Hugging Face to record {names} (output_{asked[0]}=True, or a "
-                f"config that records them, such as output_router_logits=True for a mixture of experts' load-"
-                f"balancing loss), which the model records inside its blocks; under pipeline parallelism a stage runs "
+                f"lightning_3d: the model's forward asks Hugging Face to record {names} (output_{asked[0]}=True, in "
+                "the call or the model's config; a mixture of experts asks for router_logits to add its load-balancing "
+                "loss), which the model records inside its blocks; under pipeline parallelism a stage runs "
                 f"only its own blocks, so those of {where} cannot be recorded here and the tuple would miss them. "
                 "Leave them off while training with pp > 1 (outputs.hidden_states works: each stage's block outputs "
                 "that the step reads are carried to the last stage), or train at pp=1 (tensor and data parallelism "

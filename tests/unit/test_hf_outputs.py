@@ -59,7 +59,8 @@ def run_stages(model: Pooled, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.T
         executor.begin("training_step", net.training_step, (x, y), (0,), 4, 2, 1.0, True)
         executor.on_chunk(stage, 0)
         if stage == 0:
-            sent = [t.detach().requires_grad_(True) for t in module(x[:2])]
+            out = module(x[:2])
+            sent = [t.detach().requires_grad_(True) for t in (out if isinstance(out, tuple) else (out,))]
         else:
             loss = module(*sent)
             loss.sum().backward()
@@ -96,15 +97,44 @@ def test_the_last_stage_reads_every_layers_hidden_state_carried_from_where_it_wa
     assert all(torch.allclose(s.grad, g, atol=1e-7) for s, g in zip(sent, grads, strict=True))
 
 
-def test_outputs_recorded_inside_another_stages_layers_are_refused_by_name() -> None:
-    """Attention weights are recorded by hooks on each layer's attention module, which a stage not holding the
-    layer never runs: the tuple would miss them. The last stage refuses, naming what was asked and the layer."""
+class RouterLoss(LightningModule):
+    """A tiny Mixtral whose config records the routers' logits, for the load-balancing loss added to the LM loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.MixtralConfig(
+            vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=8,
+            output_router_logits=True, router_aux_loss_coef=0.01, use_cache=False,
+        )  # fmt: skip
+        self.lm = transformers.MixtralForCausalLM._from_config(
+            config, attn_implementation="eager", experts_implementation="eager"
+        )
+
+    def training_step(self, batch, batch_idx):
+        return self.lm(input_ids=batch[0], labels=batch[0]).loss
+
+
+@pytest.mark.parametrize(
+    ("make", "asked"),
+    [
+        (
+            lambda: Pooled(attentions=True),
+            r"record attentions, cross_attentions .*bert\.encoder\.layer\.0 \(pipeline stage 0",
+        ),
+        (RouterLoss, r"record router_logits .*lm\.model\.layers\.0 \(pipeline stage 0"),
+    ],
+    ids=["bert-attentions", "mixtral-router-logits"],
+)
+def test_outputs_recorded_inside_another_stages_layers_are_refused_by_name(make, asked) -> None:
+    """Attention weights (and a mixture of experts' router logits, for its load-balancing loss) are recorded by hooks
+    on modules inside each layer, which a stage not holding the layer never runs: the tuple would miss them (the
+    load-balancing loss would count the last stage's layers only). The last stage refuses, naming what was asked and
+    the layer."""
     torch.manual_seed(0)
-    model = Pooled(attentions=True)
+    model = make()
     x, y = torch.randint(0, 16, (4, 6)), torch.tensor([0, 1, 2, 0])
-    with pytest.raises(
-        ValueError, match=r"record attentions, cross_attentions .*bert\.encoder\.layer\.0 \(pipeline stage 0\)"
-    ):
+    with pytest.raises(ValueError, match=asked):
         run_stages(model, x, y)
 
 
