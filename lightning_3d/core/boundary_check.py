@@ -40,7 +40,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import nn
 from torch.func import functional_call
 
-from . import torch_compat
+from . import hf_outputs, torch_compat
 from .blocks import BLOCKS_CONTRACT, ModelSplit, layer_drop
 from .carry import Carried, CarryPlan, map_floating
 from .step import extract_loss
@@ -490,9 +490,11 @@ def _hooks(module: nn.Module, split: ModelSplit, trace: _Trace, order: dict[str,
                 )
             else:
                 handles.append(sub.register_forward_pre_hook(_outside_pre_hook(trace, tag)))
-            # first among the module's forward hooks: the ones already there (Hugging Face's output recorders:
-            # ``hf_outputs.py``) then see the tagged output, which a later stage's read carries
-            handles.append(sub.register_forward_hook(_output_hook(trace, tag, block_index.get(name)), prepend=True))
+            # ahead of Hugging Face's output recorders (``hf_outputs.py``), which then record the tagged output
+            # that a later stage's read carries; after any other hook (one replacing the output gets it tagged)
+            before_recorders = bool(hf_outputs.recorders(sub))
+            output_hook = _output_hook(trace, tag, block_index.get(name))
+            handles.append(sub.register_forward_hook(output_hook, prepend=before_recorders))
         yield
     finally:
         for handle in handles:

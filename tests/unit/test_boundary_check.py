@@ -90,6 +90,15 @@ def test_a_model_whose_blocks_chain_passes_and_nothing_real_is_touched() -> None
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
+def test_a_users_hook_replacing_a_blocks_output_is_checked_on_what_flows() -> None:
+    """The check's own output hook runs after the user's (ahead only of Hugging Face's output recorders): a hook
+    returning a new output for the block before a boundary (activation steering, a clamp) is what flows on, and the
+    check sees the next stage's first block get exactly that."""
+    model = Net()
+    model.h[1].register_forward_hook(lambda module, args, output: output * 0.5)
+    assert check_stage_boundaries(model, _split(model), IDS) == Checked()
+
+
 class LayerDropNet(Net):
     """``Net("skip")`` whose loop skips blocks at random as Hugging Face's LayerDrop does, reading ``layerdrop`` from
     the module (BART, M2M100) or from its config (the speech encoders)."""
