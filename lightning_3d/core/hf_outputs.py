@@ -33,19 +33,24 @@ from torch import nn
 from . import torch_compat
 
 _CAPTURING = "transformers.utils.output_capturing"
+_found: list[ModuleType] = []  # the module once found (a stand-in asks on every call)
 
 
 def _capturing() -> ModuleType | None:
     """Hugging Face's output-capturing module, when transformers is in use and has one (5.x); never imports
     transformers for a model that is not one of its own."""
+    if _found:
+        return _found[0]
     if "transformers" not in sys.modules:
         return None
     try:
         import transformers.utils.output_capturing as capturing
     except ImportError:
         return None
-    needed = ("maybe_install_capturing_hooks", "_active_collector")
-    return capturing if all(hasattr(capturing, name) for name in needed) else None
+    if not all(hasattr(capturing, name) for name in ("maybe_install_capturing_hooks", "_active_collector")):
+        return None
+    _found.append(capturing)
+    return capturing
 
 
 def install_recorders(model: nn.Module) -> None:
