@@ -122,7 +122,7 @@ def _hand_loop(config: dict[str, Any], tp: int, pp: int, m: int, batch: int, ste
         for name in keep:
             styles = plan.styles_for(name)
             if styles:
-                parallelize_module(body.module._modules[name], mesh["tp"], styles)
+                parallelize_module(body.module.get_submodule(name), mesh["tp"], styles)
     stage = PipelineStage(
         partition.stage_container(body, keep), pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group()
     )

@@ -123,7 +123,8 @@ class SyncCounter:
     def __enter__(self) -> SyncCounter:
         import torch
         from torch.overrides import TorchFunctionMode
-        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from lightning_3d.core.torch_compat import TorchDispatchMode
 
         counter = self
         scalar = torch.ops.aten._local_scalar_dense.default

@@ -26,9 +26,8 @@ def peak_tracker() -> Any:
     in bytes, ``tracker.reset_peak()`` to start a new phase. Built lazily (torch imports inside)."""
     import torch
     from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_leaves
 
-    from lightning_3d.core.torch_compat import TorchDispatchMode
+    from lightning_3d.core.torch_compat import TorchDispatchMode, tree_leaves
 
     class PeakTracker(TorchDispatchMode):
         def __init__(self) -> None:

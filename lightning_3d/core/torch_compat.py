@@ -5,7 +5,9 @@ groups and their timeouts, the pipeline schedules' stages and point-to-point hel
 inference, the column-parallel input conversion. Those names change between torch releases without notice.
 Here, and only here, are they spelled out, so a torch upgrade that renames one fails in one named place
 (``tests/unit/test_torch_compat.py`` checks each symbol and its signature against the installed torch), and
-the rest of the package (tools, benchmarks and tests included) reads like it uses a public API.
+the rest of the package (tools, benchmarks and examples included) reads like it uses a public API
+(``tests/unit/test_torch_compat.py`` scans them; tests themselves may look inside torch to check what the
+package left behind).
 
 A symbol that has gone missing raises :class:`TorchCompatError` naming this module, never a bare
 ``AttributeError`` deep inside a training step, and never a silent fallback: :func:`shape_inference_done`
@@ -36,6 +38,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "ColwiseParallelWithInputHook",
@@ -58,9 +61,12 @@ __all__ = [
     "group_timeout",
     "in_backward",
     "is_view",
+    "leaf_probe",
     "looped_bfs_placed",
     "max_abs_carries_nan",
     "op_name",
+    "own_buffers",
+    "own_parameters",
     "p2p_functions_are_torchs",
     "process_groups",
     "quiet_sequential_gathers",
@@ -78,6 +84,7 @@ __all__ = [
     "split_backward_functions",
     "tensor_version",
     "torch_release",
+    "tree_leaves",
     "unscale_grads_",
     "view_base",
     "wrap_batch_p2p",
@@ -380,6 +387,31 @@ def child_modules(module: nn.Module) -> dict[str, nn.Module | None]:
     preserves insertion order, so pruning and re-assembling a Sequential keep its layer names.
     """
     return module._modules
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The module's own registry of parameters (``module._parameters``), live: an entry set here is what the
+    module's forward reads as ``self.<name>`` (a parameter swapped in for one forward is swapped in here).
+    Entries may be ``None`` (a ``bias=False`` linear keeps its ``bias`` name)."""
+    return module._parameters  # type: ignore[return-value]
+
+
+def own_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor | None, bool]]:
+    """The module's own buffers as ``(name, tensor or None, persistent)``, in registration order (from
+    ``module._buffers`` and ``module._non_persistent_buffers_set``): ``named_buffers`` would skip ``None``
+    entries and not say which buffers ``state_dict`` leaves out."""
+    return [(name, buf, name not in module._non_persistent_buffers_set) for name, buf in module._buffers.items()]
+
+
+def leaf_probe(module: nn.Module, parameters: dict[str, nn.Parameter | None]) -> nn.Module:
+    """A shallow copy of ``module`` (same class, same attributes) holding ``parameters`` instead of its own and no
+    children: calling its class's ``forward`` on it runs the module's own code on other weights, the module and its
+    parameters untouched."""
+    probe = nn.Module.__new__(type(module))
+    probe.__dict__ = dict(vars(module))
+    probe._parameters = dict(parameters)
+    probe._modules = {}
+    return probe
 
 
 def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 
 from .tied import canonical_names, install_alias_hooks
+from .torch_compat import child_modules, own_buffers, own_parameters
 
 STAGE_COPY_ATTR = "_lightning_3d_stage_copy"
 
@@ -63,12 +64,11 @@ def stage_copy(module: nn.Module) -> nn.Module:
         if id(src) in modules:
             return modules[id(src)]
         dst = modules[id(src)] = nn.Module()
-        for name, param in src._parameters.items():
+        for name, param in own_parameters(src).items():
             dst.register_parameter(name, None if param is None else copy_of(param, True))  # type: ignore[arg-type]
-        for name, buf in src._buffers.items():
-            persistent = name not in src._non_persistent_buffers_set
+        for name, buf, persistent in own_buffers(src):
             dst.register_buffer(name, None if buf is None else copy_of(buf, False), persistent=persistent)
-        for name, child in src._modules.items():
+        for name, child in child_modules(src).items():
             dst.add_module(name, None if child is None else build(child))
         return dst
 

@@ -229,6 +229,48 @@ def test_child_modules_is_the_live_registry():
     assert [n for n, _ in seq.named_children()] == ["1", "7"] and seq.get_submodule("7") is a
 
 
+def test_own_parameters_and_buffers_keep_none_entries_and_persistence():
+    lin = nn.Linear(2, 3, bias=False)
+    lin.register_buffer("kept", torch.ones(1))
+    lin.register_buffer("scratch", torch.zeros(1), persistent=False)
+    lin.register_buffer("empty", None)
+    own = torch_compat.own_parameters(lin)
+    assert list(own) == ["weight", "bias"] and own["bias"] is None  # named_parameters() drops the None
+    own["weight"] = nn.Parameter(torch.zeros(3, 2))  # live: the forward reads the swapped-in weight
+    assert torch.equal(lin(torch.ones(1, 2)), torch.zeros(1, 3))
+    assert [(n, p) for n, _, p in torch_compat.own_buffers(lin)] == [
+        ("kept", True),
+        ("scratch", False),
+        ("empty", True),
+    ]
+    assert torch_compat.own_buffers(lin)[2][1] is None and "scratch" not in lin.state_dict()
+
+
+def test_leaf_probe_runs_the_class_forward_on_other_weights():
+    class Scaled(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(2, 2)
+            self.scale = 3.0
+            self.extra = nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.scale * super().forward(x)
+
+    mod = Scaled()
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    weight, bias = torch.eye(2), torch.ones(2)
+    probe = torch_compat.leaf_probe(mod, {"weight": nn.Parameter(weight), "bias": nn.Parameter(bias)})
+    x = torch.tensor([[1.0, 2.0]])
+    assert type(probe) is Scaled and torch.equal(probe(x), 3.0 * (x + 1))
+    assert list(probe.children()) == [] and [n for n, _ in mod.named_children()] == ["extra"]
+    assert all(torch.equal(before[k], v) for k, v in mod.state_dict().items())
+
+
+def test_tree_leaves_flattens_containers():
+    a, b = torch.ones(1), torch.zeros(1)
+    assert torch_compat.tree_leaves({"x": [a, (b, 3)]}) == [a, b, 3]
+
+
 def test_in_backward_and_dispatch_mode_op_names():
     seen: list[tuple[str, bool]] = []
 
@@ -473,3 +515,63 @@ def test_anomaly_detection_checks_dtensor_gradients(world_of_one):
         assert weight.grad is not None
         with pytest.raises(RuntimeError, match="returned nan values"):
             (weight * torch.tensor(-1.0).sqrt()).sum().full_tensor().backward()
+
+
+# ------------------------------------------------------------------------------------- one place for them
+SCANNED = ("lightning_3d", "benchmarks", "examples")
+
+
+def _private_torch_uses(source: str) -> list[str]:
+    """Where ``source`` touches a private torch name: an import from a torch module with a private part (or of a
+    private name), an attribute chain from ``torch`` / ``dist`` / ``nn`` / ``F`` through a private part (ATen
+    operators, ``torch.ops.aten._to_copy``, are torch's operator names, not private API), or a private attribute
+    every ``nn.Module`` or tensor has (``_parameters``, ``_modules``, ``_base``...) read from anything."""
+    import ast
+
+    def private(part: str) -> bool:
+        return part.startswith("_") and not part.startswith("__")
+
+    owned = {k for k in vars(nn.Module()) if private(k)} | {k for k in dir(torch.Tensor) if private(k)}
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            parts = node.module.split(".") + [a.name for a in node.names]  # type: ignore[union-attr]
+            if any(private(p) for p in parts):
+                found.append(f"{node.lineno}: from {node.module} import ...")
+        elif isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if any(map(private, a.name.split(".")))]
+        elif isinstance(node, ast.Attribute):
+            parts, base = [], node
+            while isinstance(base, ast.Attribute):
+                parts.append(base.attr)
+                base = base.value
+            root = base.id if isinstance(base, ast.Name) else ""
+            chain = [root, *reversed(parts)]
+            via_torch = root in {"torch", "dist", "nn", "F"} and chain[1:3] != ["ops", "aten"]
+            if node.attr in owned or (via_torch and any(private(p) for p in chain[1:])):
+                found.append(f"{node.lineno}: {'.'.join(chain)}")
+    return sorted(set(found))
+
+
+def test_the_scan_finds_each_kind_of_private_use():
+    source = (
+        "from torch.utils._pytree import tree_leaves\nimport torch._dynamo\nfrom torch.nn import _reduction\n"
+        "torch._C._foo()\nm._modules['a']\nt._base\ntorch.ops.aten._to_copy.default\nself._own = 1\n"
+    )
+    assert sorted({int(hit.split(":")[0]) for hit in _private_torch_uses(source)}) == [1, 2, 3, 4, 5, 6]
+
+
+def test_private_torch_names_live_in_torch_compat_only():
+    """The module's promise: outside ``torch_compat.py`` the package, its benchmarks and its examples use no
+    private torch name, so a torch release that renames one breaks here and in ``torch_compat`` only."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = [
+        f"{path.relative_to(root)}:{hit}"
+        for folder in SCANNED
+        for path in sorted((root / folder).rglob("*.py"))
+        if path.name != "torch_compat.py"
+        for hit in _private_torch_uses(path.read_text())
+    ]
+    assert offenders == []

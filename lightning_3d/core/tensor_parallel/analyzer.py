@@ -30,6 +30,7 @@ from lightning_3d.core.tensor_parallel.hf_styles import ReplicatedGradAllReduce
 from lightning_3d.core.tensor_parallel.rules import PARTIAL_GRAD, Tag, tensors_in
 from lightning_3d.core.tensor_parallel.simulate import simulate
 from lightning_3d.core.tensor_parallel.styles import LocalHeadCounts
+from lightning_3d.core.torch_compat import leaf_probe
 
 FINAL = "final:"  # marks, in the escaped set, the last module called in the forward pass
 
@@ -148,14 +149,12 @@ def acts_as_linear(mod: nn.Module) -> bool:
     """
     if not isinstance(mod, nn.Linear) or isinstance(mod, nn.Embedding):
         return False
-    probe = nn.Module.__new__(type(mod))
-    probe.__dict__ = dict(vars(mod))
     g = torch.Generator().manual_seed(0)
     cpu = {"generator": g, "dtype": torch.float64, "device": "cpu"}  # whatever the default device (meta included)
     weight = torch.randn(3, 5, **cpu)  # type: ignore[arg-type]
     bias = torch.randn(3, **cpu) if mod.bias is not None else None  # type: ignore[arg-type]
-    probe._parameters = {"weight": nn.Parameter(weight), "bias": None if bias is None else nn.Parameter(bias)}
-    probe._modules, probe.in_features, probe.out_features = {}, 5, 3
+    probe = leaf_probe(mod, {"weight": nn.Parameter(weight), "bias": None if bias is None else nn.Parameter(bias)})
+    probe.in_features, probe.out_features = 5, 3
     x = torch.randn(2, 4, 5, **cpu)  # type: ignore[arg-type]
     try:
         with torch.no_grad():

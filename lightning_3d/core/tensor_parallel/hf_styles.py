@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from lightning_3d.core.tensor_parallel.styles import SharedInputColwiseParallel
+from lightning_3d.core.torch_compat import own_parameters
 
 
 def conv1d_class() -> type[nn.Module] | None:
@@ -238,18 +239,18 @@ class ReplicatedGradAllReduce(ParallelStyle):
         def swap_in(mod: nn.Module, args: Any) -> None:
             originals: dict[str, nn.Parameter] = {}
             if torch.is_grad_enabled():
-                for pname, param in mod._parameters.items():
+                for pname, param in list(own_parameters(mod).items()):
                     if param is not None and param.requires_grad and not isinstance(param, DTensor):
                         originals[pname] = param
                         # A non-leaf stand-in for the forward only: autograd routes its gradient through
                         # _AllReduceGrad to the real parameter. (transformers swaps parameters the same way
                         # for its local-tensor kernels.)
-                        mod._parameters[pname] = _AllReduceGrad.apply(param, group)  # type: ignore[assignment]
+                        own_parameters(mod)[pname] = _AllReduceGrad.apply(param, group)  # type: ignore[assignment]
             saved.append(originals)
 
         def swap_out(mod: nn.Module, args: Any, output: Any) -> None:
             if saved:
-                mod._parameters.update(saved.pop())
+                own_parameters(mod).update(saved.pop())
 
         module.register_forward_pre_hook(swap_in)
         module.register_forward_hook(swap_out, always_call=True)
