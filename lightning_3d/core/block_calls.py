@@ -13,7 +13,7 @@ forward calls each block: the hidden states (the first positional argument) and 
 replaced by zeros of its shape and dtype on the blocks' device (the analysis follows shapes and data flow, not
 values), so the analysis sees the blocks as the model runs them.
 
-:func:`called_after_blocks` uses the same kind of forward to tell, for each module with parameters outside the
+:func:`first_calls` uses the same kind of forward to tell, for each module with parameters outside the
 blocks, whether the forward calls it before or after them, so the pipeline stages hold what they run even when a
 model registers a module in another order than it calls it (OPT's decoder registers ``final_layer_norm`` and
 ``project_out`` before its ``layers``). It runs on the LightningModule's ``example_input_array``, else on a Hugging
@@ -128,7 +128,7 @@ def block_calls(module: nn.Module, blocks: Sequence[nn.Module], example_input: A
 
 
 def trace_input(module: nn.Module, container_fqn: str, example_input: Any) -> tuple[str, Any] | None:
-    """What :func:`called_after_blocks` can run: ``("", example_input)`` (the whole module's forward), else the
+    """What :func:`first_calls` can run: ``("", example_input)`` (the whole module's forward), else the
     name of the outermost Hugging Face model on the path to the blocks and its ``dummy_inputs``, else ``None``."""
     if example_input is not None:
         return "", example_input
@@ -146,8 +146,13 @@ def trace_input(module: nn.Module, container_fqn: str, example_input: Any) -> tu
     return None
 
 
-def called_after_blocks(module: nn.Module, container_fqn: str, outside: Sequence[str], example_input: Any) -> set[str]:
-    """The modules among ``outside`` that one forward on fake tensors first calls after its first block.
+def first_calls(
+    module: nn.Module, container_fqn: str, outside: Sequence[str], example_input: Any
+) -> tuple[set[str], set[str]]:
+    """The modules among ``outside`` one forward on fake tensors first calls before its first block, and after it.
+
+    BART's decoder registers ``layernorm_embedding`` after its layers and runs it before them; OPT registers its
+    final norm before its layers and runs it after them.
 
     Args:
         module: the unsplit LightningModule (parameters real or on the meta device; they are not touched).
@@ -156,19 +161,10 @@ def called_after_blocks(module: nn.Module, container_fqn: str, outside: Sequence
         example_input: the module's ``example_input_array`` or ``None`` (see :func:`trace_input`).
 
     Returns:
-        The names called after the blocks started; empty when nothing could be run (no input, or the forward does
-        not run on fake tensors): the caller then keeps registration order, and the stage boundary check, at setup
-        or at the first step, names any module a stage runs without holding it.
+        ``(called before, called after)``; both empty when nothing could be run (no input, or the forward does not
+        run on fake tensors): the caller then keeps registration order, and the stage boundary check, at setup or at
+        the first step, names any module a stage runs without holding it.
     """
-    return first_calls(module, container_fqn, outside, example_input)[1]
-
-
-def first_calls(
-    module: nn.Module, container_fqn: str, outside: Sequence[str], example_input: Any
-) -> tuple[set[str], set[str]]:
-    """The modules among ``outside`` one forward on fake tensors first calls before its first block, and after it
-    (BART's decoder registers ``layernorm_embedding`` after its layers and runs it before them); arguments and the
-    empty answer as :func:`called_after_blocks`'."""
     found = trace_input(module, container_fqn, example_input)
     if found is None:
         return set(), set()

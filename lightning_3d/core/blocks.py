@@ -11,7 +11,7 @@ It is found, in this order:
 Every other module that owns parameters is assigned by where it sits relative to the container: modules
 the forward runs before it (embeddings) go with the first stage, modules it runs after it (final norm, head) with
 the last stage. Registration order tells which, unless one forward on fake tensors shows a module registered
-before the container called after it (``block_calls.called_after_blocks``: OPT's final norm); the user may also
+before the container called after it (``block_calls.first_calls``: OPT's final norm); the user may also
 list the modules of every stage (``ThreeDStrategy(stages=[[...], [...]])``, checked by
 :func:`stage_ranges_from_names`). Modules without parameters (dropout, rotary tables) stay on every stage, so the
 model's own forward can run unchanged everywhere. Parameters shared by modules on different stages
@@ -203,7 +203,7 @@ def outside_modules(
     Walks from the root down the path to the container: at each level, siblings registered before the path go
     first, siblings after it go last. A sibling without parameters is on every stage and listed in neither.
     ``called_after``: modules registered before the container that the forward calls after it
-    (``block_calls.called_after_blocks``); they go last, ahead of the ones registered after it. ``called_before``:
+    (``block_calls.first_calls``); they go last, ahead of the ones registered after it. ``called_before``:
     modules registered after the container that the forward calls before it (``block_calls.first_calls``);
     they go first, after the ones registered before it.
     """

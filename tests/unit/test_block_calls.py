@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.core.block_calls import ArgSpec, BlocksWithArguments, block_calls, called_after_blocks, first_calls
+from lightning_3d.core.block_calls import ArgSpec, BlocksWithArguments, block_calls, first_calls
 from lightning_3d.core.parallelize import plan_model
 from lightning_3d.core.tensor_parallel.styles import style_kind
 
@@ -160,17 +160,17 @@ class _LateNorm(nn.Module):
 OUTSIDE = ["embed", "shared", "norm"]
 
 
-def test_called_after_blocks_finds_modules_registered_before_the_blocks_but_run_after_them():
+def test_first_calls_finds_modules_registered_before_the_blocks_but_run_after_them():
     model = _LateNorm()
     rng = torch.get_rng_state()
     example = torch.zeros(2, 3, dtype=torch.long)
-    assert called_after_blocks(model, "layers", OUTSIDE, example) == {"norm"}
+    assert first_calls(model, "layers", OUTSIDE, example)[1] == {"norm"}
     assert torch.equal(torch.get_rng_state(), rng)
     assert not any(m._forward_pre_hooks for m in model.modules())  # hooks removed
     # nothing to run (no example, no Hugging Face model), or a forward that fails on fake tensors: registration
     # order (the stage boundary check names a misplaced module later)
-    assert called_after_blocks(model, "layers", OUTSIDE, None) == set()
-    assert called_after_blocks(_LateNorm(fail=True), "layers", OUTSIDE, example) == set()
+    assert first_calls(model, "layers", OUTSIDE, None)[1] == set()
+    assert first_calls(_LateNorm(fail=True), "layers", OUTSIDE, example)[1] == set()
 
 
 def test_a_hugging_face_model_without_an_example_runs_on_its_dummy_inputs():
@@ -182,7 +182,7 @@ def test_a_hugging_face_model_without_an_example_runs_on_its_dummy_inputs():
     decoder = "model.model.decoder"
     outside = [f"{decoder}.{n}" for n in ("embed_tokens", "embed_positions", "project_out", "project_in")]
     outside.append(f"{decoder}.final_layer_norm")
-    found = called_after_blocks(module, f"{decoder}.layers", outside, None)
+    found = first_calls(module, f"{decoder}.layers", outside, None)[1]
     assert found == {f"{decoder}.project_out", f"{decoder}.final_layer_norm"}
     plan = plan_model(module, tp=1, pp=2)
     assert plan.split.first == [f"{decoder}.{n}" for n in ("embed_tokens", "embed_positions", "project_in")]
