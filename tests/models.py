@@ -482,6 +482,54 @@ class HiddenStates(_Base):
         self.log("val_loss", self._loss(batch[0]), sync_dist=True)
 
 
+class RouterAux(HFCausalLM):
+    """An unmodified Hugging Face Mixtral whose config asks for the routers' logits (``output_router_logits=True``):
+    its loss adds the load-balancing loss over every layer's router logits, which transformers 5 records with hooks
+    on the routers inside the layers; under pipeline parallelism those of other stages' layers are carried to the
+    last stage (``core/hf_outputs.py``). A large coefficient, so a missing layer would show. Experts as
+    ``batched_mm`` (the default ``grouped_mm`` takes no float64 on the CPU).
+
+    That loss is a product of two means over the tokens it sees, not a mean over samples: like gradient accumulation
+    on one device, a pipeline computes it per micro-batch. So the step computes it per ``chunk`` samples (the
+    batch's consecutive micro-batches at dp = 1), which makes one process with the whole batch a reference."""
+
+    # the families' names for the number of experts and the MoE MLP's width (every layer sparse)
+    MOE = {
+        "mixtral": {"num_local_experts": 4},
+        "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+        "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 16},
+        "olmoe": {"num_experts": 4},
+    }
+
+    def __init__(self, arch: str = "mixtral", chunk: int = 2, **kwargs):
+        super().__init__(arch, **kwargs)
+        self.chunk = chunk
+
+    def _loss(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.model(input_ids=c, labels=c).loss for c in x.split(self.chunk)]).mean()
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch[0])
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch[0]), prog_bar=True, sync_dist=True)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from transformers import AutoModelForCausalLM
+
+        config = hf_config(self.arch)
+        config.output_router_logits, config.router_aux_loss_coef, config.num_experts_per_tok = True, 0.5, 2
+        for key, value in self.MOE[self.arch].items():
+            setattr(config, key, value)
+        self.model = AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", experts_implementation="batched_mm"
+        )
+
+
 MODELS = {
     "mlp": TinyMLP,
     "gpt": TinyGPT,
@@ -511,6 +559,7 @@ MODELS = {
     "skipgpt": SkippingGPT,
     "bert-hs": lambda **kw: HiddenStates("bert", **kw),
     "llama-hs": lambda **kw: HiddenStates("llama", **kw),
+    "mixtral-aux": RouterAux,
     "bart": lambda **kw: HFEncoder("bart", **kw),
 }
 TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
@@ -530,6 +579,7 @@ TOKEN_MODELS |= {
     "skipgpt",
     "bert-hs",
     "llama-hs",
+    "mixtral-aux",
 }
 
 

@@ -267,6 +267,7 @@ def trace_stage_boundaries(
     container = split.container
     if container is None or split.num_stages < 2:
         return Checked()
+    hf_outputs.install_recorders(module)  # (idempotent) so the recorders inside the blocks can be seen
     trace = _Trace(split, [container.block_fqn(b) for b in container.names], found=found)
     order = {name: i for i, name in enumerate([*split.first, *trace.blocks, *split.last])}
     wrapper = _Call(module, call)
@@ -279,6 +280,7 @@ def trace_stage_boundaries(
             _fork_rng(),
             torch.enable_grad(),
             _every_block_runs(module),
+            _experts_on_fake_tensors(module),
         ):
             device = device if device is not None else _device(module)
             state = {}
@@ -320,6 +322,26 @@ def _every_block_runs(module: nn.Module) -> Iterator[None]:
             holder.layerdrop = rate
 
 
+_GROUPED = "grouped_mm"
+
+
+@contextlib.contextmanager
+def _experts_on_fake_tensors(module: nn.Module) -> Iterator[None]:
+    """Hugging Face's mixture-of-experts layers run their experts with ``grouped_mm`` by default, whose shape rule
+    in torch takes bfloat16 only (the CPU kernel takes float32 too); for the check, configs that chose it use
+    ``batched_mm``, the same computation with the same inputs and outputs, which runs on fake tensors (``eager``
+    does not: it loops over the experts a data-dependent ``nonzero`` found)."""
+    configs = {id(c): c for sub in module.modules() if (c := getattr(sub, "config", None)) is not None}
+    chosen = [c for c in configs.values() if getattr(c, "_experts_implementation_internal", None) == _GROUPED]
+    try:
+        for config in chosen:
+            config._experts_implementation_internal = "batched_mm"
+        yield
+    finally:
+        for config in chosen:
+            config._experts_implementation_internal = _GROUPED
+
+
 class _Call(nn.Module):
     """Holds the module to check as a submodule so ``functional_call`` swaps its parameters for any call."""
 
@@ -335,7 +357,7 @@ class _Call(nn.Module):
 def make_skeleton(module: nn.Module) -> nn.Module | str:
     """A structure-only copy of ``module`` for :func:`check_first_step`: its parameters and buffers on the meta
     device (no real memory), other tensor attributes and non-module objects (the trainer, configs) shared, not
-    copied; ``log`` and ``log_dict`` do nothing on it.
+    copied; ``log`` and ``log_dict`` only keep the tensors logged (the check counts them with the step's result).
 
     Args:
         module: the unsplit LightningModule (before its modules are pruned to this rank's stages).
@@ -348,8 +370,9 @@ def make_skeleton(module: nn.Module) -> nn.Module | str:
         return skeleton
     if "_trainer" in vars(module):  # LightningModule.__getstate__ drops the trainer reference; keep it
         skeleton.__dict__["_trainer"] = module.__dict__["_trainer"]
-    skeleton.__dict__["log"] = _no_log
-    skeleton.__dict__["log_dict"] = _no_log
+    logged = _Logged()
+    skeleton.__dict__["log"] = logged.log
+    skeleton.__dict__["log_dict"] = logged.log_dict
     return skeleton
 
 
@@ -409,8 +432,30 @@ def _shared_hooks(module: nn.Module) -> dict[int, Any]:
     return shared
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
+class _Logged:
+    """The skeleton's ``self.log`` / ``self.log_dict``: keep the tensors logged. On the pipeline the last stage's
+    logged values are the ones that count, so what they read of earlier stages' modules must be carried too, as for
+    the loss (an evaluation step that only logs its loss returns nothing)."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+
+    def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            self.values.append(value)
+
+    def log_dict(self, dictionary: Mapping[str, Any], *args: Any, **kwargs: Any) -> None:
+        for name, value in dictionary.items():
+            self.log(name, value)
+
+    @classmethod
+    def taken_from(cls, model: nn.Module) -> list[torch.Tensor]:
+        """The tensors ``model`` (a skeleton) logged since the last call."""
+        logged = getattr(model.__dict__.get("log"), "__self__", None)
+        if not isinstance(logged, cls):
+            return []
+        values, logged.values = logged.values, []
+        return values
 
 
 def check_first_step(
@@ -434,9 +479,11 @@ def check_first_step(
     """
 
     def step(model: nn.Module, batch: Any) -> Any:
+        _Logged.taken_from(model)
         result = getattr(model, hook)(batch, *rest)
         loss = extract_loss(result, hook) if isinstance(result, (torch.Tensor, Mapping)) else None
-        return loss if isinstance(loss, torch.Tensor) else None
+        # the loss first (what the last stage's result is), then what the step logged
+        return [loss if isinstance(loss, torch.Tensor) else None, *_Logged.taken_from(model)]
 
     devices = [t.device for t in _collection_tensors(micro_batch)]
     return trace_stage_boundaries(
@@ -495,6 +542,14 @@ def _hooks(module: nn.Module, split: ModelSplit, trace: _Trace, order: dict[str,
             before_recorders = bool(hf_outputs.recorders(sub))
             output_hook = _output_hook(trace, tag, block_index.get(name))
             handles.append(sub.register_forward_hook(output_hook, prepend=before_recorders))
+            # modules inside it that Hugging Face records from (attention weights, router logits): their outputs are
+            # tagged too, ahead of the recorders, so a later stage's read of what was recorded is carried
+            for rel in dict.fromkeys(rel for rel, _, _, _ in hf_outputs.inner_recorders(sub)):
+                inner = sub.get_submodule(rel)
+                specs = [hf_outputs.recorder_spec(hook) for hook in hf_outputs.recorders(inner)]
+                keyed = {spec[0]: spec[1] for spec in specs if spec is not None and spec[0] != "hidden_states"}
+                inner_tag = _Tag(f"{name}.{rel}", stage, order[name])
+                handles.append(inner.register_forward_hook(_inner_output_hook(trace, inner_tag, keyed), prepend=True))
         yield
     finally:
         for handle in handles:
@@ -558,6 +613,34 @@ def _outside_pre_hook(trace: _Trace, tag: _Tag) -> Any:
                 f"ThreeDStrategy(stages=...) (modules before the blocks go with the first stage and modules after "
                 f"them with the last by default). {trace.found}"
             )
+
+    return hook
+
+
+def _inner_output_hook(trace: _Trace, tag: _Tag, keyed: dict[str, int]) -> Any:
+    """Tag the output of a module inside a stage unit while Hugging Face records from it (``keyed``: its recorders'
+    keys and the place in its output each records), when what each records (``output[place]``, or the output
+    itself) is its ``place``-th floating-point tensor: the numbering a stand-in replays the recorders with
+    (``hf_outputs``). Otherwise nothing is tagged, and a stage without the module refuses the recording when asked.
+    What the output read of other stages is recorded first (the tags then cut that path, as a unit's do)."""
+
+    def hook(sub: nn.Module, args: Any, output: Any) -> Any:
+        asked = hf_outputs.recorded_inside()
+        places = [place for key, place in keyed.items() if key in asked]
+        if not places:
+            return None
+        trace.refuse_foreign(output, tag.stage, tag.name)
+        if isinstance(output, torch.Tensor):
+            numbered = output.is_floating_point() and all(place == 0 for place in places)
+        else:
+            head = list(output[: max(places, default=0) + 1]) if isinstance(output, (tuple, list)) else []
+            numbered = len(head) > max(places, default=0) and all(
+                isinstance(t, torch.Tensor) and t.is_floating_point() for t in head
+            )
+        if not numbered:
+            return None
+        new, _ = _tag_outputs(output, lambda i, t: trace.leaf(t, replace(tag, index=i)))
+        return new
 
     return hook
 

@@ -13,8 +13,12 @@ and :func:`copy_recorders` gives each stand-in the recorders of the module it st
 returns, which is the value carried from the stage that ran the block when the step reads it (``carry.py``: the
 stage-boundary check runs the step on the unsplit model, whose recorders show the read), else zeros that the first
 step's check refuses if the step reads them. Recorders inside a block (attention weights, a mixture-of-experts
-router's logits for its load-balancing loss) cannot run on a stage that does not hold the block: a forward that
-asks for them while such a stand-in runs is refused, naming what was asked.
+router's logits for its load-balancing loss) cannot run on a stage that does not hold the block: the check tags
+those modules' outputs too (``boundary_check``), so a step whose result reads them (Mixtral's load-balancing loss
+over every layer's router logits) has them carried from the stage that ran the block, and the stand-in replays the
+inner recorders with the received values, in the block's place in the model's order. A forward that asks for an
+output recorded inside a block whose values did not reach the stage (the step does not read them, or the check
+could not run) is refused, naming what was asked.
 
 Earlier transformers versions collect hidden states in the model's own loop over the blocks (the stand-ins'
 outputs are collected as the blocks' would be): nothing to do there.
@@ -23,11 +27,13 @@ outputs are collected as the blocks' would be): nothing to do there.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import torch_compat
@@ -71,31 +77,79 @@ def recorders(module: nn.Module) -> list[Callable[..., Any]]:
     return [hook for hook in torch_compat.forward_hooks(module) if getattr(hook, "__module__", None) == _CAPTURING]
 
 
-def copy_recorders(real: nn.Module, stand_in: nn.Module, where: str) -> None:
-    """Give ``stand_in`` the recorders of ``real`` (the module it stands for); if modules inside ``real`` record
-    outputs, refuse a forward that asks for them while ``stand_in`` runs (``where`` names the module and its stage)."""
+def recorder_spec(hook: Callable[..., Any]) -> tuple[str, int] | None:
+    """What a Hugging Face recorder records: its output key (``"router_logits"``) and the place in its module's
+    output tuple it records from; ``None`` when the hook does not say (another transformers version)."""
+    try:
+        found = inspect.getclosurevars(hook).nonlocals
+    except (TypeError, ValueError):
+        return None
+    key, index = found.get("key"), found.get("index")
+    return (key, index) if isinstance(key, str) and isinstance(index, int) else None
+
+
+def inner_recorders(module: nn.Module) -> list[tuple[str, Callable[..., Any], str, int]]:
+    """The recorders of the modules inside ``module`` (not its own) that record something other than hidden states
+    (attention weights, a router's logits), in module order: ``(name relative to module, hook, key, index)``;
+    ``index`` is ``-1`` for a recorder whose spec cannot be read."""
+    found = []
+    for name, sub in module.named_modules():
+        if sub is module:
+            continue
+        for hook in recorders(sub):
+            key, index = recorder_spec(hook) or ("?", -1)
+            if key != "hidden_states":
+                found.append((name, hook, key, index))
+    return found
+
+
+def copy_recorders(
+    real: nn.Module, stand_in: nn.Module, name: str, where: str, carried: Callable[[str], dict[int, torch.Tensor]]
+) -> None:
+    """Give ``stand_in`` the recorders of ``real`` (the module ``name`` it stands for), and replay those of the
+    modules inside ``real`` from what this stage received of their outputs (``carried(fqn)``: index -> value, the
+    values the stage-boundary check found the step reads); a forward that asks for an output recorded inside
+    ``real`` that was not received is refused (``where`` names the module and its stage)."""
     for hook in recorders(real):
         stand_in.register_forward_hook(hook)
-    if any(recorders(sub) for sub in real.modules() if sub is not real):
-        stand_in.register_forward_pre_hook(_refuse_inner_recording(where))
+    inner = inner_recorders(real)
+    if inner:
+        stand_in.register_forward_hook(_replay_inner(name, inner, where, carried))
 
 
-def _refuse_inner_recording(where: str) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
+def _replay_inner(
+    name: str,
+    inner: list[tuple[str, Callable[..., Any], str, int]],
+    where: str,
+    carried: Callable[[str], dict[int, torch.Tensor]],
+) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
         asked = recorded_inside()
-        if asked:
-            names = ", ".join(asked)
-            raise ValueError(
-                f"lightning_3d: the model's forward asks Hugging Face to record {names} (output_{asked[0]}=True, in "
-                "the call or the model's config; a mixture of experts asks for router_logits to add its load-balancing "
-                "loss), which the model records inside its blocks; under pipeline parallelism a stage runs "
-                f"only its own blocks, so those of {where} cannot be recorded here and the tuple would miss them. "
-                "Leave them off while training with pp > 1 (outputs.hidden_states works: each stage's block outputs "
-                "that the step reads are carried to the last stage), or train at pp=1 (tensor and data parallelism "
-                "record them as one device does)."
-            )
+        if not asked:
+            return
+        for rel, recorder, key, index in inner:
+            if key not in asked and index >= 0:
+                continue
+            # the index-th tensor of the inner module's output tuple: the carried value with that index (the
+            # check verified the tuple's tensors up to it are floating-point: ``boundary_check``)
+            value = carried(f"{name}.{rel}").get(index) if index >= 0 else None
+            if value is None:
+                raise ValueError(_refusal(asked, where))
+            recorder(module, args, value)
 
     return hook
+
+
+def _refusal(asked: list[str], where: str) -> str:
+    names = ", ".join(asked)
+    return (
+        f"lightning_3d: the model's forward asks Hugging Face to record {names} (output_{asked[0]}=True, in the call "
+        "or the model's config), which the model records inside its blocks; under pipeline parallelism a stage runs "
+        f"only its own blocks, so those of {where} are carried to this stage only when the step's result depends on "
+        "them (the stage-boundary check sees that: a mixture of experts' load-balancing loss), and here it did not "
+        "or could not run; the tuple would miss them. Leave them off while training with pp > 1, read them in the "
+        "step's result, or train at pp=1 (tensor and data parallelism record them as one device does)."
+    )
 
 
 def recorded_inside() -> list[str]:

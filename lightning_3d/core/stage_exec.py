@@ -194,7 +194,8 @@ class StageExecutor(MicroBatchLoss):
         like = meta_copy(real)
         like = like if isinstance(like, nn.Module) else None
         self._stand_ins.append(stand_in := self._new_stand_in(name, like))
-        hf_outputs.copy_recorders(real, stand_in, f"{name} (pipeline stage {self.split.stage_of(name)})")
+        where = f"{name} (pipeline stage {self.split.stage_of(name)})"
+        hf_outputs.copy_recorders(real, stand_in, name, where, self.carried_output)
         return stand_in
 
     def _new_stand_in(self, name: str, like: nn.Module | None) -> nn.Module:

@@ -396,6 +396,28 @@ def test_the_first_step_check_carries_a_skip_and_refuses_a_sum_between_blocks() 
     assert FOUND_AT_FIRST_STEP in message and FOUND_AT_SETUP not in message
 
 
+class LoggingEval(LitNet):
+    """An evaluation step that returns nothing and logs its loss and the norm of the embedding's output, which the
+    model returns besides its logits (the second output: no module of the last stage reads it)."""
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        idx, target = batch
+        logits, first = self.net(idx)
+        self.log("val_loss", nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()))
+        self.log_dict({"emb_norm": first.norm(), "constant": 1.0})
+
+
+def test_what_an_evaluation_step_logs_is_carried_like_a_loss() -> None:
+    """The last stage's logged values are the ones that count: one read of an earlier stage's module output that
+    no module of the last stage reads (the embedding's output, logged) must be carried, also when the step returns
+    nothing. Until 2026-12-06 the check looked at the returned loss only, and the logged norm was the stand-in's
+    zeros' (Mixtral's load-balancing loss in a validation step that only logs it was refused for the same reason)."""
+    skeleton = make_skeleton(LoggingEval("extra_output"))
+    split = _split(skeleton)
+    assert _carried(check_first_step(skeleton, split, "validation_step", BATCH, (0,))) == [("net.wte", 0, 0, 1)]
+    assert _carried(check_first_step(skeleton, split, "validation_step", BATCH, (0,))) == [("net.wte", 0, 0, 1)]
+
+
 def test_a_data_dependent_training_step_leaves_the_check_to_the_first_step() -> None:
     skeleton = make_skeleton(LitNet("data_dependent"))
     reason = check_first_step(skeleton, _split(skeleton), "training_step", BATCH, (0,)).not_checked

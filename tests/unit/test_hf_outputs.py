@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_3d.core import hf_outputs
 from lightning_3d.core.blocks import find_blocks, split_model
-from lightning_3d.core.boundary_check import make_skeleton
+from lightning_3d.core.boundary_check import check_first_step, make_skeleton
 from lightning_3d.core.stage_exec import StageExecutor, StageModule
 
 transformers = pytest.importorskip("transformers")
@@ -100,42 +100,84 @@ def test_the_last_stage_reads_every_layers_hidden_state_carried_from_where_it_wa
 class RouterLoss(LightningModule):
     """A tiny Mixtral whose config records the routers' logits, for the load-balancing loss added to the LM loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, experts: str = "batched_mm") -> None:
         super().__init__()
         config = transformers.MixtralConfig(
             vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=4, num_attention_heads=2,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=8,
-            output_router_logits=True, router_aux_loss_coef=0.01, use_cache=False,
+            output_router_logits=True, router_aux_loss_coef=0.5, use_cache=False,
         )  # fmt: skip
         self.lm = transformers.MixtralForCausalLM._from_config(
-            config, attn_implementation="eager", experts_implementation="eager"
+            config, attn_implementation="eager", experts_implementation=experts
         )
 
     def training_step(self, batch, batch_idx):
         return self.lm(input_ids=batch[0], labels=batch[0]).loss
 
 
-@pytest.mark.parametrize(
-    ("make", "asked"),
-    [
-        (
-            lambda: Pooled(attentions=True),
-            r"record attentions, cross_attentions .*bert\.encoder\.layer\.0 \(pipeline stage 0",
-        ),
-        (RouterLoss, r"record router_logits .*lm\.model\.layers\.0 \(pipeline stage 0"),
-    ],
-    ids=["bert-attentions", "mixtral-router-logits"],
-)
-def test_outputs_recorded_inside_another_stages_layers_are_refused_by_name(make, asked) -> None:
-    """Attention weights (and a mixture of experts' router logits, for its load-balancing loss) are recorded by hooks
-    on modules inside each layer, which a stage not holding the layer never runs: the tuple would miss them (the
-    load-balancing loss would count the last stage's layers only). The last stage refuses, naming what was asked and
-    the layer."""
+def test_attention_weights_the_step_does_not_read_are_refused_by_name() -> None:
+    """Attention weights are recorded by hooks on modules inside each layer, which a stage not holding the layer
+    never runs; a step that asks for them but whose result does not read them has them carried nowhere (the check
+    sees no read), so the tuple would miss stage 0's: the last stage refuses, naming what was asked and the layer."""
     torch.manual_seed(0)
-    model = make()
     x, y = torch.randint(0, 16, (4, 6)), torch.tensor([0, 1, 2, 0])
-    with pytest.raises(ValueError, match=asked):
-        run_stages(model, x, y)
+    with pytest.raises(ValueError, match=r"record attentions, cross_attentions .*bert\.encoder\.layer\.0 \(pipeline"):
+        run_stages(Pooled(attentions=True), x, y)
+
+
+def test_a_load_balancing_loss_counts_every_stages_router_logits() -> None:
+    """Mixtral's load-balancing loss is computed on the last stage over every layer's router logits, recorded by
+    hooks on the routers inside the layers: the check finds the loss reads stage 0's routers, stage 0 sends their
+    logits, and the last stage's stand-ins for its layers replay the recorders with them, in layer order. Float64:
+    the loss and every parameter's gradient (stage 0's through the logits sent back) match the unsplit model's.
+    Before 2026-12-06 this was refused (and until 2026-12-05 the loss silently counted the last stage's layers)."""
+    torch.manual_seed(0)
+    model = RouterLoss().double()
+    x, y = torch.randint(0, 16, (4, 6)), torch.tensor([0, 1, 2, 0])
+    nets: list[RouterLoss] = []
+    for stage in (0, 1):
+        net = copy.deepcopy(model)
+        split = split_model(net, find_blocks(net), pp=2, ranges=[range(0, 2), range(2, 4)])
+        executor = StageExecutor(net, split, [stage], skeleton=make_skeleton(net))
+        executor.prune()
+        executor.check_first_step("training_step", (x, y), (0,), 4, 2)
+        assert [v.module for v in executor.carry.values] == ["lm.model.layers.0.mlp.gate", "lm.model.layers.1.mlp.gate"]
+        module = StageModule(stage, {n: net.get_submodule(n) for n in split.modules_of(stage)}, executor)
+        executor.begin("training_step", net.training_step, (x, y), (0,), 4, 2, 1.0, True)
+        executor.on_chunk(stage, 0)
+        if stage == 0:
+            sent = module(x[:2])
+            received = [t.detach().requires_grad_(True) for t in sent]
+            assert len(received) == 3  # the flowing activation, then layer 0's and layer 1's router logits
+        else:
+            loss = module(*received)
+            loss.sum().backward()
+            torch.autograd.backward(sent, [t.grad for t in received])  # stage 0's backward, as torch's stage runs it
+        nets.append(net)
+    want = model.training_step((x[:2], y[:2]), 0) * 0.5
+    want.backward()
+    torch.testing.assert_close(loss.sum(), want, rtol=1e-12, atol=0)
+    for name, param in model.named_parameters():
+        held = [n for n in nets if dict(n.named_parameters()).get(name) is not None]
+        got = dict(held[-1].named_parameters())[name].grad
+        assert got is not None, name
+        torch.testing.assert_close(got, param.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_the_check_runs_hugging_face_experts_in_their_default_implementation() -> None:
+    """Mixtral's experts default to ``grouped_mm``, whose shape rule takes bfloat16 only: the check ran into it in
+    float32 and was left to the first step, where a recording asked inside the layers had nothing carried. The
+    check runs them as ``batched_mm`` (the model keeps its own choice) and finds the routers the loss reads."""
+    model = RouterLoss(experts="grouped_mm")
+    x, y = torch.randint(0, 16, (2, 6)), torch.tensor([0, 1])
+    split = split_model(model, find_blocks(model), pp=2, ranges=[range(0, 2), range(2, 4)])
+    checked = check_first_step(make_skeleton(model), split, "training_step", (x, y), (0,))
+    assert checked.not_checked is None
+    assert [(v.module, v.index, v.stage, v.last) for v in checked.carry.values] == [
+        ("lm.model.layers.0.mlp.gate", 0, 0, 1),
+        ("lm.model.layers.1.mlp.gate", 0, 0, 1),
+    ]
+    assert model.lm.config._experts_implementation == "grouped_mm"
 
 
 def test_recorders_are_installed_before_the_split_and_silent_while_a_meta_copy_runs() -> None:
