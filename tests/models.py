@@ -451,8 +451,8 @@ class HiddenStates(_Base):
     Transformers 5 records them with forward hooks on the layers, so under pipeline parallelism the stand-ins for
     other stages' layers must record them too (``core/hf_outputs.py``), with the values carried from those stages."""
 
-    def __init__(self, arch: str = "bert", lr: float = 0.01, **kwargs):
-        self.arch = arch
+    def __init__(self, arch: str = "bert", lr: float = 0.01, attentions: bool = False, **kwargs):
+        self.arch, self.attentions = arch, attentions
         super().__init__(lr=lr, optimizer="sgd", **kwargs)
 
     def configure_model(self) -> None:
@@ -469,9 +469,14 @@ class HiddenStates(_Base):
         self.head = nn.Linear(config.hidden_size, 3)
 
     def _loss(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=x, output_hidden_states=True).hidden_states
+        out = self.model(input_ids=x, output_hidden_states=True, output_attentions=self.attentions)
+        hidden = out.hidden_states
         assert len(hidden) == self.model.config.num_hidden_layers + 1, len(hidden)
-        return F.cross_entropy(self.head(torch.stack(hidden).mean(0).mean(1)), x[:, 0] % 3)
+        loss = F.cross_entropy(self.head(torch.stack(hidden).mean(0).mean(1)), x[:, 0] % 3)
+        if self.attentions:  # a penalty on peaked attention, every layer's (recorded inside the layers)
+            assert len(out.attentions) == self.model.config.num_hidden_layers, len(out.attentions)
+            loss = loss + torch.stack(out.attentions).square().mean()
+        return loss
 
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch[0])
@@ -559,6 +564,7 @@ MODELS = {
     "skipgpt": SkippingGPT,
     "bert-hs": lambda **kw: HiddenStates("bert", **kw),
     "llama-hs": lambda **kw: HiddenStates("llama", **kw),
+    "llama-attn": lambda **kw: HiddenStates("llama", attentions=True, **kw),
     "mixtral-aux": RouterAux,
     "bart": lambda **kw: HFEncoder("bart", **kw),
 }
@@ -579,6 +585,7 @@ TOKEN_MODELS |= {
     "skipgpt",
     "bert-hs",
     "llama-hs",
+    "llama-attn",
     "mixtral-aux",
 }
 

@@ -25,8 +25,9 @@ CASES = ("t5", "flant5", "bart")
 # an M2M100 whose config skips every decoder layer in training (its encoder's output, carried, then reaches no block)
 SKIPPING = ("skipgpt", "m2m_100")
 # steps reading Hugging Face's outputs.hidden_states (every layer's, recorded by hooks on the layers): the last stage's
-# stand-ins for the first stage's layers record the values carried from there
-HIDDEN = ("bert-hs", "llama-hs")
+# stand-ins for the first stage's layers record the values carried from there; and one whose loss also reads every
+# layer's attention weights (recorded inside the layers: carried from the stage that ran the layer, since 2026-12-06)
+HIDDEN = ("bert-hs", "llama-hs", "llama-attn")
 # a Mixtral whose loss adds the load-balancing loss over every layer's router logits (recorded by hooks on the routers
 # inside the layers), per micro-batch (models.RouterAux): the layouts without data parallelism
 ROUTER = ("mixtral-aux",)
@@ -42,6 +43,8 @@ LAYOUTS = {
     "tp2-pp2-zbv": (2, 2, 1, "zbvzerobubble", 2),
     "pp2-dp2-fsdp": (1, 2, 2, "1f1b", 1),
 }
+# tensor parallelism alone: attention weights recorded there hold the rank's heads unless gathered
+TP_ONLY = {"tp2": (2, 1, 1, "1f1b", 1)}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +90,17 @@ def test_a_load_balancing_loss_counts_every_stages_routers(carry_reference, tmp_
     check_layout(carry_reference, tmp_path, layout, ROUTER)
 
 
+@pytest.mark.slow
+def test_attention_weights_under_tensor_parallelism_hold_every_head(carry_reference, tmp_path):
+    """Until 2026-12-06 the attention weights Hugging Face records (``output_attentions=True``) held the rank's heads
+    under tensor parallelism, at pp = 1 too: the penalty on them was another number on each rank (1e-8 off one
+    device's), silently. They are gathered over the tensor-parallel ranks now (``hf_outputs.gather_recorded_heads``);
+    tp2 x pp2 above covers them carried across stages."""
+    check_layout(carry_reference, tmp_path, "tp2", ("llama-attn",))
+
+
 def check_layout(carry_reference, tmp_path, layout: str, cases: tuple[str, ...]) -> None:
-    tp, pp, dp, schedule, per_rank = LAYOUTS[layout]
+    tp, pp, dp, schedule, per_rank = {**LAYOUTS, **TP_ONLY}[layout]
     args = ["--tp", tp, "--pp", pp, "--dp", dp, "--schedule", schedule, "--stages-per-rank", per_rank]
     args += ["--data-parallel", "fsdp" if dp > 1 else "replicate"]
     run_lightning(

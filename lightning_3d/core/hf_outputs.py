@@ -152,6 +152,44 @@ def _refusal(asked: list[str], where: str) -> str:
     )
 
 
+def gather_recorded_heads(model: nn.Module, tp_mesh: Any) -> int:
+    """Under tensor parallelism an attention module computes its rank's heads only, so the attention weights Hugging
+    Face records from it (``output_attentions=True``) would hold this rank's heads, not the model's: a step reading
+    them (a penalty on every layer's attention) would compute another number on each tensor-parallel rank. Each
+    attention module of ``model`` with a recorder gets a forward hook, ahead of the recorders, that replaces the
+    recorded weights by all the heads, gathered over ``tp_mesh`` (differentiably: each rank's gradient is its heads'
+    slice), while they are being recorded and hold ``heads / tp`` heads. The module's own output (the attention
+    output the model goes on with) is not touched. Returns the number of modules hooked."""
+    install_recorders(model)  # (idempotent) Hugging Face would install them at the first forward, after this hook
+    hooked = 0
+    for sub in model.modules():
+        heads = getattr(getattr(sub, "config", None), "num_attention_heads", None)
+        specs = [spec for hook in recorders(sub) if (spec := recorder_spec(hook)) and "attention" in spec[0]]
+        if not isinstance(heads, int) or not specs:
+            continue
+        sub.register_forward_hook(_gathering(dict(specs), heads, tp_mesh), prepend=True)
+        hooked += 1
+    return hooked
+
+
+def _gathering(keyed: dict[str, int], heads: int, tp_mesh: Any) -> Callable[..., Any]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        asked = recorded_inside()
+        places = {place for key, place in keyed.items() if key in asked}
+        if not places or not isinstance(output, tuple):
+            return None
+        items = list(output)
+        for place in places:
+            value = items[place] if place < len(items) else None
+            if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] * tp_mesh.size() == heads:
+                items[place] = DTensor.from_local(value, tp_mesh, [Shard(1)], run_check=False).full_tensor()
+        return type(output)(items)
+
+    return hook
+
+
 def recorded_inside() -> list[str]:
     """The outputs the running Hugging Face forward records besides hidden states (``attentions``,
     ``router_logits``...): empty when none is being recorded."""

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torchmetrics import Metric
 
-from . import blocks, partition, pieces, torch_compat
+from . import blocks, hf_outputs, partition, pieces, torch_compat
 from . import tensor_parallel as tpmod
 from .balance import ComputePartitioner, MemoryPartitioner, rank_balanced
 from .block_calls import BlocksWithArguments, block_calls, first_calls, trace_input
@@ -701,6 +701,8 @@ def _build_split_stages(
         module.to(device)
     if not model.is_meta:
         sync_replicas(module, mesh)
+    if tp > 1:  # attention weights Hugging Face records hold this rank's heads: all of them, as on one device
+        hf_outputs.gather_recorded_heads(module, mesh["tp"])
     install_alias_hooks(module, split.aliases)
     checkpointed, compiled = _checkpoint_and_compile(
         list(blocks_of),

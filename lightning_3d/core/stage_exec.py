@@ -154,12 +154,14 @@ class StageExecutor(MicroBatchLoss):
         self._blocks: dict[int, list[nn.Module]] = {s: [] for s in local_stages}
         self._swaps: dict[int, list[tuple[nn.Module, str, nn.Module]]] = {s: [] for s in local_stages}
         self._stand_ins: list[Any] = []
+        self._units: set[str] = set()  # the split's blocks and modules outside them, on any stage
         if whole or container is None:
             return
         self._blocks = {
             s: [torch_compat.child_modules(container.module)[b] for b in split.stage_blocks[s]] for s in local_stages
         }
         held = {name for s in local_stages for name in split.modules_of(s)}
+        self._units = {name for s in range(split.num_stages) for name in split.modules_of(s)}
         hf_outputs.install_recorders(module)  # the stand-ins run the recorders of the blocks they stand for
         # Modules this rank holds that a given local stage does not: stood in for while that stage runs.
         for stage in local_stages:
@@ -235,7 +237,11 @@ class StageExecutor(MicroBatchLoss):
                 if name not in self._producers:
                     self._producers.add(name)
                     keep = self._keeper(name, stage)
-                    self.module.get_submodule(name).register_forward_hook(keep, prepend=True)
+                    # a stage unit's keeper goes first (it settles a pending reduction that the unit's other hooks
+                    # then see); a module inside a unit that Hugging Face records from keeps what its other hooks
+                    # made of the output (``hf_outputs.gather_recorded_heads``: all the heads under tensor parallelism)
+                    unit = name in self._units
+                    self.module.get_submodule(name).register_forward_hook(keep, prepend=unit)
         if merged.values:
             rank_zero_info(
                 "lightning_3d: besides the activation flowing from block to block, the pipeline stage boundaries "
