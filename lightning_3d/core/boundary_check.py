@@ -267,7 +267,6 @@ def trace_stage_boundaries(
     container = split.container
     if container is None or split.num_stages < 2:
         return Checked()
-    hf_outputs.install_recorders(module)  # (idempotent) so the recorders inside the blocks can be seen
     trace = _Trace(split, [container.block_fqn(b) for b in container.names], found=found)
     order = {name: i for i, name in enumerate([*split.first, *trace.blocks, *split.last])}
     wrapper = _Call(module, call)
@@ -281,6 +280,7 @@ def trace_stage_boundaries(
             torch.enable_grad(),
             _every_block_runs(module),
             _experts_on_fake_tensors(module),
+            hf_outputs.recording(module),  # the recorders inside the blocks seen, and off the model after
         ):
             device = device if device is not None else _device(module)
             state = {}

@@ -59,17 +59,127 @@ def _capturing() -> ModuleType | None:
     return capturing
 
 
-def install_recorders(model: nn.Module) -> None:
-    """Install Hugging Face's output recorders on every Hugging Face model inside ``model`` now (they stay inactive
-    until a forward asks for an output), so that the modules the stand-ins replace have theirs to copy."""
-    capturing = _capturing()
-    if capturing is None:
-        return
+_INSTALLED = "_output_capturing_hooks_installed"  # Hugging Face's mark on a model whose recorders are installed
+
+
+def _recordable(model: nn.Module) -> list[nn.Module]:
+    """The Hugging Face models inside ``model`` (itself included) that record outputs with hooks."""
+    if _capturing() is None:
+        return []
     from transformers import PreTrainedModel
 
-    for sub in model.modules():
-        if isinstance(sub, PreTrainedModel) and getattr(sub, "_can_record_outputs", None):
-            capturing.maybe_install_capturing_hooks(sub)
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel) and getattr(m, "_can_record_outputs", None)]
+
+
+def install_recorders(model: nn.Module) -> None:
+    """Install Hugging Face's output recorders on every Hugging Face model inside ``model`` now, as its forward does
+    the first time one asks for an output (idempotent)."""
+    capturing = _capturing()
+    for sub in _recordable(model):
+        capturing.maybe_install_capturing_hooks(sub)  # type: ignore[union-attr]
+
+
+class Recorders:
+    """Hugging Face's recorders of a model, taken off it: what each module would record with, kept to be put on
+    when a forward first asks for an output (:meth:`install`), and for stand-ins to copy (:meth:`of`).
+
+    Installed, a recorder reads a context variable on every call, which ``torch.compile`` cannot trace: a compiled
+    block with one gets graph breaks (``fullgraph=True`` fails) even when nothing is recorded. Hugging Face installs
+    them the first time a forward asks; so does this, but from the copy taken while every module of the model was
+    in place (a stage's stand-ins swapped in later would hide the modules of another stage on the same rank).
+    """
+
+    def __init__(self, hooks: dict[int, tuple[nn.Module, list[Callable[..., Any]]]], roots: list[nn.Module]) -> None:
+        self._hooks = hooks  # id(module) -> (module, its recorders in order)
+        self._roots = roots  # the models marked as installed by Hugging Face while they were taken
+        self.installed = False
+
+    @classmethod
+    def taken(cls, model: nn.Module) -> Recorders:
+        """Install the recorders of every Hugging Face model inside ``model`` and take the new ones off again
+        (recorders installed before stay), leaving ``model`` as it was."""
+        roots = [sub for sub in _recordable(model) if not getattr(sub, _INSTALLED, False)]
+        before = {id(m): set(map(id, recorders(m))) for m in model.modules()}
+        install_recorders(model)
+        hooks: dict[int, tuple[nn.Module, list[Callable[..., Any]]]] = {}
+        for module in model.modules():
+            new = [hook for hook in recorders(module) if id(hook) not in before.get(id(module), set())]
+            if new:
+                hooks[id(module)] = (module, new)
+                torch_compat.remove_forward_hooks(module, new)
+        for root in roots:
+            setattr(root, _INSTALLED, False)
+        return cls(hooks, roots)
+
+    def of(self, module: nn.Module) -> list[Callable[..., Any]]:
+        """``module``'s recorders: those on it already (a forward asked before they were taken), then those taken."""
+        taken = self._hooks.get(id(module), (module, []))[1]
+        return [*(hook for hook in recorders(module) if hook not in taken), *taken]
+
+    def modules(self) -> list[nn.Module]:
+        """The modules recorders were taken off (wherever they are in the model now)."""
+        return [module for module, _ in self._hooks.values()]
+
+    def forget(self, module: nn.Module) -> None:
+        """Drop what was taken off ``module`` and its submodules (a module another stage holds: not kept alive)."""
+        for sub in module.modules():
+            self._hooks.pop(id(sub), None)
+
+    def install(self) -> None:
+        """Put the recorders back on their modules (once) and mark their models installed for Hugging Face."""
+        if self.installed:
+            return
+        self.installed = True
+        for module, hooks in self._hooks.values():
+            for hook in hooks:
+                module.register_forward_hook(hook)
+        for root in self._roots:
+            setattr(root, _INSTALLED, True)
+
+    def remove(self) -> None:
+        """Take the recorders off again and unmark the models (the state :meth:`taken` left)."""
+        if not self.installed:
+            return
+        self.installed = False
+        for module, hooks in self._hooks.values():
+            torch_compat.remove_forward_hooks(module, hooks)
+        for root in self._roots:
+            setattr(root, _INSTALLED, False)
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module) -> Iterator[Recorders]:
+    """``model`` with Hugging Face's recorders installed for the duration, and as it was after (a check that runs
+    the model on fake tensors must see the recorders, and must not leave them on a model that will be compiled)."""
+    taken = Recorders.taken(model)
+    taken.install()
+    try:
+        yield taken
+    finally:
+        taken.remove()
+
+
+def on_request(model: nn.Module, then: Callable[[nn.Module], None]) -> None:
+    """Call ``then(hf_model)`` before the first forward of each Hugging Face model inside ``model`` that asks for a
+    recorded output (``output_hidden_states``, ``output_attentions``, ``output_router_logits``... in the call or in
+    its config), before Hugging Face would install its recorders there."""
+    for sub in _recordable(model):
+        keys = [*dict(getattr(sub, "_can_record_outputs", {}) or {}), "attentions"]
+        sub.register_forward_pre_hook(_asking(keys, then), with_kwargs=True)
+
+
+def _asking(keys: list[str], then: Callable[[nn.Module], None]) -> Callable[..., None]:
+    done: list[bool] = []
+
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if done:
+            return
+        config = getattr(module, "config", None)
+        if any(kwargs.get(f"output_{key}", getattr(config, f"output_{key}", False)) for key in keys):
+            done.append(True)
+            then(module)
+
+    return hook
 
 
 def recorders(module: nn.Module) -> list[Callable[..., Any]]:
@@ -88,15 +198,17 @@ def recorder_spec(hook: Callable[..., Any]) -> tuple[str, int] | None:
     return (key, index) if isinstance(key, str) and isinstance(index, int) else None
 
 
-def inner_recorders(module: nn.Module) -> list[tuple[str, Callable[..., Any], str, int]]:
-    """The recorders of the modules inside ``module`` (not its own) that record something other than hidden states
-    (attention weights, a router's logits), in module order: ``(name relative to module, hook, key, index)``;
-    ``index`` is ``-1`` for a recorder whose spec cannot be read."""
+def inner_recorders(
+    module: nn.Module, of: Callable[[nn.Module], list[Callable[..., Any]]] = recorders
+) -> list[tuple[str, Callable[..., Any], str, int]]:
+    """The recorders of the modules inside ``module`` (not its own; ``of(sub)``: installed ones by default) that
+    record something other than hidden states (attention weights, a router's logits), in module order: ``(name
+    relative to module, hook, key, index)``; ``index`` is ``-1`` for a recorder whose spec cannot be read."""
     found = []
     for name, sub in module.named_modules():
         if sub is module:
             continue
-        for hook in recorders(sub):
+        for hook in of(sub):
             key, index = recorder_spec(hook) or ("?", -1)
             if key != "hidden_states":
                 found.append((name, hook, key, index))
@@ -104,15 +216,21 @@ def inner_recorders(module: nn.Module) -> list[tuple[str, Callable[..., Any], st
 
 
 def copy_recorders(
-    real: nn.Module, stand_in: nn.Module, name: str, where: str, carried: Callable[[str], dict[int, torch.Tensor]]
+    real: nn.Module,
+    stand_in: nn.Module,
+    name: str,
+    where: str,
+    carried: Callable[[str], dict[int, torch.Tensor]],
+    taken: Recorders,
 ) -> None:
-    """Give ``stand_in`` the recorders of ``real`` (the module ``name`` it stands for), and replay those of the
-    modules inside ``real`` from what this stage received of their outputs (``carried(fqn)``: index -> value, the
-    values the stage-boundary check found the step reads); a forward that asks for an output recorded inside
-    ``real`` that was not received is refused (``where`` names the module and its stage)."""
-    for hook in recorders(real):
+    """Give ``stand_in`` the recorders of ``real`` (the module ``name`` it stands for; ``taken``: the model's, see
+    :class:`Recorders`), and replay those of the modules inside ``real`` from what this stage received of their
+    outputs (``carried(fqn)``: index -> value, the values the stage-boundary check found the step reads); a forward
+    that asks for an output recorded inside ``real`` that was not received is refused (``where`` names the module
+    and its stage). A stand-in is never compiled: its recorders are on from the start."""
+    for hook in taken.of(real):
         stand_in.register_forward_hook(hook)
-    inner = inner_recorders(real)
+    inner = inner_recorders(real, taken.of)
     if inner:
         stand_in.register_forward_hook(_replay_inner(name, inner, where, carried))
 
@@ -152,24 +270,28 @@ def _refusal(asked: list[str], where: str) -> str:
     )
 
 
-def gather_recorded_heads(model: nn.Module, tp_mesh: Any) -> int:
+def gather_recorded_heads(model: nn.Module, tp_mesh: Any, taken: Recorders | None = None) -> None:
     """Under tensor parallelism an attention module computes its rank's heads only, so the attention weights Hugging
     Face records from it (``output_attentions=True``) would hold this rank's heads, not the model's: a step reading
     them (a penalty on every layer's attention) would compute another number on each tensor-parallel rank. Each
     attention module of ``model`` with a recorder gets a forward hook, ahead of the recorders, that replaces the
     recorded weights by all the heads, gathered over ``tp_mesh`` (differentiably: each rank's gradient is its heads'
     slice), while they are being recorded and hold ``heads / tp`` heads. The module's own output (the attention
-    output the model goes on with) is not touched. Returns the number of modules hooked."""
-    install_recorders(model)  # (idempotent) Hugging Face would install them at the first forward, after this hook
-    hooked = 0
-    for sub in model.modules():
-        heads = getattr(getattr(sub, "config", None), "num_attention_heads", None)
-        specs = [spec for hook in recorders(sub) if (spec := recorder_spec(hook)) and "attention" in spec[0]]
-        if not isinstance(heads, int) or not specs:
-            continue
-        sub.register_forward_hook(_gathering(dict(specs), heads, tp_mesh), prepend=True)
-        hooked += 1
-    return hooked
+    output the model goes on with) is not touched. Installed with the recorders, when a forward first asks for
+    an output (:func:`on_request`): a hook would break a compiled block's graph. ``taken``: a pipeline stage's
+    recorders (:class:`Recorders`), whose modules are hooked wherever they are (a stage's stand-ins may hide
+    another local stage's modules from the model at that moment)."""
+
+    def then(hf_model: nn.Module) -> None:
+        install_recorders(hf_model)  # (idempotent: a pipeline stage's were put back just before, :class:`Recorders`)
+        candidates = taken.modules() if taken is not None and taken.modules() else hf_model.modules()
+        for sub in candidates:
+            heads = getattr(getattr(sub, "config", None), "num_attention_heads", None)
+            specs = [spec for hook in recorders(sub) if (spec := recorder_spec(hook)) and "attention" in spec[0]]
+            if isinstance(heads, int) and specs:
+                sub.register_forward_hook(_gathering(dict(specs), heads, tp_mesh), prepend=True)
+
+    on_request(model, then)
 
 
 def _gathering(keyed: dict[str, int], heads: int, tp_mesh: Any) -> Callable[..., Any]:

@@ -702,7 +702,7 @@ def _build_split_stages(
     if not model.is_meta:
         sync_replicas(module, mesh)
     if tp > 1:  # attention weights Hugging Face records hold this rank's heads: all of them, as on one device
-        hf_outputs.gather_recorded_heads(module, mesh["tp"])
+        hf_outputs.gather_recorded_heads(module, mesh["tp"], executor.recorders)
     install_alias_hooks(module, split.aliases)
     checkpointed, compiled = _checkpoint_and_compile(
         list(blocks_of),

@@ -155,6 +155,7 @@ class StageExecutor(MicroBatchLoss):
         self._swaps: dict[int, list[tuple[nn.Module, str, nn.Module]]] = {s: [] for s in local_stages}
         self._stand_ins: list[Any] = []
         self._units: set[str] = set()  # the split's blocks and modules outside them, on any stage
+        self._recorders = hf_outputs.Recorders({}, [])
         if whole or container is None:
             return
         self._blocks = {
@@ -162,7 +163,10 @@ class StageExecutor(MicroBatchLoss):
         }
         held = {name for s in local_stages for name in split.modules_of(s)}
         self._units = {name for s in range(split.num_stages) for name in split.modules_of(s)}
-        hf_outputs.install_recorders(module)  # the stand-ins run the recorders of the blocks they stand for
+        # the stand-ins run the recorders of the blocks they stand for; the model's own are put on at the first
+        # forward that asks for an output, as Hugging Face does (a compiled block keeps its graph otherwise)
+        self._recorders = hf_outputs.Recorders.taken(module)
+        hf_outputs.on_request(module, lambda _: self._recorders.install())
         # Modules this rank holds that a given local stage does not: stood in for while that stage runs.
         for stage in local_stages:
             mine = set(split.modules_of(stage))
@@ -197,7 +201,7 @@ class StageExecutor(MicroBatchLoss):
         like = like if isinstance(like, nn.Module) else None
         self._stand_ins.append(stand_in := self._new_stand_in(name, like))
         where = f"{name} (pipeline stage {self.split.stage_of(name)})"
-        hf_outputs.copy_recorders(real, stand_in, name, where, self.carried_output)
+        hf_outputs.copy_recorders(real, stand_in, name, where, self.carried_output, self._recorders)
         return stand_in
 
     def _new_stand_in(self, name: str, like: nn.Module | None) -> nn.Module:
@@ -206,6 +210,11 @@ class StageExecutor(MicroBatchLoss):
         if name in self.split.last:
             return Elsewhere(name, "last", self, like)
         return Skipped(name, self, like)
+
+    @property
+    def recorders(self) -> hf_outputs.Recorders:
+        """Hugging Face's recorders of the modules this rank holds, put on when a forward first asks for an output."""
+        return self._recorders
 
     def convert_stand_ins(self, convert: Callable[[nn.Module], Any]) -> None:
         """Apply the precision plugin's module conversion to the stand-ins' meta copies, as to the model."""
@@ -367,7 +376,10 @@ class StageExecutor(MicroBatchLoss):
         for name in every - held:
             parent_name, _, attr = name.rpartition(".")
             parent = self.module.get_submodule(parent_name) if parent_name else self.module
+            real = torch_compat.child_modules(parent)[attr]
             torch_compat.child_modules(parent)[attr] = self._stand_in(name)
+            if real is not None:
+                self._recorders.forget(real)  # not kept alive for its recorders
 
     def _receive(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Before each block of the stage: the first one called (the stage's first block, or a later one when the

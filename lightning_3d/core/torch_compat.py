@@ -419,6 +419,16 @@ def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
     return list(module._forward_hooks.values())
 
 
+def remove_forward_hooks(module: nn.Module, hooks: Sequence[Callable[..., Any]]) -> None:
+    """Remove the forward hooks ``hooks`` (the functions, by identity) from ``module`` itself, as their handles'
+    ``remove()`` would (``module._forward_hooks`` and its with-kwargs and always-call marks)."""
+    wanted = set(map(id, hooks))
+    for key in [key for key, hook in module._forward_hooks.items() if id(hook) in wanted]:
+        del module._forward_hooks[key]
+        module._forward_hooks_with_kwargs.pop(key, None)
+        module._forward_hooks_always_called.pop(key, None)
+
+
 def forward_pre_hooks(module: nn.Module) -> list[Callable[..., Any]]:
     """The forward pre-hooks registered on ``module`` itself (``module._forward_pre_hooks``), in registration
     order (``torch.nn.utils.prune`` keeps its pruning method there)."""

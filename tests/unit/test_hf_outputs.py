@@ -19,6 +19,7 @@ from lightning_3d.core import hf_outputs
 from lightning_3d.core.blocks import find_blocks, split_model
 from lightning_3d.core.boundary_check import check_first_step, make_skeleton
 from lightning_3d.core.stage_exec import StageExecutor, StageModule
+from lightning_3d.core.stand_ins import Skipped
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(hf_outputs._capturing() is None, reason="transformers records no outputs by hooks")
@@ -180,7 +181,7 @@ def test_the_check_runs_hugging_face_experts_in_their_default_implementation() -
     assert model.lm.config._experts_implementation == "grouped_mm"
 
 
-def test_recorders_are_installed_before_the_split_and_silent_while_a_meta_copy_runs() -> None:
+def test_recorders_install_once_and_are_silent_while_a_meta_copy_runs() -> None:
     model = Pooled()
     layer = model.bert.encoder.layer[0]
     assert hf_outputs.recorders(layer) == []  # Hugging Face installs them at the first forward that asks
@@ -199,3 +200,40 @@ def test_recorders_are_installed_before_the_split_and_silent_while_a_meta_copy_r
     finally:
         capturing._active_collector.reset(token)
     assert hf_outputs.recorded_inside() == []
+
+
+def test_the_model_gets_its_recorders_only_when_a_forward_asks() -> None:
+    """A recorder reads a context variable on every call, which ``torch.compile`` cannot trace: a compiled block
+    with one breaks its graph (``fullgraph=True`` fails) even when nothing is recorded. The executor takes them off
+    the model (its stand-ins keep copies) and puts them back at the first forward that asks for an output (the
+    hidden-states and load-balancing tests above run through that); the stage-boundary check leaves the model as
+    it found it. Until 2026-12-06 every Hugging Face model under pp > 1 had them from the start."""
+    model = Pooled()
+    x, y = torch.randint(0, 16, (4, 6)), torch.tensor([0, 1, 2, 0])
+    layers = model.bert.encoder.layer
+    split = split_model(model, find_blocks(model), pp=2, ranges=[range(0, 2), range(2, 4)])
+    with hf_outputs.recording(model):
+        assert len(hf_outputs.recorders(layers[0])) == 1
+    assert hf_outputs.recorders(layers[0]) == [] and not getattr(model.bert, hf_outputs._INSTALLED, False)
+    checked = check_first_step(make_skeleton(model), split, "training_step", (x[:2], y[:2]), (0,))
+    assert checked.carry.values and hf_outputs.recorders(layers[0]) == []
+
+    def graph_breaks(layer: nn.Module) -> int:
+        torch._dynamo.reset()
+        return torch._dynamo.explain(layer)(torch.randn(1, 3, 8)).graph_break_count
+
+    taken = hf_outputs.Recorders.taken(model)
+    hf_outputs.on_request(model, lambda _: taken.install())
+    assert len(taken.of(layers[0])) == 1 and hf_outputs.recorders(layers[0]) == [] and graph_breaks(layers[0]) == 0
+    model.bert(input_ids=x)  # asks for nothing: still none
+    assert hf_outputs.recorders(layers[0]) == []
+    out = model.bert(input_ids=x, output_hidden_states=True)
+    assert len(out.hidden_states) == 5 and len(hf_outputs.recorders(layers[0])) == 1
+    assert getattr(model.bert, hf_outputs._INSTALLED) and graph_breaks(layers[0]) > 0  # why they wait
+    torch._dynamo.reset()
+
+    staged = Pooled()
+    split = split_model(staged, find_blocks(staged), pp=2, ranges=[range(0, 2), range(2, 4)])
+    StageExecutor(staged, split, [1], skeleton=None).prune()
+    with_recorders = [m for m in staged.modules() if hf_outputs.recorders(m)]
+    assert with_recorders and all(isinstance(m, Skipped) for m in with_recorders)  # the stand-ins keep theirs
