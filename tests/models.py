@@ -504,6 +504,9 @@ class RouterAux(HFCausalLM):
         "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
         "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 16},
         "olmoe": {"num_experts": 4},
+        "gpt_oss": {"num_local_experts": 4},
+        "granitemoe": {"num_local_experts": 4},
+        "phimoe": {"num_local_experts": 4},
     }
 
     def __init__(self, arch: str = "mixtral", chunk: int = 2, **kwargs):
