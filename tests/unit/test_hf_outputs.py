@@ -8,6 +8,7 @@ stage's loss and the gradients it sends back are checked against the unsplit mod
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -46,19 +47,26 @@ class Pooled(LightningModule):
         return F.cross_entropy(self.head(torch.stack(out.hidden_states).mean(0).mean(1)), y)
 
 
+def stage_of(model: LightningModule, stage: int, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any, StageModule]:
+    """A copy of ``model`` arranged as a rank holding ``stage`` of two (layers 0-1 | 2-3) arranges it, checked and
+    ready to run the first micro-batch of 2 of the batch ``(x, y)``: the copy, its executor and the stage module."""
+    net = copy.deepcopy(model)
+    split = split_model(net, find_blocks(net), pp=2, ranges=[range(0, 2), range(2, 4)])
+    executor = StageExecutor(net, split, [stage], skeleton=make_skeleton(net))
+    executor.prune()
+    executor.check_first_step("training_step", (x, y), (0,), 4, 2)
+    module = StageModule(stage, {n: net.get_submodule(n) for n in split.modules_of(stage)}, executor)
+    executor.begin("training_step", net.training_step, (x, y), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(stage, 0)
+    return net, executor, module
+
+
 def run_stages(model: Pooled, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Both stages of ``model`` at pp2 (layers 0-1 | 2-3) on one micro-batch of 2: the last stage's loss and what
     stage 0 sent (leaves holding the gradients the last stage sent back)."""
     sent: list[torch.Tensor] = []
     for stage in (0, 1):
-        net = copy.deepcopy(model)
-        split = split_model(net, find_blocks(net), pp=2, ranges=[range(0, 2), range(2, 4)])
-        executor = StageExecutor(net, split, [stage], skeleton=make_skeleton(net))
-        executor.prune()
-        executor.check_first_step("training_step", (x, y), (0,), 4, 2)
-        module = StageModule(stage, {n: net.get_submodule(n) for n in split.modules_of(stage)}, executor)
-        executor.begin("training_step", net.training_step, (x, y), (0,), 4, 2, 1.0, True)
-        executor.on_chunk(stage, 0)
+        _, _, module = stage_of(model, stage, x, y)
         if stage == 0:
             out = module(x[:2])
             sent = [t.detach().requires_grad_(True) for t in (out if isinstance(out, tuple) else (out,))]
@@ -137,15 +145,8 @@ def test_a_load_balancing_loss_counts_every_stages_router_logits() -> None:
     x, y = torch.randint(0, 16, (4, 6)), torch.tensor([0, 1, 2, 0])
     nets: list[RouterLoss] = []
     for stage in (0, 1):
-        net = copy.deepcopy(model)
-        split = split_model(net, find_blocks(net), pp=2, ranges=[range(0, 2), range(2, 4)])
-        executor = StageExecutor(net, split, [stage], skeleton=make_skeleton(net))
-        executor.prune()
-        executor.check_first_step("training_step", (x, y), (0,), 4, 2)
+        net, executor, module = stage_of(model, stage, x, y)
         assert [v.module for v in executor.carry.values] == ["lm.model.layers.0.mlp.gate", "lm.model.layers.1.mlp.gate"]
-        module = StageModule(stage, {n: net.get_submodule(n) for n in split.modules_of(stage)}, executor)
-        executor.begin("training_step", net.training_step, (x, y), (0,), 4, 2, 1.0, True)
-        executor.on_chunk(stage, 0)
         if stage == 0:
             sent = module(x[:2])
             received = [t.detach().requires_grad_(True) for t in sent]
