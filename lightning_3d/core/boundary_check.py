@@ -423,13 +423,7 @@ def _shared_hooks(module: nn.Module) -> dict[int, Any]:
     Some hooks hold what cannot be copied: Lightning's ``PyTorchProfiler`` wraps each module's forward in
     ``record_function`` hooks whose open records refuse ``deepcopy``, which left the stage-boundary check to the
     first step's real forward under the profiler. Shared, such a hook records the copy's fake forward too."""
-    shared: dict[int, Any] = {}
-    for sub in module.modules():
-        for name, value in vars(sub).items():
-            if name.startswith("_") and "hooks" in name and isinstance(value, dict):
-                for hook in value.values():
-                    shared[id(hook)] = hook
-    return shared
+    return {id(hook): hook for sub in module.modules() for hook in torch_compat.every_hook(sub)}
 
 
 class _Logged:

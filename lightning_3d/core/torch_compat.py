@@ -419,6 +419,17 @@ def forward_hooks(module: nn.Module) -> list[Callable[..., Any]]:
     return list(module._forward_hooks.values())
 
 
+def every_hook(module: nn.Module) -> list[Any]:
+    """Every hook registered on ``module`` itself, of any kind (forward, pre-forward, backward, state-dict...): the
+    values of its ``_*hooks*`` registries, which torch adds to between releases (hence read by that pattern)."""
+    return [
+        hook
+        for name, registry in vars(module).items()
+        if name.startswith("_") and "hooks" in name and isinstance(registry, dict)
+        for hook in registry.values()
+    ]
+
+
 def remove_forward_hooks(module: nn.Module, hooks: Sequence[Callable[..., Any]]) -> None:
     """Remove the forward hooks ``hooks`` (the functions, by identity) from ``module`` itself, as their handles'
     ``remove()`` would (``module._forward_hooks`` and its with-kwargs and always-call marks)."""

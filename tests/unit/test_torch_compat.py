@@ -266,6 +266,26 @@ def test_leaf_probe_runs_the_class_forward_on_other_weights():
     assert all(torch.equal(before[k], v) for k, v in mod.state_dict().items())
 
 
+def test_every_hook_lists_each_kind_registered_on_the_module_itself():
+    def pre(*_):
+        return None
+
+    def post(*_):
+        return None
+
+    def state(*_):
+        return None
+
+    lin, parent = nn.Linear(1, 1), nn.Sequential()
+    parent.add_module("lin", lin)
+    lin.register_forward_pre_hook(pre)
+    lin.register_forward_hook(post, with_kwargs=True)
+    lin.register_state_dict_post_hook(state)
+    parent.register_forward_hook(post)
+    found = torch_compat.every_hook(lin)
+    assert {id(h) for h in found} >= {id(pre), id(post), id(state)} and torch_compat.every_hook(parent) == [post]
+
+
 def test_tree_leaves_flattens_containers():
     a, b = torch.ones(1), torch.zeros(1)
     assert torch_compat.tree_leaves({"x": [a, (b, 3)]}) == [a, b, 3]
