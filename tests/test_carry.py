@@ -29,7 +29,7 @@ SKIPPING = ("skipgpt", "m2m_100")
 # layer's attention weights (recorded inside the layers: carried from the stage that ran the layer, since 2026-12-06)
 HIDDEN = ("bert-hs", "llama-hs", "llama-attn")
 # a Mixtral whose loss adds the load-balancing loss over every layer's router logits (recorded by hooks on the routers
-# inside the layers), per micro-batch (models.RouterAux): the layouts without data parallelism
+# inside the layers), per micro-batch (models.RouterAux): in the layouts without data parallelism
 ROUTER = ("mixtral-aux",)
 # relative tolerance per case (1e-10 otherwise): Mixtral's router takes the softmax of its logits in float32 (also in
 # a float64 model), so its loss is rounded to float32 there, and round-off-sized differences upstream (another order
@@ -77,17 +77,12 @@ def test_blocks_skipped_while_training_train_as_on_one_device(carry_reference, t
 def test_hidden_states_read_by_the_step_are_the_layers_own(carry_reference, tmp_path, layout):
     """Before 2026-12-05 the last stage's ``hidden_states`` (transformers 5 records them with hooks on the layers)
     left out the layers other stages hold: 3 of 5 at pp2, a wrong mean without a word (the test models assert the
-    count); step-1 gradients were 1e-4 off one device's."""
-    check_layout(carry_reference, tmp_path, layout, HIDDEN)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", [name for name, (_, _, dp, _, _) in LAYOUTS.items() if dp == 1])
-def test_a_load_balancing_loss_counts_every_stages_routers(carry_reference, tmp_path, layout):
-    """Until 2026-12-05 Mixtral's load-balancing loss at pp > 1 counted the last stage's routers only (their logits
-    are recorded by hooks inside the layers), silently; then it was refused; now the earlier stages' router logits
-    are carried to the last stage, their gradients back."""
-    check_layout(carry_reference, tmp_path, layout, ROUTER)
+    count); step-1 gradients were 1e-4 off one device's. In the same runs, without data parallelism (its
+    load-balancing loss is per replica, as DDP's): until 2026-12-05 Mixtral's load-balancing loss at pp > 1 counted
+    the last stage's routers only (their logits are recorded by hooks inside the layers), silently; then it was
+    refused; now the earlier stages' router logits are carried to the last stage, their gradients back."""
+    dp = LAYOUTS[layout][2]
+    check_layout(carry_reference, tmp_path, layout, HIDDEN + (ROUTER if dp == 1 else ()))
 
 
 @pytest.mark.slow
