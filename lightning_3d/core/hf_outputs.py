@@ -282,10 +282,15 @@ def gather_recorded_heads(model: nn.Module, tp_mesh: Any, taken: Recorders | Non
     recorders (:class:`Recorders`), whose modules are hooked wherever they are (a stage's stand-ins may hide
     another local stage's modules from the model at that moment)."""
 
+    hooked: set[int] = set()  # (a causal LM and its base model both ask: each module is hooked once)
+
     def then(hf_model: nn.Module) -> None:
         install_recorders(hf_model)  # (idempotent: a pipeline stage's were put back just before, :class:`Recorders`)
-        candidates = taken.modules() if taken is not None and taken.modules() else hf_model.modules()
-        for sub in candidates:
+        held = taken.modules() if taken is not None else []
+        for sub in held or hf_model.modules():
+            if id(sub) in hooked:
+                continue
+            hooked.add(id(sub))
             heads = getattr(getattr(sub, "config", None), "num_attention_heads", None)
             specs = [spec for hook in recorders(sub) if (spec := recorder_spec(hook)) and "attention" in spec[0]]
             if isinstance(heads, int) and specs:

@@ -238,3 +238,23 @@ def test_the_model_gets_its_recorders_only_when_a_forward_asks() -> None:
     StageExecutor(staged, split, [1], skeleton=None).prune()
     with_recorders = [m for m in staged.modules() if hf_outputs.recorders(m)]
     assert with_recorders and all(isinstance(m, Skipped) for m in with_recorders)  # the stand-ins keep theirs
+
+
+def test_head_gathering_is_installed_once_per_attention_module_when_asked(world_of_one) -> None:
+    """A causal LM and its base model both ask for the outputs (each is a Hugging Face model that records): the
+    gathering hook goes on each attention module once, with the recorders, at the first forward that asks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_3d.core import torch_compat
+
+    config = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+        num_hidden_layers=2, use_cache=False,
+    )  # fmt: skip
+    lm = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager")
+    hf_outputs.gather_recorded_heads(lm, init_device_mesh("cpu", (1,)))
+    attention = lm.model.layers[0].self_attn
+    assert torch_compat.forward_hooks(attention) == []
+    out = lm(input_ids=torch.randint(0, 16, (1, 4)), output_attentions=True)
+    assert len(out.attentions) == 2 and out.attentions[0].shape[1] == 2
+    assert len(torch_compat.forward_hooks(attention)) == 2  # the gathering hook, then the recorder
