@@ -75,6 +75,7 @@ from .core.loss_scale import LossScaler, scaler_of
 from .core.loss_weights import label_count_for
 from .core.manual import manual_problem, reshard_roots
 from .core.materialize import LoadReport, gather_full_state_dict, load_full_state_dict
+from .core.model_summary import whole_model_summary
 from .core.optim import optimizer_for_dtensors
 from .core.parallelize import (
     DataParallelPlan,
@@ -395,6 +396,9 @@ class ThreeDStrategy(ParallelStrategy):
         coords = self.topology.coordinates(self.global_rank)  # one rank per replica writes its predictions
         writes = coords["pp"] == 0 and coords["tp"] == 0
         self._patches.install("prediction_writers", write_once_per_replica, trainer.callbacks, writes)
+        # rank 0's model summary table: the unsplit model's layers and counts (it holds one stage)
+        module, unsplit, example = self.lightning_module, self._unsplit, self._example_input
+        self._patches.install("model_summary", whole_model_summary, trainer.callbacks, module, unsplit, example)
 
     def _rank_part(self) -> str:
         """This rank's part of the model, in words (for messages)."""

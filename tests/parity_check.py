@@ -68,6 +68,28 @@ def compare(ref: dict, got: dict, precision: str) -> list[str]:
         rel = ((g - r).norm() / r.norm().clamp_min(1e-12)).item() if g.shape == r.shape else float("inf")
         if rel > tol["param_rel"]:
             problems.append(f"final parameter {name}: relative difference {rel:.3e}")
+    return problems + compare_summaries(ref, got)
+
+
+def compare_summaries(ref: dict, got: dict) -> list[str]:
+    """Rank 0's model summary table (every module: names, types, parameter counts, modes, and with an example
+    input the sizes and FLOPs) against one device's."""
+    if ("summary" in ref) != ("summary" in got):
+        return [f"model summary recorded by {'the reference' if 'summary' in ref else 'the run'} only"]
+    if "summary" not in ref:
+        return []
+    r, g = ref["summary"], got["summary"]
+    problems = [
+        f"model summary {key}: {g[key]!r} vs reference {r[key]!r}" for key in r if key != "columns" and g[key] != r[key]
+    ]
+    got_columns = dict(g["columns"])
+    for column, values in r["columns"]:
+        if got_columns.get(column) != values:
+            problems.append(f"model summary column {column!r}: {got_columns.get(column)} vs reference {values}")
+    if [c for c, _ in g["columns"]] != [c for c, _ in r["columns"]]:
+        problems.append(
+            f"model summary columns: {[c for c, _ in g['columns']]} vs reference {[c for c, _ in r['columns']]}"
+        )
     return problems
 
 

@@ -33,7 +33,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parity_run import CASES, GLOBAL_BATCH, Recorder
+from parity_run import CASES, GLOBAL_BATCH, Recorder, SummaryRecorder
 
 from lightning_3d import ThreeDStrategy
 from lightning_3d.core import torch_compat
@@ -126,7 +126,8 @@ def run_case(out: Path, case: str, name: str, strategy, devices: int, ref: bool)
         tmp = where / f".{case}.init.{os.getpid()}"
         shutil.copy(out / f"{case}.init.pt", tmp)
         os.replace(tmp, where / f"{case}.init.pt")
-    callbacks = [Recorder(where, case, ref)] + ([] if ref else [CompiledCheck(where)])
+    recorder = Recorder(where, case, ref)
+    callbacks = [recorder, SummaryRecorder(recorder.rec)] + ([] if ref else [CompiledCheck(where)])
     trainer = _trainer(strategy, devices, precision, steps, clip, accumulate, callbacks)
     trainer.fit(model, datamodule=OrderedData(model_name, GLOBAL_BATCH, n=GLOBAL_BATCH * 4))
 

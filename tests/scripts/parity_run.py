@@ -33,6 +33,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelSummary
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -241,6 +242,26 @@ def _checkpointing(value: str | None) -> str | int | None:
     return int(value) if value is not None and value.isdigit() else value
 
 
+class SummaryRecorder(ModelSummary):
+    """Lightning's model summary of every module, as rank 0 would print it, kept in ``sink["summary"]`` instead
+    (compared with one device's by ``parity_check.compare``)."""
+
+    def __init__(self, sink: dict) -> None:
+        super().__init__(max_depth=-1, sink=sink)
+
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                  total_flops, sink, **kwargs) -> None:  # fmt: skip
+        sink["summary"] = {
+            "columns": [(column, list(values)) for column, values in summary_data],
+            "total": total_parameters,
+            "trainable": trainable_parameters,
+            "size_mb": model_size,
+            "modes": dict(total_training_modes),
+            "flops": total_flops,
+        }
+
+
 class Recorder(L.Callback):
     def __init__(
         self,
@@ -413,6 +434,7 @@ def run_case(args: argparse.Namespace, case: str) -> None:
             )
         ],
     )
+    trainer.callbacks.append(SummaryRecorder(trainer.callbacks[-1].rec))
     trainer.fit(model, datamodule=OrderedData(model_name, batch, n=GLOBAL_BATCH * 4))
 
 
