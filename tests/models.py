@@ -12,6 +12,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 
@@ -166,8 +167,8 @@ class NanoGPT(_Base):
 
     vocab, block, dim, heads, layers = 32, 8, 16, 2, 4
 
-    def __init__(self, tie: bool = False, example: bool = False, **kwargs):
-        self.tie = tie
+    def __init__(self, tie: bool = False, example: bool = False, checkpointed: bool = False, **kwargs):
+        self.tie, self.checkpointed = tie, checkpointed
         super().__init__(**kwargs)
         if example:
             self.example_input_array = torch.zeros(2, self.block, dtype=torch.long)
@@ -192,7 +193,8 @@ class NanoGPT(_Base):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            # ``checkpointed``: each block called through torch's non-reentrant checkpoint, as some forwards do
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed and self.training else block(x)
         return self.lm_head(self.transformer.ln_f(x))
 
     training_step = TinyGPT.training_step
@@ -543,6 +545,7 @@ MODELS = {
     "gpt": TinyGPT,
     "nano": NanoGPT,
     "nanotied": lambda **kw: NanoGPT(tie=True, example=True, **kw),
+    "nanockpt": lambda **kw: NanoGPT(checkpointed=True, **kw),
     "llama": lambda **kw: HFCausalLM("llama", **kw),
     "llamatied": lambda **kw: HFCausalLM("llama", tied=True, **kw),
     "qwen3": lambda **kw: HFCausalLM("qwen3", **kw),
@@ -571,7 +574,19 @@ MODELS = {
     "mixtral-aux": RouterAux,
     "bart": lambda **kw: HFEncoder("bart", **kw),
 }
-TOKEN_MODELS = {"gpt", "nano", "nanotied", "llama", "llamatied", "qwen3", "gpt2", "opt", "stablelm", "apertus"}
+TOKEN_MODELS = {
+    "gpt",
+    "nano",
+    "nanotied",
+    "nanockpt",
+    "llama",
+    "llamatied",
+    "qwen3",
+    "gpt2",
+    "opt",
+    "stablelm",
+    "apertus",
+}
 TOKEN_MODELS |= {
     "gptj",
     "falcon",

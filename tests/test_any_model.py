@@ -71,6 +71,7 @@ LAYOUTS = {
         "rotary64",
         "rotary32",
         "nanotiedmeta64",
+        "nanockpt64",  # each block called through torch.utils.checkpoint by the forward itself
         "opt64",
         "optmeta64",
         "stablelm64",
@@ -136,6 +137,7 @@ SHARDED = {
 # nanotied has an example_input_array: the embeddings and the head tied to the token embedding, on the vocabulary
 SHARDED["nanotied"] = (*SHARDED["nano"], "wte.weight", "wpe.weight", "lm_head.weight")
 SHARDED["qwen3"] = SHARDED["llamatied"] = SHARDED["llama"]
+SHARDED["nanockpt"] = SHARDED["nano"]
 # stablelm: the automatic plan (see opt above) shards what Llama's own plan does; apertus: its own plan, no gate (the
 # q/k norms and the learned activation between up and down replicated, their gradients summed over tp)
 SHARDED["stablelm"] = SHARDED["llama"]

@@ -43,6 +43,7 @@ from torch.func import functional_call
 from . import hf_outputs, torch_compat
 from .blocks import BLOCKS_CONTRACT, ModelSplit, layer_drop
 from .carry import Carried, CarryPlan, map_floating
+from .checkpointing import inside_reentrant_checkpoint, reentrant_checkpoint_message
 from .step import extract_loss
 
 FOUND_AT_SETUP = "(found at setup by running forward(example_input_array) on fake tensors)"
@@ -84,6 +85,7 @@ class _Trace:
     prev_output: torch.Tensor | None = None  # None: the previous block's output had no tensor to tag (a mapping)
     found: str = FOUND_AT_SETUP  # how the check ran, ending every message
     carried: list[Carried] = field(default_factory=list)  # module outputs later stages read
+    training: bool = False  # the step checked is a training step (its stage boundaries carry gradients)
 
     def stage_now(self) -> int:
         """The stage whose segment of the forward is running: the stage of the next block to be called."""
@@ -241,6 +243,7 @@ def trace_stage_boundaries(
     what: str,
     found: str,
     device: torch.device | None = None,
+    training: bool = False,
 ) -> Checked:
     """Run ``call(module, inputs)`` on fake tensors with the stage hooks in place: record the module outputs later
     stages read (the plan of what the boundaries carry) and refuse what cannot cross a boundary.
@@ -257,6 +260,8 @@ def trace_stage_boundaries(
         what: names the call in the reason returned when it cannot run.
         found: how the check ran, ending each message.
         device: the device of the fakes (default: the module's first real parameter's, else the CPU).
+        training: ``call`` is a training step: a block at a stage boundary called inside a reentrant checkpoint is
+            refused (its boundary would get no gradient).
 
     Returns:
         What the check found (:class:`Checked`).
@@ -267,7 +272,7 @@ def trace_stage_boundaries(
     container = split.container
     if container is None or split.num_stages < 2:
         return Checked()
-    trace = _Trace(split, [container.block_fqn(b) for b in container.names], found=found)
+    trace = _Trace(split, [container.block_fqn(b) for b in container.names], found=found, training=training)
     order = {name: i for i, name in enumerate([*split.first, *trace.blocks, *split.last])}
     wrapper = _Call(module, call)
     try:
@@ -488,6 +493,7 @@ def check_first_step(
         what=f"{hook}(first micro-batch)",
         found=FOUND_AT_FIRST_STEP,
         device=devices[0] if devices else torch.device("cpu"),
+        training=hook == "training_step",
     )
 
 
@@ -554,6 +560,7 @@ def _block_pre_hook(trace: _Trace, index: int) -> Any:
     name = trace.blocks[index]
     stage = trace.split.stage_of(name)
     starts_stage = index > 0 and trace.split.stage_of(trace.blocks[index - 1]) != stage
+    ends_stage = index < len(trace.blocks) - 1 and trace.split.stage_of(trace.blocks[index + 1]) != stage
 
     def hook(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if index != trace.next_block:
@@ -563,6 +570,9 @@ def _block_pre_hook(trace: _Trace, index: int) -> Any:
                 f"lightning_3d: the forward called {name} {when}: pipeline stages need every block of the container "
                 f"called once, in order. {trace.found} {BLOCKS_CONTRACT}"
             )
+        if trace.training and (starts_stage or ends_stage) and inside_reentrant_checkpoint():
+            where = "first" if starts_stage else "last"
+            raise ValueError(f"{reentrant_checkpoint_message(name, stage, where)} {trace.found}")
         if not starts_stage:
             return None
         found = _path_argument(args, kwargs)

@@ -32,18 +32,52 @@ torchtitan's op-level SAC). The choices, and why:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointFunction,
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from . import torch_compat
 from .rng import BodyRandomness
 
 MODES = ("full", "selective")
+
+
+def inside_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``'s forward (torch's
+    default variant when ``use_reentrant`` is not given): a module called there runs without gradients, and the
+    checkpoint's output gets its gradient function from the checkpoint's inputs alone."""
+    if torch.is_grad_enabled():  # that forward runs under no_grad: most calls stop here
+        return False
+    code = CheckpointFunction.forward.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def reentrant_checkpoint_message(block: str, stage: int, where: str) -> str:
+    """Why a forward that calls a block at a pipeline stage boundary through a reentrant checkpoint is refused."""
+    return (
+        f"lightning_3d: the model's forward calls {block}, the {where} block of pipeline stage {stage}, through "
+        "torch.utils.checkpoint.checkpoint with use_reentrant=True (torch's default when it is not given). That "
+        "variant runs the block without gradients and gives its output a gradient towards the checkpoint's inputs "
+        "only, so under pipeline parallelism the activation crossing the stage boundary there would get no "
+        "gradient. Pass use_reentrant=False (the variant torch recommends: the stages then recompute as one device "
+        "does), or call the blocks directly and set ThreeDStrategy(activation_checkpointing='full'), which "
+        "checkpoints every block the same way."
+    )
 
 
 def checkpoint_every(setting: Any) -> int | str | None:

@@ -44,6 +44,7 @@ from .agreed import mark_agreed
 from .blocks import BLOCKS_CONTRACT, ModelSplit
 from .boundary_check import Checked, check_first_step, meta_copy
 from .carry import CarryPlan, map_floating, passed_on, sendable, settled
+from .checkpointing import inside_reentrant_checkpoint, reentrant_checkpoint_message
 from .log_relay import LogRecorder, StepLogs, silenced
 from .loss_weights import MicroBatchWeights
 from .stand_ins import Elsewhere, Skipped
@@ -155,6 +156,7 @@ class StageExecutor(MicroBatchLoss):
         self._swaps: dict[int, list[tuple[nn.Module, str, nn.Module]]] = {s: [] for s in local_stages}
         self._stand_ins: list[Any] = []
         self._units: set[str] = set()  # the split's blocks and modules outside them, on any stage
+        self._before_first: dict[int, str] = {}  # stage -> the block before its first (``flowing_past``)
         self._recorders = hf_outputs.Recorders({}, [])
         if whole or container is None:
             return
@@ -180,6 +182,13 @@ class StageExecutor(MicroBatchLoss):
         # every block of a later stage: the model may skip some (LayerDrop), so the first one called gets ``received``
         # (the first stage receives nothing: no hook on its blocks)
         self._position = {id(b): (s, i) for s in local_stages if s > 0 for i, b in enumerate(self._blocks[s])}
+        # the block just before each later local stage's first one: its stand-in returns the received activation
+        names = list(container.names)
+        self._before_first = {
+            s: container.block_fqn(names[names.index(split.stage_blocks[s][0]) - 1])
+            for s in local_stages
+            if s > 0 and split.stage_blocks[s] and names.index(split.stage_blocks[s][0]) > 0
+        }
         for stage in local_stages:
             blocks = self._blocks[stage]
             for block in blocks if stage > 0 else ():
@@ -403,8 +412,25 @@ class StageExecutor(MicroBatchLoss):
         current.last_called = index
         if not first or current.received is None:
             return None
+        if self._train and inside_reentrant_checkpoint():
+            name = self.split.container.block_fqn(self.split.stage_blocks[stage][index]) if self.split.container else ""
+            raise ValueError(reentrant_checkpoint_message(name, stage, "first"))
         current.started = True
         return _with_flowing(current.received, args, kwargs, f"the first block of pipeline stage {current.stage}")
+
+    def flowing_past(self, fqn: str) -> torch.Tensor | None:
+        """What the stand-in for the block ``fqn`` returns as the tensor flowing on: the received activation when
+        ``fqn`` is the block just before the running stage's first one (what that block's output is: the earlier stage
+        sent it), else None (the stand-in passes its input on). The stage's first block then gets the received tensor
+        from the model's own code, not only from its pre-hook: a forward that calls the block through
+        ``torch.utils.checkpoint`` recomputes it in the backward from the input the checkpoint kept (the pre-hook,
+        outside any stage then, changes nothing), and the reentrant variant's gradient goes to that input."""
+        current = self.current
+        if current is None or current.received is None or current.started or current.last_called >= 0:
+            return None
+        if current.received.requires_grad and not torch.is_grad_enabled():
+            return None  # inside a reentrant checkpoint: its output must not be the received tensor itself
+        return current.received if self._before_first.get(current.stage) == fqn else None
 
     def _receive_after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Before a module after the blocks on the last stage: when the model skipped all of the stage's blocks
@@ -436,6 +462,10 @@ class StageExecutor(MicroBatchLoss):
         current = self.current
         if current is None or block is not current.last_block:
             return
+        if self._train and inside_reentrant_checkpoint():
+            assert self.split.container is not None
+            name = self.split.container.block_fqn(self.split.stage_blocks[current.stage][-1])
+            raise ValueError(reentrant_checkpoint_message(name, current.stage, "last"))
         tensor = _first_tensor(output)
         if tensor is None:
             raise ValueError(

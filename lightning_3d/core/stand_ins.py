@@ -4,7 +4,10 @@ Every stage runs the model's own forward (``stage_exec.py``), so the forward mee
 those another stage holds. Those are replaced on each rank by stand-ins that let the forward go on:
 
 * :class:`Skipped`, a block another stage holds. Only the blocks before a stage's first block are ever called (the
-  stage stops at its last block); their output is replaced by the received activation at the stage's first block.
+  stage stops at its last block); the one just before returns the received activation as the tensor flowing on
+  (what that block's output is), and the stage's first block also gets it from a pre-hook (a model that skips
+  blocks may not call that one). A forward that calls the first block through ``torch.utils.checkpoint`` thus
+  hands the checkpoint the received tensor, which its recomputation in the backward runs the block on again.
   A stand-in returns what the real block would, in structure: a block returning ``(hidden, attn_weights)`` or
   ``(hidden, position_bias, cross_bias)`` is unpacked by the model's loop, so the stand-in returns a tuple of the
   same shape, its first entry the tensor flowing through, other tensors zeros of their real shapes (marked, so the
@@ -52,6 +55,8 @@ class _Executor(Protocol):
     def carried_output(self, fqn: str) -> dict[int, torch.Tensor]: ...
 
     def reached(self, fqn: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None: ...
+
+    def flowing_past(self, fqn: str) -> torch.Tensor | None: ...
 
 
 def outside_steps_message(fqn: str, holder: int) -> str:
@@ -311,10 +316,15 @@ class Skipped(_StandIn):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._executor.reached(self.fqn, args, kwargs)  # a later stage's block: this stage ends here
         value = args[0] if args else next(iter(kwargs.values()))
-        template = self._template(args, kwargs) if isinstance(value, torch.Tensor) else None
-        if template is None:
+        if not isinstance(value, torch.Tensor):
             return self._with_carried(self._mark(value))
-        return self._with_carried(template.fill(self._mark(value), value.device, self._mark))
+        # the block just before the running stage's first one: its output is what the stage received
+        received = self._executor.flowing_past(self.fqn)
+        flowing = received if received is not None and received.shape == value.shape else self._mark(value)
+        template = self._template(args, kwargs)
+        if template is None:
+            return self._with_carried(flowing)
+        return self._with_carried(template.fill(flowing, value.device, self._mark))
 
 
 def _run_meta(

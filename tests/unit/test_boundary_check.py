@@ -8,6 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.core.agreed import is_agreed
 from lightning_3d.core.blocks import find_blocks, split_model, stage_ranges_from_names
@@ -54,6 +55,8 @@ class Net(nn.Module):
                 x = x + block(x)
             elif self.kind == "kwarg_from_embedding":
                 x = block(x, scale=first.mean())
+            elif self.kind.startswith("checkpoint"):  # "checkpoint_reentrant" / "checkpoint": the blocks' own recompute
+                x = checkpoint(block, x, scale, use_reentrant=self.kind == "checkpoint_reentrant")
             else:
                 x = block(x, scale=scale)
             if self.kind == "mid_norm" and i == 0:
@@ -471,3 +474,24 @@ def test_the_skeleton_shares_tensors_kept_in_lists_instead_of_copying_them() -> 
     assert skeleton.outputs is not module.outputs  # the containers are the copy's own
     assert skeleton.outputs[0] is module.outputs[0] and skeleton.outputs[1]["val"][0] is module.outputs[1]["val"][0]
     assert skeleton.layer.weight.is_meta and skeleton.named[0] is skeleton.layer.weight
+
+
+@pytest.mark.parametrize(("cuts", "last"), [((2,), "net.h.1"), ((1, 3), "net.h.0")], ids=["pp2", "pp3"])
+def test_a_reentrant_checkpoint_at_a_stage_boundary_is_refused_by_the_training_steps_check(cuts, last) -> None:
+    """The blocks called through torch's reentrant checkpoint (its default): the block at a boundary runs without
+    gradients inside it, so the boundary would get none; refused on every rank before the first step. The
+    non-reentrant variant passes, and an evaluation step (no gradients to carry) is checked as usual."""
+    skeleton = make_skeleton(LitNet("checkpoint_reentrant"))
+    pattern = rf"calls {last}, the last block of pipeline stage 0, through .*use_reentrant=True.*use_reentrant=False"
+    with pytest.raises(ValueError, match=pattern) as err:
+        check_first_step(skeleton, _split(skeleton, cuts=cuts), "training_step", BATCH, (0,))
+    assert FOUND_AT_FIRST_STEP in str(err.value)
+    LitNet.validation_step = LitNet.training_step
+    try:
+        assert (
+            check_first_step(skeleton, _split(skeleton, cuts=cuts), "validation_step", BATCH, (0,)).not_checked is None
+        )
+    finally:
+        del LitNet.validation_step
+    plain = make_skeleton(LitNet("checkpoint"))
+    assert check_first_step(plain, _split(plain, cuts=cuts), "training_step", BATCH, (0,)) == Checked()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_3d.core.blocks import find_blocks, split_model
 from lightning_3d.core.stage_exec import StageExecutor, StageModule
@@ -422,3 +423,53 @@ def test_values_a_later_check_adds_for_a_module_already_carrying_one_are_sent_to
     executor.on_chunk(0, 0)
     flowing, first, second = module(torch.arange(4))
     assert torch.equal(first, flowing) and torch.allclose(second, flowing * 2)
+
+
+class Checkpointed(Net):
+    """Calls each block through ``torch.utils.checkpoint`` itself, as some forwards do."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = checkpoint(lambda h, block=block: block(h, scale=0.5), h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def test_a_block_the_forward_checkpoints_itself_recomputes_from_the_received_tensor() -> None:
+    """The stage's first block is called inside the user's checkpoint: the recomputation in the backward calls it
+    again with the input the checkpoint kept, outside any stage. That input is now the received tensor (the stand-in
+    of the block before returns it); it was the stand-ins' output, so the block's weights got the gradient of
+    another input (1e-1 off)."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=False)
+    ref = copy.deepcopy(model)
+    executor, stage = stage_of(model, 1)
+    x, y = batch()
+    received = torch.randn(2, 4, requires_grad=True)
+    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(1, 0)
+    stage(received).sum().backward()
+    mine = received.detach().clone().requires_grad_(True)
+    want = F.cross_entropy(ref.head(ref.blocks[3](ref.blocks[2](mine, scale=0.5), scale=0.5)), y[:2]) * 0.5
+    want.backward()
+    assert torch.allclose(received.grad, mine.grad, rtol=1e-6, atol=1e-7)
+    for i in (2, 3):
+        assert torch.allclose(model.blocks[i].fc.weight.grad, ref.blocks[i].fc.weight.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage_index", [0, 1], ids=["last-block-of-stage-0", "first-block-of-stage-1"])
+def test_a_reentrant_checkpoint_at_a_stage_boundary_is_refused(stage_index: int) -> None:
+    """The reentrant variant runs the block without gradients: a stage's output got none (stage 0), and the received
+    tensor's gradient could not be kept (stage 1)."""
+    model = Checkpointed(reentrant=True)
+    executor, stage = stage_of(model, stage_index)
+    x, y = batch()
+    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
+    executor.on_chunk(stage_index, 0)
+    block = "blocks.1, the last" if stage_index == 0 else "blocks.2, the first"
+    with pytest.raises(ValueError, match=rf"calls {block} block of pipeline stage {stage_index}.*use_reentrant=True"):
+        stage(torch.arange(0, 2) if stage_index == 0 else torch.randn(2, 4, requires_grad=True))
