@@ -258,12 +258,12 @@ def test_a_second_model_call_in_one_step_is_refused_with_the_alternative() -> No
         stage(torch.randn(2, 4, requires_grad=True))
 
 
-def run_last_stage(model: Net) -> torch.Tensor:
+def run_last_stage(model: Net, received: torch.Tensor | None = None) -> torch.Tensor:
     """The last of two stages on the first micro-batch of two, fed a received activation."""
     executor, stage = stage_of(model, 1)
     executor.begin("training_step", model.training_step, batch(), (0,), 4, 2, 1.0, True)
     executor.on_chunk(1, 0)
-    return stage(torch.randn(2, 4, requires_grad=True))
+    return stage(received if received is not None else torch.randn(2, 4, requires_grad=True))
 
 
 def test_reading_a_parameter_of_another_stages_module_names_it_and_the_fix() -> None:
@@ -447,12 +447,9 @@ def test_a_block_the_forward_checkpoints_itself_recomputes_from_the_received_ten
     torch.manual_seed(0)
     model = Checkpointed(reentrant=False)
     ref = copy.deepcopy(model)
-    executor, stage = stage_of(model, 1)
-    x, y = batch()
     received = torch.randn(2, 4, requires_grad=True)
-    executor.begin("training_step", model.training_step, (x, y), (0,), 4, 2, 1.0, True)
-    executor.on_chunk(1, 0)
-    stage(received).sum().backward()
+    run_last_stage(model, received).sum().backward()
+    _, y = batch()
     mine = received.detach().clone().requires_grad_(True)
     want = F.cross_entropy(ref.head(ref.blocks[3](ref.blocks[2](mine, scale=0.5), scale=0.5)), y[:2]) * 0.5
     want.backward()
