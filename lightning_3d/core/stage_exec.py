@@ -423,13 +423,14 @@ class StageExecutor(MicroBatchLoss):
         ``fqn`` is the block just before the running stage's first one (what that block's output is: the earlier stage
         sent it), else None (the stand-in passes its input on). The stage's first block then gets the received tensor
         from the model's own code, not only from its pre-hook: a forward that calls the block through
-        ``torch.utils.checkpoint`` recomputes it in the backward from the input the checkpoint kept (the pre-hook,
-        outside any stage then, changes nothing), and the reentrant variant's gradient goes to that input."""
+        ``torch.utils.checkpoint`` (non-reentrant) recomputes it in the backward from the input the checkpoint kept
+        (the pre-hook, outside any stage then, changes nothing). Inside a reentrant checkpoint (which the hooks
+        refuse at a boundary) it returns None: such a checkpoint's output must not be the received tensor itself."""
         current = self.current
         if current is None or current.received is None or current.started or current.last_called >= 0:
             return None
         if current.received.requires_grad and not torch.is_grad_enabled():
-            return None  # inside a reentrant checkpoint: its output must not be the received tensor itself
+            return None  # inside a reentrant checkpoint (see above)
         return current.received if self._before_first.get(current.stage) == fqn else None
 
     def _receive_after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
