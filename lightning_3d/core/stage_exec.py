@@ -38,6 +38,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import hf_outputs, torch_compat
 from .agreed import mark_agreed
@@ -157,6 +158,7 @@ class StageExecutor(MicroBatchLoss):
         self._stand_ins: list[Any] = []
         self._units: set[str] = set()  # the split's blocks and modules outside them, on any stage
         self._before_first: dict[int, str] = {}  # stage -> the block before its first (``flowing_past``)
+        self._replays = WeakIdKeyDictionary()  # flowing tensor -> {stand-in: what it returned} (``replayed``)
         self._recorders = hf_outputs.Recorders({}, [])
         if whole or container is None:
             return
@@ -432,6 +434,30 @@ class StageExecutor(MicroBatchLoss):
         if current.received.requires_grad and not torch.is_grad_enabled():
             return None  # inside a reentrant checkpoint (see above)
         return current.received if self._before_first.get(current.stage) == fqn else None
+
+    def remember(self, fqn: str, value: torch.Tensor, output: Any) -> None:
+        """The stand-in for ``fqn`` returned ``output`` (the received activation, or a marked copy of ``value`` while
+        the first forward is checked) for the flowing tensor ``value``: kept while ``value`` lives, for
+        :meth:`replayed`."""
+        self._replays.setdefault(value, {})[fqn] = output
+
+    def replayed(self, fqn: str, value: torch.Tensor) -> Any:
+        """What the stand-in for ``fqn`` returns when it is called with no stage running: what it returned in the
+        stage's forward for the same tensor, when a backward recomputes a ``torch.utils.checkpoint`` whose function
+        runs blocks of two stages (it calls the stand-ins again with the input it kept); ``None`` for a stand-in that
+        passes its input on. The stand-in that returned the received activation, called again with another tensor,
+        raises: the recomputation would run the stage's blocks on the stand-ins' values."""
+        found = self._replays.get(value, {}).get(fqn)
+        if found is not None or fqn not in self._before_first.values():
+            return found
+        raise RuntimeError(
+            f"lightning_3d: {fqn} (held by pipeline stage {self.split.stage_of(fqn)}) was called with no pipeline "
+            "stage running, where the stage after it takes the received activation: the model was called outside "
+            "the training, validation, test and predict steps, or the backward recomputed a torch.utils.checkpoint "
+            "call whose function runs blocks of two pipeline stages from an input that is not the one the checkpoint "
+            "kept (the whole forward checkpointed, for one). Checkpoint the blocks one by one, or set "
+            f"ThreeDStrategy(activation_checkpointing='full'). {BLOCKS_CONTRACT}"
+        )
 
     def _receive_after(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Before a module after the blocks on the last stage: when the model skipped all of the stage's blocks

@@ -58,6 +58,10 @@ class _Executor(Protocol):
 
     def flowing_past(self, fqn: str) -> torch.Tensor | None: ...
 
+    def remember(self, fqn: str, value: torch.Tensor, output: Any) -> None: ...
+
+    def replayed(self, fqn: str, value: torch.Tensor) -> Any: ...
+
 
 def outside_steps_message(fqn: str, holder: int) -> str:
     """Why a module of another stage was reached with no stage running: the model was called outside the steps."""
@@ -68,7 +72,9 @@ def outside_steps_message(fqn: str, holder: int) -> str:
         "pipeline only inside the steps, once per step. What needs the whole model on one rank, such as "
         "generate() for sample text during training, works at pp=1 (tensor and data parallelism); with pp > 1, "
         "generate after training from the saved weights: trainer.strategy.save_hf(path) on every rank, or "
-        "YourModule.load_from_checkpoint(checkpoint_folder) on one device."
+        "YourModule.load_from_checkpoint(checkpoint_folder) on one device. (Inside a training step's backward this "
+        "is a torch.utils.checkpoint call around modules of several stages, the whole forward for one, recomputed: "
+        "checkpoint the blocks one by one, or set ThreeDStrategy(activation_checkpointing='full').)"
     )
 
 
@@ -318,13 +324,18 @@ class Skipped(_StandIn):
         value = args[0] if args else next(iter(kwargs.values()))
         if not isinstance(value, torch.Tensor):
             return self._with_carried(self._mark(value))
+        if self._executor.current is None:  # a backward's recomputation of a checkpoint around several blocks
+            replayed = self._executor.replayed(self.fqn, value)
+            if replayed is not None:
+                return replayed
         # the block just before the running stage's first one: its output is what the stage received
         received = self._executor.flowing_past(self.fqn)
         flowing = received if received is not None and received.shape == value.shape else self._mark(value)
         template = self._template(args, kwargs)
-        if template is None:
-            return self._with_carried(flowing)
-        return self._with_carried(template.fill(flowing, value.device, self._mark))
+        output = self._with_carried(flowing if template is None else template.fill(flowing, value.device, self._mark))
+        if flowing is not value and self._executor.current is not None:  # (an output holding ``value`` is not kept)
+            self._executor.remember(self.fqn, value, output)
+        return output
 
 
 def _run_meta(

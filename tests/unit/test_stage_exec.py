@@ -7,6 +7,7 @@ build, and checks what the stage's forward returns against running the unsplit m
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -428,24 +429,35 @@ def test_values_a_later_check_adds_for_a_module_already_carrying_one_are_sent_to
 class Checkpointed(Net):
     """Calls each block through ``torch.utils.checkpoint`` itself, as some forwards do."""
 
-    def __init__(self, reentrant: bool) -> None:
+    def __init__(self, reentrant: bool, span: bool = False) -> None:
         super().__init__()
-        self.reentrant = reentrant
+        self.reentrant, self.span = reentrant, span
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
+        if self.span:  # one checkpoint around blocks 0-2, across the stage boundary after block 1
+            h = checkpoint(lambda h: self.run(h, self.blocks[:3]), h, use_reentrant=self.reentrant)
+            return self.head(self.blocks[3](h, scale=0.5))
         for block in self.blocks:
             h = checkpoint(lambda h, block=block: block(h, scale=0.5), h, use_reentrant=self.reentrant)
         return self.head(h)
 
+    @staticmethod
+    def run(h: torch.Tensor, blocks: Sequence[nn.Module]) -> torch.Tensor:
+        for block in blocks:
+            h = block(h, scale=0.5)
+        return h
 
-def test_a_block_the_forward_checkpoints_itself_recomputes_from_the_received_tensor() -> None:
+
+@pytest.mark.parametrize("span", [False, True], ids=["each-block", "across-the-boundary"])
+def test_a_block_the_forward_checkpoints_itself_recomputes_from_the_received_tensor(span: bool) -> None:
     """The stage's first block is called inside the user's checkpoint: the recomputation in the backward calls it
     again with the input the checkpoint kept, outside any stage. That input is now the received tensor (the stand-in
     of the block before returns it); it was the stand-ins' output, so the block's weights got the gradient of
-    another input (1e-1 off)."""
+    another input (1e-1 off). A checkpoint around blocks of both stages calls the stand-ins again too: they return
+    what they returned in the forward for the same input."""
     torch.manual_seed(0)
-    model = Checkpointed(reentrant=False)
+    model = Checkpointed(reentrant=False, span=span)
     ref = copy.deepcopy(model)
     received = torch.randn(2, 4, requires_grad=True)
     run_last_stage(model, received).sum().backward()
@@ -470,3 +482,13 @@ def test_a_reentrant_checkpoint_at_a_stage_boundary_is_refused(stage_index: int)
     block = "blocks.1, the last" if stage_index == 0 else "blocks.2, the first"
     with pytest.raises(ValueError, match=rf"calls {block} block of pipeline stage {stage_index}.*use_reentrant=True"):
         stage(torch.arange(0, 2) if stage_index == 0 else torch.randn(2, 4, requires_grad=True))
+
+
+def test_the_stand_in_before_a_stage_called_again_with_another_tensor_and_no_stage_running_raises() -> None:
+    """What the recomputation of a checkpoint around the whole forward does (the stand-ins before it made new
+    tensors): the stand-in that hands the stage its received activation cannot tell what to return."""
+    model = Checkpointed(reentrant=False, span=True)
+    run_last_stage(model)
+    with pytest.raises(RuntimeError, match=r"blocks\.1 \(held by pipeline stage 0\) was called with no pipeline stage"):
+        model.blocks[1](torch.randn(2, 4), scale=0.5)
+    assert model.blocks[0](h := torch.randn(2, 4), scale=0.5) is h  # the others pass their input on, as before
