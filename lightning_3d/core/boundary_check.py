@@ -290,9 +290,9 @@ def trace_stage_boundaries(
             device = device if device is not None else _device(module)
             state = {}
             for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-                fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+                fake = fake_like(tensor, device)
                 state[f"inner.{name}"] = fake.requires_grad_(tensor.requires_grad)
-            fake_inputs = _to_fake(inputs, device)
+            fake_inputs = fake_like(inputs, device)
             with _hooks(module, split, trace, order):
                 result = functional_call(wrapper, state, (fake_inputs,))
             if trace.next_block != len(trace.blocks):
@@ -508,8 +508,9 @@ def _device(module: nn.Module) -> torch.device:
     return real[0] if real else torch.device("cpu")
 
 
-def _to_fake(value: Any, device: torch.device) -> Any:
-    # a tensor, or any collection of tensors Lightning moves to a device (tuples, lists, mappings, dataclasses)
+def fake_like(value: Any, device: torch.device) -> Any:
+    """Inside a fake mode: ``value`` (a tensor, or any collection of tensors Lightning moves to a device: tuples,
+    lists, mappings, dataclasses) with each tensor a fake of the same shape, strides and dtype on ``device``."""
     return apply_to_collection(
         value, torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     )

@@ -27,13 +27,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelSummary
 from torch import nn
 
 from . import torch_compat
-from .boundary_check import make_skeleton
+from .boundary_check import fake_like, make_skeleton
 from .patches import Undo
 
 
@@ -58,12 +57,8 @@ def summary_view(skeleton: nn.Module, module: nn.Module, example: Any = None) ->
     view.example_input_array = None  # (the skeleton may share the module's, a real tensor)
     if example is not None:
         _fake_tensors(view, view.device)
-        view.example_input_array = apply_to_collection(example, torch.Tensor, lambda t: _fake(t, view.device))
+        view.example_input_array = fake_like(example, view.device)
     return view
-
-
-def _fake(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
 
 
 def _fake_tensors(view: nn.Module, device: torch.device) -> None:
@@ -74,11 +69,11 @@ def _fake_tensors(view: nn.Module, device: torch.device) -> None:
         for name, param in list(torch_compat.own_parameters(sub).items()):
             if param is not None:
                 if id(param) not in made:
-                    made[id(param)] = nn.Parameter(_fake(param, device), param.requires_grad)
+                    made[id(param)] = nn.Parameter(fake_like(param, device), param.requires_grad)
                 setattr(sub, name, made[id(param)])
         for name, buffer, _ in torch_compat.own_buffers(sub):
             if buffer is not None:
-                setattr(sub, name, made.setdefault(id(buffer), _fake(buffer, device)))
+                setattr(sub, name, made.setdefault(id(buffer), fake_like(buffer, device)))
 
 
 def whole_model_summary(
