@@ -34,6 +34,7 @@ from torch import nn
 from torch.func import functional_call
 
 from . import torch_compat
+from .boundary_check import fake_like
 
 
 @dataclass(frozen=True)
@@ -203,12 +204,10 @@ def _run_on_fake(module: nn.Module, inputs: Any) -> None:
     """``module(inputs)`` (a tensor, a tuple of positional arguments or a dict of keyword arguments) in eval mode
     on fake tensors of the parameters', buffers' and inputs' shapes: no data, no compute, the random state kept."""
 
-    def fake(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-
+    cpu = torch.device("cpu")
     with torch_compat.fake_tensor_mode(), torch.random.fork_rng(devices=[]), torch.no_grad():
-        state = {name: fake(t) for name, t in [*module.named_parameters(), *module.named_buffers()]}
-        args, kwargs = _arguments(apply_to_collection(inputs, torch.Tensor, fake))
+        state = {name: fake_like(t, cpu) for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        args, kwargs = _arguments(fake_like(inputs, cpu))
         with _eval(module):
             functional_call(module, state, args, kwargs)
 
