@@ -86,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         help="B1 only: how the body is split into stages (uniform (default), parameters, compute, memory)",
     )
     parser.add_argument(
+        "--split-backward",
+        default=None,
+        choices=("linear", "autograd"),
+        help="B1 only: how a zero-bubble schedule's stages split the backward, as ThreeDStrategy(split_backward=...)"
+        ": linear (default: W computes the linear layers' kept products) or autograd (torch's graph split)",
+    )
+    parser.add_argument(
         "--grad-reduce-dtype",
         default=None,
         choices=("bf16", "fp16"),
@@ -103,9 +110,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--sweep applies to B1 alone: run `python -m benchmarks B1 --sweep --out DIR`")
         from .b1_pipeline import run_sweep
 
-        run_sweep(Path(args.out), reps=1 if args.tiny else 3)
+        run_sweep(Path(args.out), reps=1 if args.tiny else 3, split_backward=args.split_backward or "linear")
         return 0
-    b1_options = {k: v for k, v in (("schedule", args.schedule), ("partitioner", args.partitioner)) if v is not None}
+    b1_options = {
+        k: v
+        for k, v in (
+            ("schedule", args.schedule),
+            ("partitioner", args.partitioner),
+            ("split_backward", args.split_backward),
+        )
+        if v is not None
+    }
     if [i.upper() for i in args.ids] == ["GPU"]:  # the GPU check (gpu_check.py): its own table and JSON
         from . import gpu_check
 

@@ -109,6 +109,7 @@ def worker(
     timeline_steps: int = 5,
     schedule: str = DEFAULT_SCHEDULE,
     partitioner: str = DEFAULT_PARTITIONER,
+    split_backward: str = "linear",
 ) -> dict[str, Any]:
     """Runs on both ranks (see the module docstring); returns the times of every round."""
     import torch.distributed as dist
@@ -149,7 +150,7 @@ def worker(
     held = {name: {s for s, _ in split[name]} for name in names}
     ends = {name: (0 in held[name], 2 * len(held[name]) - 1 in held[name]) for name in names}
     schedules = {
-        (name, m): build_schedule(name, split[name], 2 * len(split[name]), m)
+        (name, m): build_schedule(name, split[name], 2 * len(split[name]), m, split_backward=split_backward)
         for name in names
         for m in runnable_ms(name, ms)
     }
@@ -271,7 +272,11 @@ def host_contention(
 
 
 def run(
-    out: Path, tiny: bool = False, schedule: str = DEFAULT_SCHEDULE, partitioner: str = DEFAULT_PARTITIONER
+    out: Path,
+    tiny: bool = False,
+    schedule: str = DEFAULT_SCHEDULE,
+    partitioner: str = DEFAULT_PARTITIONER,
+    split_backward: str = "linear",
 ) -> Record:
     """Launch the two processes and build the record.
 
@@ -282,6 +287,8 @@ def run(
             ratio is this schedule's at m = 8 (m = 4 with ``tiny``).
         partitioner: how the body is split into stages (``"uniform"``, ``"parameters"``, ``"compute"``,
             ``"memory"``), for every schedule of the run.
+        split_backward: how a zero-bubble schedule's stages split the backward, as the strategy's setting
+            (``"linear"``, the default, or torch's ``"autograd"``).
     """
     from lightning_3d.core.csv_schedule import is_csv_schedule
     from lightning_3d.core.pipeline import check_schedule_name
@@ -306,6 +313,7 @@ def run(
             "timeline_steps": 1 if tiny else 7,
             "schedule": schedule,
             "partitioner": partitioner,
+            "split_backward": split_backward,
         },
         timeout=240 if tiny else 420,
     )
@@ -319,7 +327,8 @@ def run(
     if own["predicted_imbalance"] is not None:
         stages += f"; predicted imbalance {own['predicted_imbalance']:.3f}"
     lines = [
-        f"schedule {schedule} (stages per rank {stages_per_rank_of(schedule)}), partitioner {partitioner}",
+        f"schedule {schedule} (stages per rank {stages_per_rank_of(schedule)}), partitioner {partitioner}, "
+        f"split_backward {split_backward}",
         f"split: {stages}",
         "  m | one process ms | " + " | ".join(f"{n} ms  speed-up  /ideal" for n in names) + " | ideal 2m/(m+1)",
     ]
@@ -401,6 +410,7 @@ def run(
     details = {
         "schedule": schedule,
         "partitioner": partitioner,
+        "split_backward": split_backward,
         "stages_per_rank": stages_per_rank_of(schedule),
         "imbalance": bounds[schedule]["imbalance"] if schedule in bounds else None,
         "split": res["split"],  # each schedule's stages (layer names) and the partitioner's estimate of each
@@ -464,7 +474,13 @@ def _sweep_schedule_name(name: str, csv_dir: str, pp: int, m: int) -> str:
 
 
 def sweep_worker(
-    names: list[str], ms: list[int], csv_dir: str, reps: int, warmup: int, model: dict[str, Any]
+    names: list[str],
+    ms: list[int],
+    csv_dir: str,
+    reps: int,
+    warmup: int,
+    model: dict[str, Any],
+    split_backward: str = "linear",
 ) -> dict[str, Any]:
     """Runs on every rank (pp = world size): per m, rank 0 alone runs the whole model (baseline), then each
     schedule runs ``warmup + reps`` steps in alternation (rounds), then one recorded step per (schedule, m) for
@@ -475,7 +491,16 @@ def sweep_worker(
     from lightning_3d.core.pipeline import is_multi_stage, micro_batch_problem, stage_ranks
     from lightning_3d.tools.timeline import ScheduleRecorder, bubble_stats, gather_timelines
 
-    from .common import build_gpt, build_schedule, cpu_stages, gpt_loss, init_distributed, pipeline_step, token_batch
+    from .common import (
+        build_gpt,
+        build_schedule,
+        cpu_stages,
+        defers_linear,
+        gpt_loss,
+        init_distributed,
+        pipeline_step,
+        token_batch,
+    )
 
     rank, pp = init_distributed()
     whole = build_gpt(model)
@@ -498,10 +523,10 @@ def sweep_worker(
                 if placement[s] == rank
             ]
             if name == "csv":
-                built = cpu_stages(mine, plan.num_stages)
+                built = cpu_stages(mine, plan.num_stages, defer_linear=defers_linear(sched_name, split_backward))
                 sched = torch_compat.csv_schedule(built, m, sched_name, loss_fn=gpt_loss)
             else:
-                sched = build_schedule(name, mine, plan.num_stages, m)
+                sched = build_schedule(name, mine, plan.num_stages, m, split_backward=split_backward)
             held = {s for s, _ in mine}
             cells[name, m] = (sched, 0 in held, plan.num_stages - 1 in held)
     params = list(piece.parameters()) + list(whole.parameters())
@@ -611,7 +636,7 @@ def zero_bubble_goals(results: dict[str, Any], ms: Sequence[int]) -> list[dict[s
     return goals
 
 
-def run_sweep(out: Path, reps: int = 3, warmup: int = 1) -> dict[str, Any]:
+def run_sweep(out: Path, reps: int = 3, warmup: int = 1, split_backward: str = "linear") -> dict[str, Any]:
     """``python -m benchmarks B1 --sweep --out DIR``: every schedule at pp = 2 (2 processes) and pp = 4 (4
     processes), m = 4, 8, 16, against one process; writes ``DIR/B1_sweep.json`` and ``DIR/B1_sweep.md``.
 
@@ -645,6 +670,7 @@ def run_sweep(out: Path, reps: int = 3, warmup: int = 1) -> dict[str, Any]:
                 "reps": reps,
                 "warmup": warmup,
                 "model": SWEEP_MODEL,
+                "split_backward": split_backward,
             },
             timeout=600,
         )
@@ -680,6 +706,7 @@ def run_sweep(out: Path, reps: int = 3, warmup: int = 1) -> dict[str, Any]:
         "micro_batch": f"1 sequence x {SWEEP_MODEL['block_size']} tokens",
         "rounds": {"warmup": warmup, "timed": reps, "statistic": "median; pipelined step = slowest rank"},
         "ideal": "p m / (m + p - 1) (balanced 1F1B, free communication)",
+        "split_backward": split_backward,
         "results": results,
         "zero_bubble_goals": goals,
         "table_markdown": table,
@@ -691,7 +718,7 @@ def run_sweep(out: Path, reps: int = 3, warmup: int = 1) -> dict[str, Any]:
     load = f"load average {env['loadavg_start']} -> {record['loadavg_end']}"
     met = sum(g["met"] for g in goals)
     summary = [
-        f"B1 sweep ({env['time']}, {env['cpu_count']} cores, {load}, {seconds:.0f} s)",
+        f"B1 sweep ({env['time']}, {env['cpu_count']} cores, {load}, {seconds:.0f} s; split_backward {split_backward})",
         "",
         *table,
         "",

@@ -346,22 +346,46 @@ def stage_modules(model: Any, pp: int, pp_rank: int, stages_per_rank: int = 1) -
     ]
 
 
-def cpu_stages(stages: Sequence[tuple[int, Any]], num_stages: int, group: Any = None) -> list[Any]:
+def cpu_stages(
+    stages: Sequence[tuple[int, Any]], num_stages: int, group: Any = None, defer_linear: bool = False
+) -> list[Any]:
     """Fresh ``PipelineStage``s on the CPU for ``(stage index, module)`` pairs, as the strategy builds them: through
     ``torch_compat``'s subclass, whose first-step warm-up skips a neighbour on the same rank (gloo cannot send to
-    itself before torch 2.13)."""
+    itself before torch 2.13). ``defer_linear``: as the strategy's stages under a split backward with
+    ``split_backward="linear"`` (``weight_grad_store.py``: the linear layers routed, ``W`` from their kept
+    products); other stages over the same modules still run plain ``F.linear``."""
     import torch
 
+    from lightning_3d.core import weight_grad_store
     from lightning_3d.core.torch_compat import PipelineStageWithShapeInferenceHook as Stage
 
-    return [Stage(mod, s, num_stages, torch.device("cpu"), group=group) for s, mod in stages]
+    if defer_linear:
+        weight_grad_store.defer_linear_weight_grads([mod for _, mod in stages])
+        cls = weight_grad_store.WeightGradStage
+    else:
+        cls = Stage
+    return [cls(mod, s, num_stages, torch.device("cpu"), group=group) for s, mod in stages]
+
+
+def defers_linear(name: str, split_backward: str) -> bool:
+    """Whether the strategy's stages would defer the linear layers' weight gradients under schedule ``name`` (a
+    name or a CSV action list) and ``split_backward``."""
+    from lightning_3d.core.pipeline import splits_backward
+
+    return split_backward == "linear" and splits_backward(name)
 
 
 def build_schedule(
-    name: str, stages: Sequence[tuple[int, Any]], num_stages: int, n_micro: int, group: Any = None
+    name: str,
+    stages: Sequence[tuple[int, Any]],
+    num_stages: int,
+    n_micro: int,
+    group: Any = None,
+    split_backward: str = "linear",
 ) -> Any:
     """A torch schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved1f1b"``...) over fresh ``PipelineStage``s with
-    the GPT's mean cross-entropy as loss (gradients scaled by ``1 / n_micro``, torch's default)."""
+    the GPT's mean cross-entropy as loss (gradients scaled by ``1 / n_micro``, torch's default); a schedule that
+    splits the backward does it as the strategy's ``split_backward`` setting says."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     from lightning_3d.core import torch_compat
@@ -369,7 +393,7 @@ def build_schedule(
     from lightning_3d.core.pipeline import schedule_class
 
     cls = schedule_class(name)
-    built = cpu_stages(stages, num_stages, group)
+    built = cpu_stages(stages, num_stages, group, defers_linear(name, split_backward))
     if is_csv_schedule(name):  # torch's action runtime over the file's list
         return torch_compat.csv_schedule(built, n_micro, name, loss_fn=gpt_loss)
     if issubclass(cls, PipelineScheduleSingle):

@@ -24,14 +24,15 @@ from .core.csv_schedule import check_fits, is_csv_schedule, read_csv_schedule
 from .core.fsdp import FSDP_UNITS
 from .core.loss_weights import LOSS_WEIGHTINGS
 from .core.pipeline import (
-    ZERO_BUBBLE_SCHEDULES,
     check_schedule_name,
     is_multi_stage,
     is_v_schedule,
     micro_batch_problem,
     min_micro_batches,
+    splits_backward,
 )
 from .core.topology import hsdp_problem
+from .core.weight_grad_store import SPLIT_BACKWARDS
 
 NONFINITE_MODES = ("raise", "skip", "off")
 DATA_PARALLEL_MODES = ("replicate", "fsdp", "hsdp")
@@ -178,6 +179,13 @@ class ThreeDSettings:
             samples otherwise). With label tokens
             the gradients and the logged loss are one device's token mean over the whole batch, however the
             labels are padded or masked. See ``core/loss_weights.py``.
+        split_backward: how schedules that split each backward into an input-gradient action ``I`` and a later
+            weight-gradient action ``W`` (``"interleavedzerobubble"``, the V schedules, CSV lists with ``I``/``W``)
+            split it: ``"linear"`` (default) runs ``I`` as the whole backward except the ``nn.Linear`` layers'
+            weight gradients, which ``W`` computes from the kept inputs and output gradients (no autograd graph
+            walk or per-group ``autograd.grad`` on each micro-batch); ``"autograd"`` keeps torch's graph split.
+            Layers whose weight is a DTensor (tensor parallelism) take torch's split either way. Gradients are
+            the same; ignored by the other schedules. See ``core/weight_grad_store.py``.
     """
 
     tp: int = 1
@@ -209,6 +217,7 @@ class ThreeDSettings:
     fsdp_reshard_after_backward: bool | None = None
     fsdp_unit: str = "block"
     loss_weighting: str = "auto"
+    split_backward: str = "linear"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):  # the same messages as Topology's, which checks them again with the world size
@@ -240,6 +249,10 @@ class ThreeDSettings:
         if self.loss_weighting not in LOSS_WEIGHTINGS:
             raise ValueError(
                 f"ThreeDStrategy: loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}."
+            )
+        if self.split_backward not in SPLIT_BACKWARDS:
+            raise ValueError(
+                f"ThreeDStrategy: split_backward must be one of {SPLIT_BACKWARDS}, got {self.split_backward!r}."
             )
         for name in TIMEOUT_FIELDS:
             object.__setattr__(self, name, _check_timeout(name, getattr(self, name)))
@@ -338,9 +351,11 @@ class ThreeDSettings:
 
     def splits_backward(self) -> bool:
         """Whether the schedule runs each backward as an input-gradient and a later weight-gradient action."""
-        if is_csv_schedule(self.schedule):
-            return read_csv_schedule(self.schedule).split_backward
-        return self.schedule.lower() in ZERO_BUBBLE_SCHEDULES
+        return splits_backward(self.schedule)
+
+    def defers_linear_weight_grads(self) -> bool:
+        """Whether the split backward keeps the linear layers' weight gradients for ``W`` (``split_backward``)."""
+        return self.splits_backward() and self.split_backward == "linear"
 
     def _check_dp_shard(self) -> None:
         if self.dp_shard is not None:

@@ -95,6 +95,7 @@ from .core.throughput import count_by_replica
 from .core.tied import TiedWeights, with_alias_keys
 from .core.topology import HSDP_DIMS, Topology, resolve_dp_shard
 from .core.weight_averaging import defer_copies_to_setup_end, rebuild_averaged_copies
+from .core.weight_grad_store import defer_linear_weight_grads
 from .reliability import Reliability, diagnose_barrier  # ---- reliability
 from .settings import ThreeDSettings, grad_reduce_dp1_message
 
@@ -365,6 +366,11 @@ class ThreeDStrategy(ParallelStrategy):
         self._tied_checked_epoch = -1
         if self.runner is None:
             self._parallelize()
+        # a split backward's W computes the linear layers' weight gradients that I kept (core/weight_grad_store.py)
+        assert self.runner is not None
+        modules = [stage.module for stage in self.runner.runtime.stages]
+        defer = self.settings.defers_linear_weight_grads()
+        self._patches.install("weight_grads", defer_linear_weight_grads, modules, defer)
         _quiet_known_warnings()
         self.model = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:

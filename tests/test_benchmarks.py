@@ -458,17 +458,18 @@ def test_sweep_and_b3_schedule_options_are_refused_elsewhere(tmp_path):
 
 def test_s1_split_backward_times_every_variant_per_stage(tmp_path):
     """S1's plumbing in this process (tiny blocks, nothing timed): F, B, I and W are timed for every stage size,
-    torch's weight-gradient pass makes one call per parameter group, the same number for each block, and the record
-    keeps I + W against the whole backward."""
+    torch's weight-gradient pass makes one call per parameter group, the same number for each block, the linear split
+    (the strategy's default) is timed beside it, and the record keeps its I + W against the whole backward."""
     s1 = _import("benchmarks.s1_split_backward")
     record = s1.run(tmp_path, tiny=True)
     rows = record.details["blocks"]
     assert list(rows) == ["1", "2"]
     for row in rows.values():
-        assert all(row[key] > 0 for key in ("forward", "whole", "split", "I", "W"))
-        assert row["split"] >= row["I"] and row["split"] >= row["W"]
+        assert all(row[key] > 0 for key in ("forward", "whole", "split", "I", "W", "linear", "linear I", "linear W"))
+        assert row["split"] >= row["I"] and row["split"] >= row["W"] and row["linear"] >= row["linear W"]
         assert row["overhead_share"] == (row["split"] - row["whole"]) / (row["forward"] + row["whole"])
+        assert row["linear_overhead_share"] == (row["linear"] - row["whole"]) / (row["forward"] + row["whole"])
     assert rows["1"]["param_groups"] > 0 and rows["2"]["param_groups"] == 2 * rows["1"]["param_groups"]
     assert record.baseline == round(rows["2"]["whole"], 3) and record.ratio == round(
-        rows["2"]["split"] / rows["2"]["whole"], 3
+        rows["2"]["linear"] / rows["2"]["whole"], 3
     )

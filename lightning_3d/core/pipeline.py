@@ -47,6 +47,7 @@ from . import torch_compat
 from .csv_schedule import is_csv_schedule, read_csv_schedule
 from .fsdp import RESHARD_AFTER_BACKWARD_ATTR, reshard_after_eval
 from .rng import BodyRandomness
+from .weight_grad_store import WeightGradStage
 
 SINGLE_STAGE_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
 #: Every schedule this project runs (lower-case names, as the settings accept them, case-insensitively).
@@ -65,6 +66,14 @@ V_SCHEDULES = frozenset({"zbvzerobubble", "dualpipev"})
 ZERO_BUBBLE_SCHEDULES = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
 #: Schedules that run micro-batches in rounds of ``max(1, m // pp)`` and need ``m`` divisible by the round count.
 _ROUND_SCHEDULES = frozenset({"interleaved1f1b", "interleavedzerobubble"})
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` (a name or a CSV action list) runs each backward as an input-gradient and a later
+    weight-gradient action."""
+    if is_csv_schedule(name):
+        return read_csv_schedule(name).split_backward
+    return name.lower() in ZERO_BUBBLE_SCHEDULES
 
 
 def schedule_class(name: str) -> type:
@@ -281,8 +290,9 @@ def cast_cache(enabled: bool, device: torch.device) -> Iterator[None]:
         yield
 
 
-class _Stage(torch_compat.PipelineStageWithShapeInferenceHook):
-    """A ``PipelineStage`` that can defer its data-parallel gradient all-reduce.
+class _Stage(WeightGradStage):
+    """A ``PipelineStage`` that can defer its data-parallel gradient all-reduce (and, under a split backward,
+    its linear layers' weight gradients: ``weight_grad_store.py``).
 
     Under gradient accumulation the gradients of every batch but the last of an accumulation window stay
     local (``defer_grad_sync``), so data parallelism all-reduces once per optimizer step, as Lightning's DDP

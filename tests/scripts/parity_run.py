@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_3d import ThreeDStrategy
-from lightning_3d.core import torch_compat
+from lightning_3d.core import torch_compat, weight_grad_store
 from lightning_3d.core.tied import canonical_names
 
 from models import MODELS, CutInsideBlocks, OrderedData
@@ -349,6 +349,7 @@ class Recorder(L.Callback):
                 "collectives": self.per_step,
                 "fsdp_units": _fsdp_units(trainer),
                 "materialised": self.materialised,
+                "deferred_w": weight_grad_store.deferred_passes(),  # split backwards' W from kept linear products
             }
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, mine)

@@ -50,9 +50,18 @@ def test_defaults():
     assert (s.process_group_backend, s.print_layout) == (None, True)
     assert s.compile is False and s.stages is None and s.activation_checkpointing is None
     assert s.data_parallel == "replicate" and s.dp_shard is None and s.grad_reduce_dtype is None
-    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 29
+    assert NAMES[:4] == ["tp", "pp", "dp", "micro_batches"] and len(NAMES) == 30
     assert s.fsdp_reshard_after_forward is None and s.fsdp_reshard_after_backward is None and s.fsdp_unit == "block"
-    assert s.loss_weighting == "auto"
+    assert s.loss_weighting == "auto" and s.split_backward == "linear"
+
+
+def test_split_backward_names_are_checked_and_only_split_schedules_defer():
+    with pytest.raises(ValueError, match=r"split_backward must be one of \('linear', 'autograd'\), got 'graph'"):
+        ThreeDSettings(split_backward="graph")
+    assert not ThreeDSettings(pp=2).defers_linear_weight_grads()  # 1F1B runs whole backwards
+    zb = {"pp": 2, "stages_per_rank": 2, "schedule": "zbvzerobubble"}
+    assert ThreeDSettings(**zb).defers_linear_weight_grads()
+    assert not ThreeDSettings(**zb, split_backward="autograd").defers_linear_weight_grads()
 
 
 def test_loss_weighting_names_are_checked():

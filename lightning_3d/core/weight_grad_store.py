@@ -1,0 +1,263 @@
+"""The zero-bubble schedules' weight-gradient pass, kept to the matrix products of the ``nn.Linear`` layers.
+
+The zero-bubble schedules (``interleavedzerobubble``, ``zbvzerobubble``, ``dualpipev``, CSV lists with ``I``/``W``
+actions) split each micro-batch's backward: ``I`` computes the gradient of the stage's input (the previous stage
+waits for it) and ``W``, scheduled later into what would be the bubble, the weights' gradients. torch splits any
+graph (``torch.distributed.pipelining._backward``): ``I`` walks the micro-batch's autograd graph in Python to group
+the parameters, hooks the nodes where their paths leave the input's and keeps the whole graph; ``W`` runs one
+``autograd.grad`` per parameter group from those nodes. That walk and those calls are host work on every
+micro-batch (benchmark S1: ``I + W`` = 1.2-1.3 x one whole backward on the benchmark GPT's stage, CPU).
+
+Almost all of a transformer's weight-gradient arithmetic is its linear layers' ``dW = dY^T X``, and torch's stage
+takes a ``dw_builder`` for exactly this case: ``I`` then runs the stage's ordinary whole backward and ``W`` runs what
+the builder returned. :func:`defer_linear_weight_grads` makes each plain ``nn.Linear`` of the stage run through
+:class:`_DeferrableLinear`, whose backward, while :func:`deferring` is active, returns the input's (and bias')
+gradient at once and keeps ``(weight, X, dY)`` for later; :class:`WeightGradStage` runs ``I`` that way and hands
+torch a ``W`` that does the kept products (the same ``mm`` autograd would have run, accumulated into ``weight.grad``
+as autograd accumulates). Every other parameter (norms, embeddings, biases) gets its gradient in ``I``.
+
+A linear layer takes torch's ordinary ``F.linear`` (nothing kept, its weight's gradient computed in ``I``) when its
+weight is not a plain leaf tensor needing a gradient at that call (tensor parallelism's DTensors, a weight computed
+from another), when gradients are off, or inside ``torch.compile``. Under autocast it casts as autocast would (the
+input, weight and bias to autocast's dtype, the gradients back to their tensors' dtypes). A micro-batch whose forward
+deferred no layer keeps torch's split (a tensor-parallel stage keeps what it had).
+
+``ThreeDStrategy(split_backward="autograd")`` keeps torch's split everywhere (the default is ``"linear"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import torch_compat
+
+#: ``split_backward`` values: defer the linear layers' weight gradients, or torch's graph split.
+SPLIT_BACKWARDS = ("linear", "autograd")
+
+_PATCHED = "_lightning_3d_deferrable"
+
+
+class _State:
+    """What the layers read: where a deferred product goes, and how many calls could defer.
+
+    Process-wide, not per thread: on a GPU autograd runs a backward on its device thread while the calling thread
+    waits, and a process runs one stage's backward at a time.
+    """
+
+    kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    counted: list[int] | None = None
+    passes = 0  # W passes run from kept products in this process (tests and benchmarks read it)
+
+
+_state = _State()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix of rows (every leading dimension folded into one)."""
+    return t.reshape(-1, t.shape[-1])
+
+
+def _weight_grad(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """``dW = dY^T X`` over all rows (what ``F.linear``'s backward computes for its weight)."""
+    return _flat(grad_out).t().mm(_flat(x))
+
+
+def _accumulate(weight: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``weight.grad`` as autograd's accumulation does (in its dtype; set when there is none)."""
+    grad = grad.to(weight.dtype)
+    if weight.grad is None:
+        weight.grad = grad
+    else:
+        weight.grad += grad
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` whose weight gradient waits for the ``W`` pass while :func:`deferring` is on.
+
+    ``cast``: autocast's dtype when the call ran under autocast (the operands were cast to it, as autocast casts
+    ``F.linear``'s), else ``None``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: torch.dtype | None
+    ) -> torch.Tensor:
+        xc, wc, bc = x, weight, bias
+        if cast is not None:
+            xc = x.to(cast) if x.is_floating_point() else x
+            wc, bc = weight.to(cast), None if bias is None else bias.to(cast)
+        ctx.save_for_backward(xc, wc)
+        ctx.weight = weight
+        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(xc, wc, bc)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        xc, wc = ctx.saved_tensors
+        x_dtype, bias_dtype = ctx.dtypes
+        grad_out = grad_out.to(wc.dtype)
+        grad_x = grad_out.matmul(wc).to(x_dtype) if ctx.needs_input_grad[0] else None
+        grad_b = _flat(grad_out).sum(0).to(bias_dtype) if ctx.needs_input_grad[2] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            if _state.kept is not None:
+                _state.kept.append((ctx.weight, xc, grad_out))
+            else:
+                grad_w = _weight_grad(xc, grad_out).to(ctx.weight.dtype)
+        return grad_x, grad_w, grad_b, None
+
+
+def _can_defer(weight: torch.Tensor) -> bool:
+    """Whether this call may keep the weight's gradient for later: a plain leaf tensor needing one, gradients on,
+    not inside ``torch.compile`` (DTensor weights, weights computed from others, compiled code: ``F.linear``)."""
+    return (
+        not torch.compiler.is_compiling()
+        and type(weight) in (nn.Parameter, torch.Tensor)
+        and weight.is_leaf
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+    )
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward``: through :class:`_DeferrableLinear` inside a stage's forward (:func:`counting`) where
+    the weight may defer (:func:`_can_defer`), else ``F.linear`` as the class does."""
+    weight = self.weight
+    if _state.counted is None or type(x) is not torch.Tensor or not _can_defer(weight):
+        return F.linear(x, weight, self.bias)
+    _state.counted[0] += 1
+    kind = x.device.type
+    cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    return _DeferrableLinear.apply(x, weight, self.bias, cast)
+
+
+def deferrable_layers(module: nn.Module) -> list[nn.Linear]:
+    """The layers :func:`defer_linear_weight_grads` would change: every ``nn.Linear`` (or a class that keeps its
+    ``forward``, as FSDP's wrapped classes do) whose ``forward`` is not replaced on the instance."""
+    return [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
+    ]
+
+
+def defer_linear_weight_grads(modules: Iterable[nn.Module], enabled: bool = True) -> Callable[[], None]:
+    """Route the plain ``nn.Linear`` layers of ``modules`` through :class:`_DeferrableLinear`; returns the undo.
+
+    The layers then compute what ``nn.Linear`` computes, and while :func:`deferring` is on keep their weights'
+    gradients for a later pass. Nothing changes when ``enabled`` is false.
+    """
+    layers = [m for module in modules for m in deferrable_layers(module)] if enabled else []
+    for layer in layers:
+        layer.forward = _linear_forward.__get__(layer)  # type: ignore[method-assign]
+        setattr(layer, _PATCHED, True)
+
+    def undo() -> None:
+        for layer in layers:
+            if layer.__dict__.get(_PATCHED):
+                del layer.__dict__[_PATCHED]
+                layer.__dict__.pop("forward", None)
+
+    return undo
+
+
+def deferred_passes() -> int:
+    """How many ``W`` passes this process has run from kept products (:func:`run_kept` calls) so far."""
+    return _state.passes
+
+
+def is_deferrable(module: nn.Module) -> bool:
+    """Whether some layer of ``module`` runs through :class:`_DeferrableLinear`."""
+    return any(m.__dict__.get(_PATCHED) for m in module.modules())
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[list[int]]:
+    """A stage's forward: inside, the routed layers run through :class:`_DeferrableLinear` where they may defer, and
+    count those calls (the list's one item, read after the block). Outside (evaluation by other code, a user's own
+    call of the model), they run ``F.linear``."""
+    previous, _state.counted = _state.counted, [0]
+    counted = _state.counted
+    try:
+        yield counted
+    finally:
+        _state.counted = previous
+
+
+@contextlib.contextmanager
+def deferring() -> Iterator[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """While inside, the backward of the deferrable layers keeps ``(weight, input, output gradient)`` in the list
+    yielded instead of computing the weight's gradient (:func:`run_kept` computes them)."""
+    previous, _state.kept = _state.kept, []
+    kept = _state.kept
+    try:
+        yield kept
+    finally:
+        _state.kept = previous
+
+
+def run_kept(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Compute and accumulate the weight gradients ``deferring`` kept, in the order their backward reached them,
+    releasing each layer's input and output gradient as it goes."""
+    _state.passes += 1
+    while kept:
+        weight, x, grad_out = kept.pop(0)
+        _accumulate(weight, _weight_grad(x, grad_out))
+
+
+class WeightGradStage(torch_compat.PipelineStageWithShapeInferenceHook):
+    """A ``PipelineStage`` whose split backward defers only the linear layers' weight gradients.
+
+    A micro-batch whose forward ran a deferrable layer (:func:`defer_linear_weight_grads`) runs its ``I`` action as
+    the whole backward under :func:`deferring`, and its ``W`` action as :func:`run_kept` (through torch's
+    ``dw_builder``, set only around those two calls); any other micro-batch keeps torch's split. Whole-backward
+    actions (``B``) are unchanged.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._defers = is_deferrable(self.submod)
+        self._deferrable_chunks: set[int] = set()  # forwards that ran a deferrable layer
+        self._deferred_chunks: set[int] = set()  # ``I`` done under ``deferring``, ``W`` to come
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if not self._defers:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with counting() as counted:
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        if counted[0]:
+            self._deferrable_chunks.add(fwd_chunk_id)
+        else:
+            self._deferrable_chunks.discard(fwd_chunk_id)
+        return out
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+    ) -> None:
+        if full_backward or bwd_chunk_id not in self._deferrable_chunks:
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        with deferring() as kept:
+            self.dw_builder = lambda: functools.partial(run_kept, kept)
+            try:
+                super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            finally:
+                self.dw_builder = None
+        self._deferred_chunks.add(bwd_chunk_id)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        if bwd_chunk_id not in self._deferred_chunks:
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        self._deferred_chunks.discard(bwd_chunk_id)
+        self.dw_builder = lambda: run_kept  # any builder: torch then runs the runner the ``I`` action stored
+        try:
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        finally:
+            self.dw_builder = None
