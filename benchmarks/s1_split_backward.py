@@ -54,7 +54,7 @@ def measure(config: dict[str, Any], blocks: int, rounds: int, warmup: int) -> di
     model = build_gpt({**config, "n_layer": blocks})
     stage = torch.nn.Sequential(*list(model.body)[1 : 1 + blocks])
     params = list(stage.parameters())
-    # routed as the strategy's stages are under split_backward="linear"; outside ``counting`` they run F.linear
+    # routed as the strategy's stages are under split_backward="linear"; outside ``stage_pass`` they run F.linear
     weight_grad_store.defer_linear_weight_grads([stage])
     seq, width = config["block_size"], config["n_embd"]
     x0 = torch.randn(1, seq, width, generator=torch.Generator().manual_seed(0))
@@ -85,10 +85,10 @@ def measure(config: dict[str, Any], blocks: int, rounds: int, warmup: int) -> di
 
     def linear() -> dict[str, float]:
         x = x0.clone().requires_grad_(True)
-        with weight_grad_store.counting():
+        with weight_grad_store.stage_pass():
             y = stage(x)
         start = time.perf_counter()
-        with weight_grad_store.deferring() as kept:
+        with weight_grad_store.stage_pass(), weight_grad_store.deferring() as kept:
             torch.autograd.backward(y, g0)
         middle = time.perf_counter()
         weight_grad_store.run_kept(kept)

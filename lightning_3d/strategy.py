@@ -14,6 +14,7 @@ core/fsdp.py                ``data_parallel="fsdp"``: FSDP2 ``fully_shard`` over
                             view of dp
 core/parallelize.py         the three applied in one fixed order: stages, tensor parallel, data parallel
 core/pipeline.py            ``PipelineStage`` + schedules, cached per micro-batch shape
+core/weight_grad_store.py   zero-bubble ``W``: the linear layers' weight gradients ``I`` kept (``split_backward``)
 core/rng.py                 the body's random streams: per stage, per tp rank in sharded regions
 core/runner.py, step.py     one batch of the user's hook through the pipeline; gradients handed over
 core/log_relay.py           ``self.log`` from the last stage to every rank (metric_sync.py: torchmetrics)

@@ -128,8 +128,8 @@ def _can_defer(weight: torch.Tensor) -> bool:
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward``: through :class:`_DeferrableLinear` inside a stage's forward (:func:`counting`) where
-    the weight may defer (:func:`_can_defer`), else ``F.linear`` as the class does."""
+    """``nn.Linear.forward``: through :class:`_DeferrableLinear` inside a stage's forward or backward
+    (:func:`stage_pass`) where the weight may defer (:func:`_can_defer`), else ``F.linear`` as the class does."""
     weight = self.weight
     if _state.counted is None or type(x) is not torch.Tensor or not _can_defer(weight):
         return F.linear(x, weight, self.bias)
@@ -180,10 +180,11 @@ def is_deferrable(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def counting() -> Iterator[list[int]]:
-    """A stage's forward: inside, the routed layers run through :class:`_DeferrableLinear` where they may defer, and
-    count those calls (the list's one item, read after the block). Outside (evaluation by other code, a user's own
-    call of the model), they run ``F.linear``."""
+def stage_pass() -> Iterator[list[int]]:
+    """A stage's forward or backward: inside, the routed layers run through :class:`_DeferrableLinear` where they
+    may defer, and count those calls (the list's one item, read after the block). Outside (1F1B stages over the same
+    layers, a user's own call of the model), they run ``F.linear``. A backward is a pass too: an activation
+    checkpoint's recomputation must take the path its forward took (the saved tensors must match)."""
     previous, _state.counted = _state.counted, [0]
     counted = _state.counted
     try:
@@ -218,20 +219,22 @@ class WeightGradStage(torch_compat.PipelineStageWithShapeInferenceHook):
 
     A micro-batch whose forward ran a deferrable layer (:func:`defer_linear_weight_grads`) runs its ``I`` action as
     the whole backward under :func:`deferring`, and its ``W`` action as :func:`run_kept` (through torch's
-    ``dw_builder``, set only around those two calls); any other micro-batch keeps torch's split. Whole-backward
-    actions (``B``) are unchanged.
+    ``dw_builder``, set only around those two calls); any other micro-batch keeps torch's split, and so does the
+    first stage (whose ``I`` torch skips: nothing waits for it). Whole-backward actions (``B``) are unchanged.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._defers = is_deferrable(self.submod)
+        # torch's split already suits the first stage: no stage waits for its input's gradient, so its ``I`` does
+        # nothing and its ``W`` is one whole backward, without the graph walk
+        self._defers = is_deferrable(self.submod) and not self.is_first
         self._deferrable_chunks: set[int] = set()  # forwards that ran a deferrable layer
         self._deferred_chunks: set[int] = set()  # ``I`` done under ``deferring``, ``W`` to come
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if not self._defers:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        with counting() as counted:
+        with stage_pass() as counted:
             out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         if counted[0]:
             self._deferrable_chunks.add(fwd_chunk_id)
@@ -242,9 +245,12 @@ class WeightGradStage(torch_compat.PipelineStageWithShapeInferenceHook):
     def backward_one_chunk(
         self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
     ) -> None:
-        if full_backward or bwd_chunk_id not in self._deferrable_chunks:
+        if not self._defers:
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        with deferring() as kept:
+        if full_backward or bwd_chunk_id not in self._deferrable_chunks:
+            with stage_pass():
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        with stage_pass(), deferring() as kept:
             self.dw_builder = lambda: functools.partial(run_kept, kept)
             try:
                 super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
