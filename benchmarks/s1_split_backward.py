@@ -24,12 +24,14 @@ their products (one ``mm`` per layer, no graph walk).
 Record: ``measured`` = the linear split's ``I + W`` at 4 blocks (ms), ``baseline`` = ``ideal`` = ``B`` at 4 blocks,
 ``ratio`` = measured / baseline (1.0: the split costs nothing); ``details.blocks[n]``: ``split`` / ``I`` / ``W`` and
 ``overhead_share`` = (I + W - B) / (F + B) for torch's split, ``linear`` / ``linear I`` / ``linear W`` and
-``linear_overhead_share`` for the linear one.
+``linear_overhead_share`` for the linear one; ``held_for_W_MB``: what one micro-batch holds between its ``I`` and
+its ``W`` under each split, beside what its forward saved (counted, not timed).
 Not in ``all``; run by id: ``python -m benchmarks S1``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,48 @@ def measure(config: dict[str, Any], blocks: int, rounds: int, warmup: int) -> di
     result["linear_overhead_share"] = (result["linear"] - result["whole"]) / (result["forward"] + result["whole"])
     result["param_groups"] = groups
     result["rounds"] = times
+    result["held_for_W_MB"] = held_for_w(stage, x0, g0)
+    return result
+
+
+def held_for_w(stage: Any, x0: Any, g0: Any) -> dict[str, float]:
+    """Counting, not timing: the MB one micro-batch holds between its ``I`` and its ``W`` under each split, next to
+    what its forward saved for the backward (``saved``, B3's tracker: autograd's saved tensors by storage,
+    parameters excluded). torch's split keeps the graph, so what is still saved after ``I``; the linear split frees
+    the graph in ``I`` and keeps each linear layer's input and output gradient (unique storages)."""
+    import torch
+
+    from lightning_3d.core import weight_grad_store
+    from lightning_3d.core.torch_compat import split_backward_functions
+
+    from .b3_activations import SavedTensorTracker
+
+    stage_backward_input, stage_backward_weight = split_backward_functions()
+    params = list(stage.parameters())
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+    mb = 2.0**20
+    result: dict[str, float] = {}
+    for variant in ("torch", "linear"):
+        tracker = SavedTensorTracker(exclude)
+        x = x0.clone().requires_grad_(True)
+        pass_ = weight_grad_store.stage_pass() if variant == "linear" else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(tracker._pack, tracker._unpack), pass_:
+            y = stage(x)
+        result["saved"] = tracker.rank_live / mb
+        if variant == "torch":
+            _, groups = stage_backward_input([y], [g0], [x], iter(params))
+            result["torch"] = tracker.rank_live / mb
+            stage_backward_weight(iter(params), groups)
+        else:
+            with weight_grad_store.stage_pass(), weight_grad_store.deferring() as kept:
+                torch.autograd.backward(y, g0)
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, *ts in kept for t in ts}
+            live = tracker.rank_live + sum(n for ptr, n in storages.items() if ptr not in tracker._storages)
+            result["linear"] = live / mb
+            weight_grad_store.run_kept(kept)
+        del y
+        for p in params:
+            p.grad = None
     return result
 
 
@@ -135,6 +179,10 @@ def run(out: Path, tiny: bool = False) -> Record:
             f"{row['linear']:.2f} ({row['linear I']:.2f}, {row['linear W']:.2f}) | "
             f"{row['linear'] / row['whole']:.2f} | {row['linear_overhead_share']:.1%}"
         )
+    lines.append("held between I and W, one micro-batch (MB): blocks | saved by its forward | torch's split | linear")
+    for n, row in table.items():
+        held = row["held_for_W_MB"]
+        lines.append(f"{n} | {held['saved']:.2f} | {held['torch']:.2f} | {held['linear']:.2f}")
     key = 4 if 4 in table else max(table)
     row = table[key]
     return Record(

@@ -469,6 +469,8 @@ def test_s1_split_backward_times_every_variant_per_stage(tmp_path):
         assert row["split"] >= row["I"] and row["split"] >= row["W"] and row["linear"] >= row["linear W"]
         assert row["overhead_share"] == (row["split"] - row["whole"]) / (row["forward"] + row["whole"])
         assert row["linear_overhead_share"] == (row["linear"] - row["whole"]) / (row["forward"] + row["whole"])
+        held = row["held_for_W_MB"]  # torch keeps (nearly) the whole graph for W; the linear split a part of it
+        assert 0 < held["linear"] < held["torch"] <= held["saved"] + 1e-9
     assert rows["1"]["param_groups"] > 0 and rows["2"]["param_groups"] == 2 * rows["1"]["param_groups"]
     assert record.baseline == round(rows["2"]["whole"], 3) and record.ratio == round(
         rows["2"]["linear"] / rows["2"]["whole"], 3

@@ -486,6 +486,12 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def has_grad_hooks(tensor: torch.Tensor) -> bool:
+    """Whether hooks wait for ``tensor``'s gradient (``register_hook``, ``register_post_accumulate_grad_hook``):
+    a weight whose gradient autograd does not compute (``weight_grad_store.py``) would never call them."""
+    return bool(tensor._backward_hooks) or bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
+
+
 def op_name(func: Any) -> str:
     """The bare name of an operator overload (``"all_reduce_"`` for ``torch.ops.c10d.all_reduce_.default``)."""
     return str(func._schema.name).split("::")[-1]

@@ -18,9 +18,11 @@ as autograd accumulates). Every other parameter (norms, embeddings, biases) gets
 
 A linear layer takes torch's ordinary ``F.linear`` (nothing kept, its weight's gradient computed in ``I``) when its
 weight is not a plain leaf tensor needing a gradient at that call (tensor parallelism's DTensors, a weight computed
-from another), when gradients are off, or inside ``torch.compile``. Under autocast it casts as autocast would (the
-input, weight and bias to autocast's dtype, the gradients back to their tensors' dtypes). A micro-batch whose forward
-deferred no layer keeps torch's split (a tensor-parallel stage keeps what it had).
+from another), when a hook waits for the weight's gradient (``register_hook``, ``register_post_accumulate_grad_hook``:
+autograd would never call it), when gradients are off, or inside ``torch.compile``. Under autocast it casts as
+autocast would (the input, weight and bias to autocast's dtype, the gradients back to their tensors' dtypes). A
+micro-batch whose forward deferred no layer keeps torch's split (a tensor-parallel stage keeps what it had), and so
+does the first stage.
 
 ``ThreeDStrategy(split_backward="autograd")`` keeps torch's split everywhere (the default is ``"linear"``).
 """
@@ -116,14 +118,16 @@ class _DeferrableLinear(torch.autograd.Function):
 
 
 def _can_defer(weight: torch.Tensor) -> bool:
-    """Whether this call may keep the weight's gradient for later: a plain leaf tensor needing one, gradients on,
-    not inside ``torch.compile`` (DTensor weights, weights computed from others, compiled code: ``F.linear``)."""
+    """Whether this call may keep the weight's gradient for later: a plain leaf tensor needing one, with no hook
+    waiting for its gradient, gradients on, not inside ``torch.compile`` (DTensor weights, weights computed from
+    others, hooked weights, compiled code: ``F.linear``)."""
     return (
         not torch.compiler.is_compiling()
         and type(weight) in (nn.Parameter, torch.Tensor)
         and weight.is_leaf
         and weight.requires_grad
         and torch.is_grad_enabled()
+        and not torch_compat.has_grad_hooks(weight)
     )
 
 

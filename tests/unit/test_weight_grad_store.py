@@ -111,6 +111,13 @@ def test_layers_that_cannot_defer_take_plain_linear():
     with wgs.stage_pass() as counted, wgs.deferring() as kept:
         derived(x).sum().backward()
     assert counted[0] == 0 and kept == [] and shared.weight.grad is not None
+    seen: list[torch.Tensor] = []
+    model[3].weight.register_hook(lambda g: seen.append(g))  # a hook waits for this weight's gradient: not deferred
+    model[0].weight.requires_grad_(True)
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad))
+    with wgs.stage_pass() as counted, wgs.deferring() as kept:
+        model(x).sum().backward()
+    assert counted[0] == 0 and kept == [] and len(seen) == 2
 
 
 def test_only_plain_linear_forwards_are_routed():
