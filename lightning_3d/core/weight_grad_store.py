@@ -110,8 +110,8 @@ class _DeferrableLinear(torch.autograd.Function):
         grad_b = _flat(grad_out).sum(0).to(bias_dtype) if ctx.needs_input_grad[2] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            if _state.kept is not None:
-                _state.kept.append((ctx.weight, xc, grad_out))
+            if _state.kept is not None:  # detached: the input must not keep the graph (and its activations) alive
+                _state.kept.append((ctx.weight, xc.detach(), grad_out.detach()))
             else:
                 grad_w = _weight_grad(xc, grad_out).to(ctx.weight.dtype)
         return grad_x, grad_w, grad_b, None
@@ -119,11 +119,10 @@ class _DeferrableLinear(torch.autograd.Function):
 
 def _can_defer(weight: torch.Tensor) -> bool:
     """Whether this call may keep the weight's gradient for later: a plain leaf tensor needing one, with no hook
-    waiting for its gradient, gradients on, not inside ``torch.compile`` (DTensor weights, weights computed from
-    others, hooked weights, compiled code: ``F.linear``)."""
+    waiting for its gradient, gradients on (DTensor weights, weights computed from others, hooked weights:
+    ``F.linear``)."""
     return (
-        not torch.compiler.is_compiling()
-        and type(weight) in (nn.Parameter, torch.Tensor)
+        type(weight) in (nn.Parameter, torch.Tensor)
         and weight.is_leaf
         and weight.requires_grad
         and torch.is_grad_enabled()
@@ -135,21 +134,32 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward``: through :class:`_DeferrableLinear` inside a stage's forward or backward
     (:func:`stage_pass`) where the weight may defer (:func:`_can_defer`), else ``F.linear`` as the class does."""
     weight = self.weight
-    if _state.counted is None or type(x) is not torch.Tensor or not _can_defer(weight):
+    # ``is_compiling`` first: compiled code must not read (and so guard on) the pass state, which changes each pass
+    if torch.compiler.is_compiling() or _state.counted is None or type(x) is not torch.Tensor or not _can_defer(weight):
         return F.linear(x, weight, self.bias)
     _state.counted[0] += 1
     kind = x.device.type
     cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-    return _DeferrableLinear.apply(x, weight, self.bias, cast)
+    # the function sees rows and returns a fresh matrix: a view made inside a custom function cannot be modified in
+    # place later (the caller's ``+=``, torch's ``detach_`` of a stage's output), a view of its output can
+    out = _DeferrableLinear.apply(x.reshape(-1, x.shape[-1]), weight, self.bias, cast)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def deferrable_layers(module: nn.Module) -> list[nn.Linear]:
     """The layers :func:`defer_linear_weight_grads` would change: every ``nn.Linear`` (or a class that keeps its
-    ``forward``, as FSDP's wrapped classes do) whose ``forward`` is not replaced on the instance."""
+    ``forward``, as FSDP's wrapped classes do) that no module at or above it (within ``module``) has its ``forward``
+    replaced on the instance: a compiled block (``compile_blocks``) runs its layers as compiled code, where they would
+    take ``F.linear`` anyway, and is left exactly as compiled."""
+    replaced = [name for name, m in module.named_modules() if "forward" in m.__dict__]
+
+    def inside_replaced(name: str) -> bool:
+        return any(name == r or r == "" or name.startswith(r + ".") for r in replaced)
+
     return [
         m
-        for m in module.modules()
-        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
+        for name, m in module.named_modules()
+        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and not inside_replaced(name)
     ]
 
 
@@ -213,9 +223,10 @@ def run_kept(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Non
     """Compute and accumulate the weight gradients ``deferring`` kept, in the order their backward reached them,
     releasing each layer's input and output gradient as it goes."""
     _state.passes += 1
-    while kept:
-        weight, x, grad_out = kept.pop(0)
-        _accumulate(weight, _weight_grad(x, grad_out))
+    with torch.no_grad():  # as autograd computes gradients: no graph of their own
+        while kept:
+            weight, x, grad_out = kept.pop(0)
+            _accumulate(weight, _weight_grad(x, grad_out))
 
 
 class WeightGradStage(torch_compat.PipelineStageWithShapeInferenceHook):

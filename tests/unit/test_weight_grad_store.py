@@ -40,6 +40,7 @@ def test_gradients_equal_autograd_whether_deferred_or_not(bias, defer):
         with wgs.deferring() as kept:
             out.backward(g)
         assert len(kept) == 2 and model[0].weight.grad is None and model[3].weight.grad is None
+        assert not any(t.requires_grad for _, *ts in kept for t in ts)  # kept without the graph
         assert model[2].weight.grad is not None  # the norm's gradient comes with the input's
         wgs.run_kept(kept)
         assert kept == []  # released as they run
@@ -47,6 +48,7 @@ def test_gradients_equal_autograd_whether_deferred_or_not(bias, defer):
         out.backward(g)
     (gx_ref, ref_grads), (gx, grads) = _grads(ref, xr), _grads(model, xm)
     assert grads.keys() == ref_grads.keys()
+    assert not any(g.requires_grad for g in grads.values())  # gradients without a graph of their own
     torch.testing.assert_close(gx, gx_ref, rtol=0, atol=1e-12)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-12, msg=name)
@@ -93,6 +95,27 @@ def test_autocast_matches_autocast_of_plain_linear():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
+def test_outputs_can_be_modified_in_place():
+    """A layer's output is a view of the function's fresh matrix, so the caller may modify it in place, as it may
+    ``F.linear``'s (a view made inside a custom function may not be)."""
+    ref, model = _mlp(), _mlp()
+    wgs.defer_linear_weight_grads([model])
+    x = torch.randn(2, 3, 6)
+    with wgs.stage_pass():
+        out = model[0](x)
+    assert out.shape == (2, 3, 8)
+    out += 1
+    with wgs.stage_pass():
+        y = model(x)
+    y.mul_(2)
+    with wgs.deferring() as kept:
+        y.sum().backward()
+    wgs.run_kept(kept)
+    (ref(x) * 2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def test_layers_that_cannot_defer_take_plain_linear():
     model = _mlp()
     wgs.defer_linear_weight_grads([model])
@@ -127,7 +150,9 @@ def test_only_plain_linear_forwards_are_routed():
 
     compiled = nn.Linear(2, 2)
     compiled.forward = lambda x: x  # a forward set on the instance (as compile_blocks does) is left alone
-    model = nn.Sequential(nn.Linear(2, 2), Custom(2, 2), compiled)
+    block = nn.Sequential(nn.Linear(2, 2))
+    block.forward = lambda x: x  # ... and so are the layers of a block whose forward is (a compiled block)
+    model = nn.Sequential(nn.Linear(2, 2), Custom(2, 2), compiled, block)
     assert wgs.deferrable_layers(model) == [model[0]]
     undo = wgs.defer_linear_weight_grads([model], enabled=False)
     assert not wgs.is_deferrable(model)
