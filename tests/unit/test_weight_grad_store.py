@@ -53,7 +53,7 @@ def test_gradients_equal_autograd_whether_deferred_or_not(bias, defer):
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-12, msg=name)
     undo()
-    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(type(m) in (nn.Linear, nn.GELU, nn.LayerNorm, nn.Sequential) for m in model.modules())
 
 
 def test_deferred_gradients_accumulate_onto_existing_ones():
@@ -158,9 +158,12 @@ def test_only_plain_linear_forwards_are_routed():
     assert not wgs.is_deferrable(model)
     undo()
     undo = wgs.defer_linear_weight_grads([model])
-    assert wgs.is_deferrable(model) and "forward" in model[0].__dict__
+    # the class is swapped (nothing set on the instance: an instance forward marks a compiled block), still a Linear
+    assert wgs.is_deferrable(model) and "forward" not in model[0].__dict__ and type(model[0]) is not nn.Linear
+    assert isinstance(model[0], nn.Linear) and type(model[0]).__name__ == "Linear" and type(model[1]) is Custom
+    assert wgs.deferrable_layers(model) == []  # routed once
     undo()
-    assert not wgs.is_deferrable(model) and "forward" not in model[0].__dict__ and "forward" in compiled.__dict__
+    assert not wgs.is_deferrable(model) and type(model[0]) is nn.Linear and "forward" in compiled.__dict__
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
