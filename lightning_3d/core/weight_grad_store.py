@@ -141,8 +141,8 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     _state.counted[0] += 1
     kind = x.device.type
     cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-    # the function sees rows and returns a fresh matrix: a view made inside a custom function cannot be modified in
-    # place later (the caller's ``+=``, torch's ``detach_`` of a stage's output), a view of its output can
+    # the function sees rows and returns a fresh matrix: F.linear's output with a bias is a view of one, and a view
+    # made inside a custom function cannot be modified in place later (a caller's ``+=``); a view of its output can
     out = _DeferrableLinear.apply(x.reshape(-1, x.shape[-1]), weight, self.bias, cast)
     return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -96,8 +96,8 @@ def test_autocast_matches_autocast_of_plain_linear():
 
 
 def test_outputs_can_be_modified_in_place():
-    """A layer's output is a view of the function's fresh matrix, so the caller may modify it in place, as it may
-    ``F.linear``'s (a view made inside a custom function may not be)."""
+    """The caller may modify a layer's output in place, as it may ``F.linear``'s (with a bias, ``F.linear``'s 3-D
+    output is a view, which made inside a custom function could not be)."""
     ref, model = _mlp(), _mlp()
     wgs.defer_linear_weight_grads([model])
     x = torch.randn(2, 3, 6)
