@@ -184,8 +184,8 @@ class ThreeDSettings:
             split it: ``"linear"`` (default) runs ``I`` as the whole backward except the ``nn.Linear`` layers'
             weight gradients, which ``W`` computes from the kept inputs and output gradients (no autograd graph
             walk or per-group ``autograd.grad`` on each micro-batch); ``"autograd"`` keeps torch's graph split.
-            Layers whose weight is a DTensor (tensor parallelism), compiled blocks and the first stage take torch's
-            split either way. Gradients are the same; ignored by the other schedules. See
+            Tensor-parallel layers keep their products on their shards; compiled blocks and the first stage take
+            torch's split either way. Gradients are the same; ignored by the other schedules. See
             ``core/weight_grad_store.py``.
     """
 

@@ -134,10 +134,10 @@ CSV_SCHEDULE = Path(__file__).resolve().parents[1] / "conf" / "schedules" / "zbv
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)], ids=["pp2-dp2", "tp2-pp2-dp2"])
 def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_path, tp, dp):
-    """Backward split into input- and weight-gradient actions (the weight part deferred: at tp1 the linear layers'
-    products kept by ``I`` for ``W``, ``split_backward="linear"``; tensor-parallel layers through torch's split), and
-    the V placement (stage i and 3 - i on pp rank i), give single-device numbers: float64 step-1 gradients, float32
-    20 steps."""
+    """Backward split into input- and weight-gradient actions (the weight part deferred: the linear layers'
+    products kept by ``I`` for ``W``, ``split_backward="linear"``, on their DTensor shards at tp2), and the V
+    placement (stage i and 3 - i on pp rank i), give single-device numbers: float64 step-1 gradients, float32 20
+    steps."""
     copy_inits(parity_reference, tmp_path)
     cases = ["mlp64", "gpt32"]
     names = ZERO_BUBBLE + ([str(CSV_SCHEDULE)] if tp == 1 else [])  # the CSV action list: at pp2 x dp2 only
@@ -156,13 +156,10 @@ def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_p
             problems += [f"{name} {case}: {p}" for p in found]
             passes.append([r["deferred_w"] for r in got["ranks"]])
     assert not problems, "\n".join(problems[:40])
-    # split_backward="linear" (the default): at tp1 every run's W actions computed the linear layers' kept products
-    # on every rank (each process's count grows run by run); tensor-parallel (DTensor) layers take torch's split
-    if tp == 1:
-        for earlier, later in zip([[0] * len(passes[0]), *passes[:-1]], passes, strict=True):
-            assert all(b > a for a, b in zip(earlier, later, strict=True)), passes
-    else:
-        assert all(n == 0 for run in passes for n in run), passes
+    # split_backward="linear" (the default): every run's W actions computed the linear layers' kept products on
+    # every rank (each process's count grows run by run), at tp2 on the layers' DTensor shards
+    for earlier, later in zip([[0] * len(passes[0]), *passes[:-1]], passes, strict=True):
+        assert all(b > a for a, b in zip(earlier, later, strict=True)), passes
 
 
 @pytest.mark.slow

@@ -17,13 +17,17 @@ gradient at once and keeps ``(weight, X, dY)`` for later; :class:`WeightGradStag
 torch a ``W`` that does the kept products (the same ``mm`` autograd would have run, accumulated into ``weight.grad``
 as autograd accumulates). Every other parameter (norms, embeddings, biases) gets its gradient in ``I``.
 
+A tensor-parallel layer (DTensor weight and input, as torch's column- and row-wise styles call it) keeps its
+products too: the function's arithmetic runs on DTensors, so ``dW`` comes out laid out as the weight (a column-
+parallel layer's from its sharded ``dY``, a row-parallel layer's from its sharded ``X``), as autograd's would.
+
 A linear layer takes torch's ordinary ``F.linear`` (nothing kept, its weight's gradient computed in ``I``) when its
-weight is not a plain leaf tensor needing a gradient at that call (tensor parallelism's DTensors, a weight computed
-from another), when a hook waits for the weight's gradient (``register_hook``, ``register_post_accumulate_grad_hook``:
-autograd would never call it), when gradients are off, or inside ``torch.compile``. Under autocast it casts as
-autocast would (the input, weight and bias to autocast's dtype, the gradients back to their tensors' dtypes). A
-micro-batch whose forward deferred no layer keeps torch's split (a tensor-parallel stage keeps what it had), and so
-does the first stage.
+weight is not a leaf tensor needing a gradient at that call (a weight computed from another), when its input and
+weight are not both plain tensors or both DTensors, when a hook waits for the weight's gradient
+(``register_hook``, ``register_post_accumulate_grad_hook``: autograd would never call it), when gradients are off,
+or inside ``torch.compile``. Under autocast it casts as autocast would (the input, weight and bias to autocast's
+dtype, the gradients back to their tensors' dtypes). A micro-batch whose forward deferred no layer keeps torch's
+split, and so does the first stage.
 
 ``ThreeDStrategy(split_backward="autograd")`` keeps torch's split everywhere (the default is ``"linear"``).
 """
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import torch_compat
 
@@ -119,11 +124,11 @@ class _DeferrableLinear(torch.autograd.Function):
 
 
 def _can_defer(weight: torch.Tensor) -> bool:
-    """Whether this call may keep the weight's gradient for later: a plain leaf tensor needing one, with no hook
-    waiting for its gradient, gradients on (DTensor weights, weights computed from others, hooked weights:
+    """Whether this call may keep the weight's gradient for later: a leaf tensor (plain or DTensor) needing one,
+    with no hook waiting for its gradient, gradients on (weights computed from others, hooked weights:
     ``F.linear``)."""
     return (
-        type(weight) in (nn.Parameter, torch.Tensor)
+        type(weight) in (nn.Parameter, torch.Tensor, DTensor)
         and weight.is_leaf
         and weight.requires_grad
         and torch.is_grad_enabled()
@@ -136,7 +141,9 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     (:func:`stage_pass`) where the weight may defer (:func:`_can_defer`), else ``F.linear`` as the class does."""
     weight = self.weight
     # ``is_compiling`` first: compiled code must not read (and so guard on) the pass state, which changes each pass
-    if torch.compiler.is_compiling() or _state.counted is None or type(x) is not torch.Tensor or not _can_defer(weight):
+    if torch.compiler.is_compiling() or _state.counted is None or not _can_defer(weight):
+        return F.linear(x, weight, self.bias)
+    if type(x) is not (DTensor if type(weight) is DTensor else torch.Tensor):  # a tensor-parallel layer: both DTensor
         return F.linear(x, weight, self.bias)
     _state.counted[0] += 1
     kind = x.device.type

@@ -210,3 +210,29 @@ def test_zbv_stages_on_one_rank_give_one_device_gradients(world_of_one, defer, c
     # (its I skipped, its W one whole backward)
     assert ran == ([2] * n_micro if defer else [])
     assert not stages[0]._defers and stages[1]._defers == defer
+
+
+def test_tensor_parallel_layers_defer_on_their_shards(world_of_one):
+    """Column- and row-parallel layers (DTensor weights and inputs) keep their products too; their weight gradients
+    are DTensors laid out as the weights, equal to plain autograd's (a mesh of one rank: the DTensor code paths)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 5)).double()
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (1,))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    wgs.defer_linear_weight_grads([model])
+    x, g = torch.randn(3, 4, 6, dtype=torch.float64), torch.randn(3, 4, 5, dtype=torch.float64)
+    ref(x).backward(g)
+    with wgs.stage_pass() as counted:
+        out = model(x)
+    with wgs.stage_pass(), wgs.deferring() as kept:
+        out.backward(g)
+    assert counted[0] == 2 and len(kept) == 2 and model[0].weight.grad is None
+    wgs.run_kept(kept)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=1e-12, msg=name)
