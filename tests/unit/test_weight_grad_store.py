@@ -60,14 +60,16 @@ def test_deferred_gradients_accumulate_onto_existing_ones():
     ref, model = _mlp(), _mlp()
     wgs.defer_linear_weight_grads([model])
     x = torch.randn(2, 6)
-    for _ in range(2):  # two micro-batches' worth: W adds to what the first left
+    for i in range(2):  # two micro-batches' worth: W adds to what the first left (in place: ``addmm_``)
         ref(x).sum().backward()
         with wgs.stage_pass():
             out = model(x)
-        with wgs.deferring() as kept:
+        mine: list = []  # the second time, a list of one's own receives the kept products
+        with wgs.deferring(mine if i else None) as kept:
             out.sum().backward()
-        assert len(kept) == 2
+        assert len(kept) == 2 and (kept is mine) == bool(i)
         wgs.run_kept(kept)
+        assert kept == []  # each product released once added
     with wgs.deferring() as kept:  # outside a stage's forward: plain F.linear, nothing kept
         model(x).sum().backward()
     ref(x).sum().backward()
