@@ -67,24 +67,44 @@ class SavedTensorTracker:
         self.peak: dict[int, int] = defaultdict(int)
         self.rank_live = 0
         self.rank_peak = 0
+        self.backward_stage: int = -1  # the stage whose backward runs (what :meth:`hold` charges)
         self._storages: dict[int, list[int]] = {}  # ptr -> [count, nbytes, stage]
 
-    def _pack(self, tensor: Any) -> Any:
+    def _count(self, tensor: Any, stage: int) -> int | None:
+        """Count one more reference to ``tensor``'s storage (charged to ``stage`` if new); its ``data_ptr``, or
+        ``None`` when it is not counted (no storage, or excluded)."""
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in self.exclude:
-            return tensor
+            return None
         entry = self._storages.get(ptr)
         if entry is not None:
             entry[0] += 1
         else:
-            nbytes, stage = storage.nbytes(), self.current
+            nbytes = storage.nbytes()
             self._storages[ptr] = [1, nbytes, stage]
             self.live[stage] += nbytes
             self.peak[stage] = max(self.peak[stage], self.live[stage])
             self.rank_live += nbytes
             self.rank_peak = max(self.rank_peak, self.rank_live)
-        return _Saved(self, ptr, tensor)
+        return ptr
+
+    def _pack(self, tensor: Any) -> Any:
+        ptr = self._count(tensor, self.current)
+        return tensor if ptr is None else _Saved(self, ptr, tensor)
+
+    def hold(self, tensor: Any) -> None:
+        """Count ``tensor``'s storage while this tensor object lives (the linear split's kept input and output
+        gradient: held outside autograd from ``I`` to ``W``), charged to the stage whose backward runs."""
+        import weakref
+
+        ptr = self._count(tensor, self.backward_stage)
+        if ptr is not None:
+            weakref.finalize(tensor, self._release, ptr)
+
+    def holds(self, ptr: int) -> bool:
+        """Whether the storage at ``ptr`` is counted now (saved by autograd and not yet released)."""
+        return ptr in self._storages
 
     @staticmethod
     def _unpack(packed: Any) -> Any:
@@ -102,32 +122,59 @@ class SavedTensorTracker:
 
     @contextlib.contextmanager
     def track(self, schedule: Any) -> Iterator[SavedTensorTracker]:
-        """Track saved tensors during ``schedule.step`` inside the block, charged to the running stage."""
+        """Track saved tensors during ``schedule.step`` inside the block, charged to the running stage, and what
+        the linear split (``split_backward="linear"``) keeps from ``I`` to ``W``, charged to the stage whose ``I``
+        kept it."""
         import torch
 
-        from lightning_3d.core import torch_compat
+        from lightning_3d.core import torch_compat, weight_grad_store
 
         undo: list[Callable[[], None]] = []
 
-        def charging(stage_of: Callable[[tuple[Any, ...]], int]) -> Callable[[Callable[..., Any]], Any]:
+        def charging(
+            stage_of: Callable[[tuple[Any, ...]], int], attr: str = "current"
+        ) -> Callable[[Callable[..., Any]], Any]:
             def wrap(real: Callable[..., Any]) -> Callable[..., Any]:
                 def wrapper(*args: Any, **kwargs: Any) -> Any:
-                    previous, self.current = self.current, stage_of(args)
+                    previous = getattr(self, attr)
+                    setattr(self, attr, stage_of(args))
                     try:
                         return real(*args, **kwargs)
                     finally:
-                        self.current = previous
+                        setattr(self, attr, previous)
 
                 return wrapper
 
             return wrap
 
+        tracker = self
+
+        class _HeldList(list):  # type: ignore[type-arg]
+            """The list ``deferring`` yields: each kept ``(weight, input, output gradient)`` is counted while held."""
+
+            def append(self, entry: Any) -> None:
+                for tensor in entry[1:]:
+                    tracker.hold(tensor)
+                super().append(entry)
+
+        real_deferring = weight_grad_store.deferring
+
+        def deferring() -> contextlib.AbstractContextManager[list[Any]]:
+            return real_deferring(_HeldList())
+
         try:
             for stage in torch_compat.schedule_stages(schedule):
                 index = int(stage.stage_index)
                 undo.append(torch_compat.wrap_method(stage, "forward_one_chunk", charging(lambda args, s=index: s)))
+                undo.append(
+                    torch_compat.wrap_method(
+                        stage, "backward_one_chunk", charging(lambda args, s=index: s, "backward_stage")
+                    )
+                )
             # the loss is charged to the stage it runs on (its first argument)
             undo.append(torch_compat.wrap_schedule_loss(schedule, charging(lambda args: int(args[0].stage_index))))
+            weight_grad_store.deferring = deferring  # type: ignore[assignment]
+            undo.append(lambda: setattr(weight_grad_store, "deferring", real_deferring))
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
         finally:
@@ -483,8 +530,10 @@ def schedule_worker(schedules: list[str], m: int, tiny: bool) -> dict[str, Any]:
 
 
 def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
-    """The schedule's split and placement; one tracked step of the schedule and one of breadth-first order over
-    the same stages (every micro-batch in flight: the bytes per micro-batch)."""
+    """The schedule's split and placement; one tracked step of the schedule with torch's split backward
+    (``schedule``), one with the linear split where the schedule splits its backward (``linear``, the default
+    ``split_backward``), and one of breadth-first order over the same stages (every micro-batch in flight: the bytes
+    per micro-batch)."""
     import copy
     import gc
 
@@ -493,7 +542,7 @@ def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
 
     from lightning_3d.core import partition, torch_compat
     from lightning_3d.core.csv_schedule import is_csv_schedule
-    from lightning_3d.core.pipeline import is_multi_stage, schedule_class, stage_ranks
+    from lightning_3d.core.pipeline import is_multi_stage, schedule_class, splits_backward, stage_ranks
 
     from .common import build_gpt, cpu_stages, gpt_loss, init_distributed, model_config, pipeline_step, token_batch
 
@@ -505,13 +554,13 @@ def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
     spr = 1 if not is_multi_stage(schedule) else (len(stage_ranks(schedule, pp, 1)) // pp if csv else 2)
     placement = stage_ranks(schedule, pp, spr)
     result: dict[str, Any] = {}
-    for run in ("schedule", "all_in_flight"):
+    for run in ("schedule", "all_in_flight", *(("linear",) if splits_backward(schedule) else ())):
         piece = copy.deepcopy(model)
         body = partition.find_body(piece)
         plan = partition.plan_stages(body, pp, partition.get_partitioner("uniform"), spr, placement)
         mine = [(s, partition.stage_container(body, plan.layer_names[s])) for s in range(plan.num_stages)]
         mine = [(s, mod) for s, mod in mine if placement[s] == rank]
-        built = cpu_stages(mine, plan.num_stages)
+        built = cpu_stages(mine, plan.num_stages, defer_linear=run == "linear")
         if run == "all_in_flight":
             cls = torch_compat.looped_bfs_placed(placement) if len(built) > 1 else schedule_class("gpipe")
         else:
@@ -571,9 +620,10 @@ def run_schedule(out: Path, schedule: str, tiny: bool = False) -> Record:
     on the stage (from the schedule's action list; 1F1B ``min(m, p - s)``, GPipe ``m``) times the stage's bytes
     per micro-batch (measured with every micro-batch in flight: breadth-first order over the same stages).
     Zero-bubble schedules also report the most micro-batches whose weight-gradient is deferred (``I`` run, ``W``
-    not yet): their activations stay saved until ``W`` (torch keeps the graph for it). The stages split the backward
-    as torch does (``split_backward="autograd"``): the tracker counts autograd's saved tensors, and the linear
-    split's kept output gradients are not among them (benchmark S1 counts what it holds)."""
+    not yet), and run the step twice: with torch's split backward (``split_backward="autograd"``: the activations
+    stay saved until ``W``, torch keeps the graph for it) and with the linear split, the default (the graph goes in
+    ``I``; the linear layers' inputs and output gradients are held until ``W``, counted with autograd's saved
+    tensors by storage)."""
     from lightning_3d.core.pipeline import check_schedule_name
 
     from .common import launch
@@ -585,16 +635,22 @@ def run_schedule(out: Path, schedule: str, tiny: bool = False) -> Record:
 
 
 def _schedule_record(schedule: str, res: dict[str, Any], m: int) -> Record:
+    """One schedule's record: per stage, micro-batches in flight (peak bytes / bytes per micro-batch) under the
+    default split backward (the linear split where the schedule splits its backward) and under torch's split,
+    against the action list's count. The ratio is the default split's lowest measured / theory."""
     runs = res["runs"]
     label = Path(schedule).name if schedule.lower().endswith(".csv") else schedule.lower()
+    linear = "linear" in runs
     lines = [
-        f"schedule {label} at pp=2, m={m} (stages per rank {res['stages_per_rank']}, placement {res['placement']}; "
-        "a split backward as torch splits it, split_backward='autograd')",
-        "stage | MB per micro-batch | peak MB | in flight: measured (peak / per micro-batch) | theory | deferred W",
+        f"schedule {label} at pp=2, m={m} (stages per rank {res['stages_per_rank']}, placement {res['placement']})",
+        "stage | MB per micro-batch | in flight, torch's split (peak MB) | "
+        + ("linear split, the default (peak MB) | " if linear else "")
+        + "theory | deferred W",
     ]
     stages: dict[str, Any] = {}
     ratios = []
-    for mine, full in zip(runs["schedule"], runs["all_in_flight"]):
+    linear_ranks = runs["linear"] if linear else [None] * len(runs["schedule"])
+    for mine, full, lin in zip(runs["schedule"], runs["all_in_flight"], linear_ranks):
         for s in mine["stages"]:
             per_mb = full["peak_per_stage"][str(s)] / m
             peak = mine["peak_per_stage"][str(s)]
@@ -604,41 +660,50 @@ def _schedule_record(schedule: str, res: dict[str, Any], m: int) -> Record:
                 flight = m if label == "gpipe" else min(m, 2 - s)
                 theory = {"in_flight": flight, "deferred": 0}
             measured = peak / per_mb if per_mb else 0.0
-            ratio = measured / theory["in_flight"] if theory["in_flight"] else None
+            peak_linear = lin["peak_per_stage"][str(s)] if lin else None
+            measured_linear = peak_linear / per_mb if lin and per_mb else None
+            default = measured_linear if lin else measured
+            ratio = default / theory["in_flight"] if theory["in_flight"] and default is not None else None
             if ratio is not None:
                 ratios.append(ratio)
             stages[str(s)] = {
                 "bytes_per_microbatch": per_mb,
                 "peak_bytes": peak,
                 "measured_in_flight": measured,
+                "peak_bytes_linear": peak_linear,
+                "measured_in_flight_linear": measured_linear,
                 "theory_in_flight": theory["in_flight"],
                 "theory_deferred_weight": theory["deferred"],
                 "ratio": ratio,
             }
+            linear_cell = f"{measured_linear:5.2f} ({peak_linear / 2**20:6.2f}) | " if lin else ""
             lines.append(
-                f"{s:5d} | {per_mb / 2**20:18.3f} | {peak / 2**20:7.2f} | {measured:45.2f} | "
+                f"{s:5d} | {per_mb / 2**20:18.3f} | {measured:5.2f} ({peak / 2**20:6.2f}) | {linear_cell}"
                 f"{theory['in_flight']:6d} | {theory['deferred']:10d}"
             )
-    rank_peaks = [r["rank_peak"] for r in runs["schedule"]]
-    lines.append("per rank peak MB: " + ", ".join(f"{b / 2**20:.2f}" for b in rank_peaks))
+    for run in ("schedule", *(("linear",) if linear else ())):
+        name = "torch's split" if run == "schedule" else "linear split"
+        lines.append(f"per rank peak MB, {name}: " + ", ".join(f"{r['rank_peak'] / 2**20:.2f}" for r in runs[run]))
+    key = "measured_in_flight_linear" if linear else "measured_in_flight"
     details = {
         "schedule": label,
         "class": runs["schedule"][0]["class"],
         "m": m,
         "placement": res["placement"],
         "per_stage": stages,
-        "rank_peak_bytes": rank_peaks,
+        "rank_peak_bytes": [r["rank_peak"] for r in runs["schedule"]],
+        "rank_peak_bytes_linear": [r["rank_peak"] for r in runs["linear"]] if linear else None,
         "raw": runs,
     }
     worst = min(ratios) if ratios else None
     return Record(
         f"{ID}_{label.removesuffix('.csv')}",
         f"activation memory in flight under {label}: measured against the schedule's micro-batches in flight",
-        {k: v["measured_in_flight"] for k, v in stages.items()},
+        {k: v[key] for k, v in stages.items()},
         {k: v["bytes_per_microbatch"] / 2**20 for k, v in stages.items()},
         {k: v["theory_in_flight"] for k, v in stages.items()},
         worst,
-        "micro-batches in flight per stage (peak saved bytes / bytes per micro-batch)",
+        "micro-batches in flight per stage (peak saved bytes / bytes per micro-batch; the default split backward)",
         details,
         lines,
         "MB per micro-batch",

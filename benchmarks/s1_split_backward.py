@@ -146,7 +146,7 @@ def held_for_w(stage: Any, x0: Any, g0: Any) -> dict[str, float]:
             with weight_grad_store.stage_pass(), weight_grad_store.deferring() as kept:
                 torch.autograd.backward(y, g0)
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, *ts in kept for t in ts}
-            live = tracker.rank_live + sum(n for ptr, n in storages.items() if ptr not in tracker._storages)
+            live = tracker.rank_live + sum(n for ptr, n in storages.items() if not tracker.holds(ptr))
             result["linear"] = live / mb
             weight_grad_store.run_kept(kept)
         del y

@@ -92,6 +92,24 @@ def test_b3_saved_bytes_follow_the_schedules(tmp_path):
     assert 1.0 <= compiled["over_blocks_input"] <= 1.5 and compiled["saved_fraction"] < 0.5, compiled
 
 
+@pytest.mark.slow
+def test_b3_zero_bubble_holds_what_its_action_list_says_under_the_linear_split(tmp_path):
+    """``B3 --schedule zbvzerobubble``: with the default linear split each stage holds what ZB-V's action list says
+    (the graph goes in ``I``; the linear layers' inputs and output gradients, counted too, until ``W``), while torch's
+    split keeps whole graphs until they are dropped: more on the last stage."""
+    run_lightning("bench_run.py", ["B3", "--schedule", "zbvzerobubble", "--tiny", "--out", tmp_path], timeout=240)
+    record = json.loads((tmp_path / "B3_zbvzerobubble.json").read_text())
+    stages = record["details"]["per_stage"]
+    assert sorted(stages) == ["0", "1", "2", "3"] and record["details"]["rank_peak_bytes_linear"]
+    for stage, row in stages.items():
+        assert row["theory_deferred_weight"] >= 1, (stage, row)
+        assert 0.95 * row["theory_in_flight"] <= row["measured_in_flight_linear"], (stage, row)
+        assert row["measured_in_flight_linear"] <= row["theory_in_flight"] + 0.1, (stage, row)
+    last = stages["3"]
+    assert last["measured_in_flight"] > last["measured_in_flight_linear"] + 1, last
+    assert record["ratio"] == pytest.approx(min(r["ratio"] for r in stages.values()))
+
+
 def test_every_benchmark_module_has_the_interface():
     benchmarks = _import("benchmarks")
     assert list(benchmarks.BENCHMARKS)[:9] == [f"B{i}" for i in range(9)]
@@ -410,6 +428,32 @@ def test_b3_in_flight_theory_counts_micro_batches_until_their_backward_is_comple
     split = torch_compat.parse_schedule_actions([row])
     assert b3.in_flight_theory(split[0], 0) == {"in_flight": 2, "deferred": 2}
     assert b3.in_flight_theory(split[0], 1) == {"in_flight": 1, "deferred": 0}
+
+
+def test_b3_tracker_counts_held_tensors_by_storage_while_they_live():
+    """What the linear split holds from ``I`` to ``W`` (``tracker.hold``) is counted with autograd's saved tensors:
+    once per storage, charged to the stage whose backward runs, released when the held tensor object goes."""
+    import torch
+
+    b3 = _import("benchmarks.b3_activations")
+    tracker = b3.SavedTensorTracker(exclude=set())
+    a = torch.ones(4, 8)  # 128 bytes
+    with torch.autograd.graph.saved_tensors_hooks(tracker._pack, tracker._unpack):
+        tracker.current = 1
+        b = a.requires_grad_() * 2
+        y = b.sin()  # saves its input ``b``: 128 bytes, stage 1
+    assert tracker.rank_live == 128 and tracker.live[1] == 128
+    tracker.backward_stage = 3
+    held = b.detach()  # the saved tensor's storage again: counted once
+    tracker.hold(held)
+    tracker.hold(torch.zeros(2, 8))  # a temporary: released at once
+    assert tracker.rank_live == 128 and tracker.peak[3] == 64 and tracker.live[3] == 0
+    kept = torch.zeros(16)
+    tracker.hold(kept)
+    del y, b  # the graph goes; the held view of its saved storage keeps the bytes counted
+    assert tracker.rank_live == 128 + 64 and tracker.holds(held.untyped_storage().data_ptr())
+    del held, kept
+    assert tracker.rank_live == 0 and tracker.rank_peak == 192
 
 
 def test_b1_host_contention_factor_and_corrected_ratio():
