@@ -104,27 +104,36 @@ class _DeferrableLinear(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cast: torch.dtype | None
     ) -> torch.Tensor:
-        xc, wc, bc = x, weight, bias
-        if cast is not None:
-            xc = x.to(cast) if x.is_floating_point() else x
-            wc, bc = weight.to(cast), None if bias is None else bias.to(cast)
-        ctx.save_for_backward(xc, wc)
         ctx.weight = weight
+        if cast is None:  # the common case, kept short: this runs for every layer of every micro-batch
+            ctx.save_for_backward(x, weight)
+            ctx.dtypes = None
+            return F.linear(x, weight, bias)
+        xc = x.to(cast) if x.is_floating_point() else x
+        wc, bc = weight.to(cast), None if bias is None else bias.to(cast)
+        ctx.save_for_backward(xc, wc)
         ctx.dtypes = (x.dtype, None if bias is None else bias.dtype)
         with torch.autocast(x.device.type, enabled=False):
             return F.linear(xc, wc, bc)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        # ``x`` and ``grad_out`` are matrices of rows (``_linear_forward`` hands the function rows)
         xc, wc = ctx.saved_tensors
-        x_dtype, bias_dtype = ctx.dtypes
-        grad_out = grad_out.to(wc.dtype)
-        grad_x = grad_out.matmul(wc).to(x_dtype) if ctx.needs_input_grad[0] else None
-        grad_b = _flat(grad_out).sum(0).to(bias_dtype) if ctx.needs_input_grad[2] else None
+        dtypes = ctx.dtypes
+        if dtypes is not None:
+            grad_out = grad_out.to(wc.dtype)
+        needs_x, needs_w, needs_b, _ = ctx.needs_input_grad
+        grad_x = grad_out.mm(wc) if needs_x else None
+        grad_b = grad_out.sum(0) if needs_b else None
+        if dtypes is not None:
+            grad_x = None if grad_x is None else grad_x.to(dtypes[0])
+            grad_b = None if grad_b is None else grad_b.to(dtypes[1])
         grad_w = None
-        if ctx.needs_input_grad[1]:
-            if _state.kept is not None:  # detached: the input must not keep the graph (and its activations) alive
-                _state.kept.append((ctx.weight, xc.detach(), grad_out.detach()))
+        if needs_w:
+            kept = _state.kept
+            if kept is not None:  # detached: the input must not keep the graph (and its activations) alive
+                kept.append((ctx.weight, xc.detach(), grad_out.detach()))
             else:
                 grad_w = _weight_grad(xc, grad_out).to(ctx.weight.dtype)
         return grad_x, grad_w, grad_b, None
