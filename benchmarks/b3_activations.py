@@ -103,7 +103,7 @@ class SavedTensorTracker:
             weakref.finalize(tensor, self._release, ptr)
 
     def holds(self, ptr: int) -> bool:
-        """Whether the storage at ``ptr`` is counted now (saved by autograd and not yet released)."""
+        """Whether the storage at ``ptr`` is counted now (saved by autograd or held, and not yet released)."""
         return ptr in self._storages
 
     @staticmethod
