@@ -24,6 +24,7 @@ from .core.csv_schedule import check_fits, is_csv_schedule, read_csv_schedule
 from .core.fsdp import FSDP_UNITS
 from .core.loss_weights import LOSS_WEIGHTINGS
 from .core.pipeline import (
+    ONE_STAGE_PER_RANK_TOO,
     check_schedule_name,
     is_multi_stage,
     is_v_schedule,
@@ -60,8 +61,10 @@ class ThreeDSettings:
         micro_batches: micro-batches per batch (per data-parallel replica); ``None`` means the fewest the
             schedule accepts (``pp`` for 1F1B, 1 for GPipe). More micro-batches shrink the pipeline bubble
             ``(pp - 1) / (m + pp - 1)``.
-        schedule: ``"1f1b"`` (default) or ``"gpipe"``; with ``stages_per_rank > 1`` a multi-stage schedule:
-            ``"interleaved1f1b"``, ``"loopedbfs"``, ``"interleavedzerobubble"``, or a V schedule
+        schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleavedzerobubble"`` (1F1B with each backward
+            split into an input-gradient and a deferred weight-gradient action, ZB-H1); with
+            ``stages_per_rank > 1`` a multi-stage schedule: ``"interleaved1f1b"``, ``"loopedbfs"``,
+            ``"interleavedzerobubble"``, or a V schedule
             (``"zbvzerobubble"``, ``"dualpipev"``: exactly ``stages_per_rank=2``, ``micro_batches >= 2 * pp``);
             or the path of a CSV action list (``"path/actions.csv"``, torch's compute-only format: one row per pp
             rank, cells such as ``0F1``, ``1B0``, ``0I2``, ``0W2``; it fixes the stage placement, and
@@ -435,8 +438,11 @@ class ThreeDSettings:
                 f"ThreeDStrategy(schedule={self.schedule!r}) runs one stage per rank; with "
                 f"stages_per_rank={self.stages_per_rank} use a multi-stage schedule such as 'interleaved1f1b'."
             )
-        if self.stages_per_rank == 1 and multi:
-            raise ValueError(f"ThreeDStrategy(schedule={self.schedule!r}) needs stages_per_rank >= 2.")
+        if self.stages_per_rank == 1 and multi and self.schedule.lower() not in ONE_STAGE_PER_RANK_TOO:
+            raise ValueError(
+                f"ThreeDStrategy(schedule={self.schedule!r}) needs stages_per_rank >= 2 (with one stage per rank, "
+                "'interleavedzerobubble' splits 1F1B's backwards to fill its bubble)."
+            )
 
     def _check_micro_batches(self, m: Any, minimum: int) -> None:
         _check_at_least_one("micro_batches", m)

@@ -135,13 +135,14 @@ CSV_SCHEDULE = Path(__file__).resolve().parents[1] / "conf" / "schedules" / "zbv
 @pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)], ids=["pp2-dp2", "tp2-pp2-dp2"])
 def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_path, tp, dp):
     """Backward split into input- and weight-gradient actions (the weight part deferred: the linear layers'
-    products kept by ``I`` for ``W``, ``split_backward="linear"``, on their DTensor shards at tp2), and the V
-    placement (stage i and 3 - i on pp rank i), give single-device numbers: float64 step-1 gradients, float32 20
-    steps."""
+    products kept by ``I`` for ``W``, ``split_backward="linear"``, on their DTensor shards at tp2), with two stages
+    per rank and with one (``interleavedzerobubble``: ZB-H1), and the V placement (stage i and 3 - i on pp rank
+    i), give single-device numbers: float64 step-1 gradients, float32 20 steps."""
     copy_inits(parity_reference, tmp_path)
     cases = ["mlp64", "gpt32"]
-    names = ZERO_BUBBLE + ([str(CSV_SCHEDULE)] if tp == 1 else [])  # the CSV action list: at pp2 x dp2 only
-    schedules = ",".join(f"{name}:2" for name in names)
+    runs = [(name, 2) for name in ZERO_BUBBLE] + [("interleavedzerobubble", 1)]
+    runs += [(str(CSV_SCHEDULE), 2)] if tp == 1 else []  # the CSV action list: at pp2 x dp2 only
+    schedules = ",".join(f"{name}:{spr}" for name, spr in runs)
     run_lightning(
         "parity_run.py",
         ["--tp", tp, "--pp", 2, "--dp", dp, "--schedules", schedules, "--micro", 4, "--cases", ",".join(cases),
@@ -149,17 +150,22 @@ def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_p
         timeout=900,
     )  # fmt: skip
     problems, passes = [], []
-    for name in names:
+    for name, spr in runs:
+        tag = Path(name).stem + (f"-{spr}" if name == "interleavedzerobubble" else "")  # listed twice: by stage count
         for case in cases:  # (the launch runs them in this order)
-            ref, got = load(parity_reference, case), load(tmp_path, f"{case}@{Path(name).stem}")
+            ref, got = load(parity_reference, case), load(tmp_path, f"{case}@{tag}")
             found = compare(ref, got, case[3:5]) + check_replicas(got) + check_shares(got, ref, case[:3], tp)
             problems += [f"{name} {case}: {p}" for p in found]
-            passes.append([r["deferred_w"] for r in got["ranks"]])
+            passes.append((spr, [r["coords"][1] for r in got["ranks"]], [r["deferred_w"] for r in got["ranks"]]))
     assert not problems, "\n".join(problems[:40])
-    # split_backward="linear" (the default): every run's W actions computed the linear layers' kept products on
-    # every rank (each process's count grows run by run), at tp2 on the layers' DTensor shards
-    for earlier, later in zip([[0] * len(passes[0]), *passes[:-1]], passes, strict=True):
-        assert all(b > a for a, b in zip(earlier, later, strict=True)), passes
+    # split_backward="linear" (the default): every run's W actions computed the linear layers' kept products (each
+    # process's count grows run by run), at tp2 on the layers' DTensor shards: on every rank with two stages per
+    # rank; with one, on pp rank 1 only (stage 0 keeps torch's split: nothing waits for its input's gradient)
+    before = [0] * len(passes[0][2])
+    for spr, pp_ranks, counts in passes:
+        grew = [b > a for a, b in zip(before, counts, strict=True)]
+        assert grew == [spr == 2 or pp_rank != 0 for pp_rank in pp_ranks], passes
+        before = counts
 
 
 @pytest.mark.slow

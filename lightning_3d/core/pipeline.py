@@ -9,7 +9,8 @@ Schedules, by name: ``"1f1b"`` (default; warm-up of p - 1 - stage forwards, then
 in steady state, then a cool-down of the remaining backwards), ``"gpipe"`` (all forwards, then all
 backwards), and torch's multi-stage schedules when a rank holds several stages: ``"interleaved1f1b"``,
 ``"loopedbfs"``, ``"interleavedzerobubble"`` (ZB1P: backward split into input-gradient ``I`` and deferred
-weight-gradient ``W`` actions that fill the bubble) and the V schedules ``"zbvzerobubble"`` and ``"dualpipev"``
+weight-gradient ``W`` actions that fill the bubble; with one stage per rank too, ZB-H1) and the V schedules
+``"zbvzerobubble"`` and ``"dualpipev"``
 (exactly two stages per rank, placed in a V: stage ``i`` and stage ``2p - 1 - i`` on pp rank ``i``, so the first
 and the last stage share rank 0). :func:`stage_ranks` is the placement every part of the project uses.
 Evaluation always runs forward-only, breadth-first order over the same placement: with no backward there is
@@ -64,6 +65,10 @@ RUNNABLE_SCHEDULES = (
 V_SCHEDULES = frozenset({"zbvzerobubble", "dualpipev"})
 #: Schedules that split each backward into an input-gradient and a deferred weight-gradient action.
 ZERO_BUBBLE_SCHEDULES = frozenset({"interleavedzerobubble", "zbvzerobubble", "dualpipev"})
+#: Multi-stage schedules that also run with one stage per rank: torch's interleaved zero-bubble schedule then splits
+#: 1F1B's backwards into ``I`` and ``W`` (ZB-H1 of Qi et al.: bubble ``(p - 1) / (3 m + p - 1)`` in its action list,
+#: ``pp`` micro-batches in flight on every rank, against 1F1B's ``pp - rank``).
+ONE_STAGE_PER_RANK_TOO = frozenset({"interleavedzerobubble"})
 #: Schedules that run micro-batches in rounds of ``max(1, m // pp)`` and need ``m`` divisible by the round count.
 _ROUND_SCHEDULES = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 

@@ -480,8 +480,11 @@ def main() -> None:
     COUNTER = CollectiveCounter() if args.data_parallel != "replicate" or args.hsdp_cases or submodule_cases else None
     BUILD_PROBE = BuildProbe() if args.hsdp_cases or submodule_cases else None
     args.rab = False
-    # a CSV schedule (NAME is its path) is tagged by the file's stem: case C writes OUT/C@<stem>.pt
-    runs = [(n, int(v), f"@{Path(n).stem}") for n, v in (s.rsplit(":", 1) for s in args.schedules.split(",") if s)]
+    # a CSV schedule (NAME is its path) is tagged by the file's stem: case C writes OUT/C@<stem>.pt; a schedule listed
+    # with several stage counts by its stage count too (OUT/C@<name>-<stages per rank>.pt)
+    pairs = [(n, int(v)) for n, v in (s.rsplit(":", 1) for s in args.schedules.split(",") if s)]
+    stems = [Path(n).stem for n, _ in pairs]
+    runs = [(n, v, f"@{Path(n).stem}" + (f"-{v}" if stems.count(Path(n).stem) > 1 else "")) for n, v in pairs]
     for schedule, stages_per_rank, tag in runs or [(args.schedule, args.stages_per_rank, "")]:
         args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag
         for case in filter(None, args.cases.split(",")):

@@ -41,6 +41,36 @@ def test_v_schedules_default_to_two_micro_batches_per_rank():
     assert ThreeDSettings(pp=2, stages_per_rank=2, schedule="interleavedzerobubble").micro_batches == 2
 
 
+def test_interleaved_zero_bubble_runs_with_one_stage_per_rank_too():
+    """torch's interleaved zero-bubble schedule over one stage per rank is ZB-H1: 1F1B's order with each backward
+    split into ``I`` and a ``W`` that fills the bubble. Its action list (built by torch) keeps each stage on its own
+    rank, has the bubble ``(p - 1) / (3 m + p - 1)`` (1F1B: ``(p - 1) / (m + p - 1)``) and keeps at most ``pp``
+    micro-batches in flight on a rank; the other multi-stage schedules still need two stages per rank."""
+    s = ThreeDSettings(pp=4, schedule="interleavedzerobubble", micro_batches=8)
+    assert s.stages_per_rank == 1 and pipeline.splits_backward(s.schedule)
+    assert pipeline.stage_ranks(s.schedule, 4, 1) == [0, 1, 2, 3]
+    assert ThreeDSettings(pp=2, schedule="interleavedzerobubble").micro_batches == 2  # one per stage in flight
+    for pp, m in [(2, 4), (2, 8), (4, 8), (4, 16)]:
+        order = pipeline.schedule_actions("interleavedzerobubble", pp, 1, m)
+        length = max(len(row) for row in order.values())
+        idle = sum(length - sum(a is not None for a in row) for row in order.values()) / (length * pp)
+        assert idle == pytest.approx((pp - 1) / (3 * m + pp - 1))
+        for rank, row in order.items():
+            actions = [a for a in row if a is not None]
+            assert {a.stage_index for a in actions} == {rank}
+            assert sorted(str(a.computation_type.value) for a in actions) == ["F"] * m + ["I"] * m + ["W"] * m
+            live, peak = set(), 0  # micro-batches between their forward and their W
+            for a in actions:
+                kind = str(a.computation_type.value)
+                if kind == "F":
+                    live.add(a.microbatch_index)
+                elif kind == "W":
+                    live.discard(a.microbatch_index)
+                peak = max(peak, len(live))
+            assert peak <= pp
+    assert "needs stages_per_rank >= 2" in _error(pp=2, schedule="interleaved1f1b", micro_batches=4)
+
+
 @pytest.mark.parametrize("name", ["zbvzerobubble", "dualpipev"])
 @pytest.mark.parametrize("stages_per_rank", [1, 3])
 def test_v_schedule_needs_exactly_two_stages_per_rank(name, stages_per_rank):

@@ -117,7 +117,11 @@ def test_frozen():
             "ThreeDStrategy(schedule='1f1b') runs one stage per rank; with stages_per_rank=2 use a multi-stage "
             "schedule such as 'interleaved1f1b'.",
         ),
-        ({"schedule": "interleaved1f1b"}, "ThreeDStrategy(schedule='interleaved1f1b') needs stages_per_rank >= 2."),
+        (
+            {"schedule": "interleaved1f1b"},
+            "ThreeDStrategy(schedule='interleaved1f1b') needs stages_per_rank >= 2 (with one stage per rank, "
+            "'interleavedzerobubble' splits 1F1B's backwards to fill its bubble).",
+        ),
         ({"micro_batches": 2.5}, "ThreeDStrategy: micro_batches must be an integer, got 2.5."),
         ({"tp_plan": ["*.q"]}, "ThreeDStrategy: tp_plan must be a mapping of module-name patterns to styles or None"),
         (
