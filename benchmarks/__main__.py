@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         "--schedule",
         default=None,
         help="B1: the pipeline schedule timed beside 1F1B (1f1b (default), gpipe, interleaved1f1b, "
-        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank; or a CSV "
+        "interleavedzerobubble, zbvzerobubble, dualpipev; multi-stage ones with 2 stages per rank, NAME:1 with one "
+        "(interleavedzerobubble:1); or a CSV "
         "action list at pp 2, with its own stages per rank and micro-batch count); B3: one or "
         "several (A,B,...; a name or a CSV action list), each measured alone",
     )
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="B1 only: every schedule at pp 2 and 4, m 4, 8, 16 (writes OUT/B1_sweep.json and OUT/B1_sweep.md)",
+        help="B1 only: every schedule at pp 2 and 4, m 4, 8, 16, each split by --partitioner for its own placement "
+        "(writes OUT/B1_sweep.json and OUT/B1_sweep.md)",
     )
     args = parser.parse_args(argv)
     if args.sweep:  # the B1 sweep (b1_pipeline.run_sweep): its own table and JSON
@@ -110,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--sweep applies to B1 alone: run `python -m benchmarks B1 --sweep --out DIR`")
         from .b1_pipeline import run_sweep
 
-        run_sweep(Path(args.out), reps=1 if args.tiny else 3, split_backward=args.split_backward or "linear")
+        run_sweep(
+            Path(args.out),
+            reps=1 if args.tiny else 7,
+            split_backward=args.split_backward or "linear",
+            partitioner=args.partitioner or "uniform",
+        )
         return 0
     b1_options = {
         k: v

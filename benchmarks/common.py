@@ -367,6 +367,13 @@ def cpu_stages(
     return [cls(mod, s, num_stages, torch.device("cpu"), group=group) for s, mod in stages]
 
 
+def schedule_spec(spec: str) -> tuple[str, int | None]:
+    """A benchmark's schedule argument, ``NAME`` or ``NAME:STAGES_PER_RANK`` (``interleavedzerobubble:1``: torch's
+    interleaved zero-bubble schedule over one stage per rank), as ``(name, stages per rank or None)``."""
+    head, sep, tail = spec.rpartition(":")
+    return (head, int(tail)) if sep and tail.isdigit() else (spec, None)
+
+
 def defers_linear(name: str, split_backward: str) -> bool:
     """Whether the strategy's stages would defer the linear layers' weight gradients under schedule ``name`` (a
     name or a CSV action list) and ``split_backward``."""
@@ -383,15 +390,17 @@ def build_schedule(
     group: Any = None,
     split_backward: str = "linear",
 ) -> Any:
-    """A torch schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved1f1b"``...) over fresh ``PipelineStage``s with
-    the GPT's mean cross-entropy as loss (gradients scaled by ``1 / n_micro``, torch's default); a schedule that
-    splits the backward does it as the strategy's ``split_backward`` setting says."""
+    """A torch schedule (``"gpipe"``, ``"1f1b"``, ``"interleaved1f1b"``..., or ``NAME:STAGES_PER_RANK``,
+    :func:`schedule_spec`) over fresh ``PipelineStage``s with the GPT's mean cross-entropy as loss (gradients scaled
+    by ``1 / n_micro``, torch's default); a schedule that splits the backward does it as the strategy's
+    ``split_backward`` setting says."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     from lightning_3d.core import torch_compat
     from lightning_3d.core.csv_schedule import is_csv_schedule
     from lightning_3d.core.pipeline import schedule_class
 
+    name = schedule_spec(name)[0]
     cls = schedule_class(name)
     built = cpu_stages(stages, num_stages, group, defers_linear(name, split_backward))
     if is_csv_schedule(name):  # torch's action runtime over the file's list
