@@ -252,7 +252,9 @@ def test_tp2_pp2_dp2_resume_and_reshard_matrix(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- CSV and V schedules
-V_RESUMES = ["csv", "zbv", "dualpipev"]  # run names in ckpt_schedules.py: the CSV action list, torch's two V schedules
+# run names in ckpt_schedules.py: the CSV action list, torch's two V schedules, its interleaved zero-bubble schedule over
+# one stage per rank (ZB-H1)
+SPLIT_RESUMES = ["csv", "zbv", "dualpipev", "zbh1"]
 
 
 def _read_all(path: Path) -> dict[str, torch.Tensor]:
@@ -289,10 +291,11 @@ def schedules(scheduled: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", V_RESUMES)
-def test_resume_is_bitwise_under_csv_and_v_schedules(schedules: dict, name: str) -> None:
-    """10 steps == 5 steps + save + resume + 5 steps under the V placement (rank 0 holds the first and the last
-    stage), with dropout in the body: losses, logged values, parameters and Adam states, bitwise."""
+@pytest.mark.parametrize("name", SPLIT_RESUMES)
+def test_resume_is_bitwise_under_csv_and_zero_bubble_schedules(schedules: dict, name: str) -> None:
+    """10 steps == 5 steps + save + resume + 5 steps under the split-backward schedules: the V placement (rank 0
+    holds the first and the last stage) and ZB-H1, with dropout in the body: losses, logged values, parameters and
+    Adam states, bitwise."""
     straight, resumed = schedules[f"{name}_saving"], schedules[f"{name}_from5"]
     assert len(straight["losses"]) == STEPS
     assert resumed["steps"] == list(range(6, STEPS + 1))

@@ -14,7 +14,8 @@ of 8, 8 and a short 2, which runs 2 micro-batches forward-only over the V). Rank
 * ``csv_from5``: ``fit(ckpt_path=OUT/csv/step=5.ckpt)`` (mid-epoch 1) to step 10, saving every step into
   ``OUT/csv_resumed``;
 * ``zbv_saving`` / ``zbv_from5`` and ``dualpipev_saving`` / ``dualpipev_from5``: the same resume under torch's
-  ``zbvzerobubble`` and ``dualpipev`` (``OUT/zbv``, ``OUT/dualpipev``);
+  ``zbvzerobubble`` and ``dualpipev`` (``OUT/zbv``, ``OUT/dualpipev``); ``zbh1_saving`` / ``zbh1_from5``: under
+  ``interleavedzerobubble`` with one stage per rank (ZB-H1: 1F1B's placement, split backwards; ``OUT/zbh1``);
 * ``csv_acc_saving`` / ``csv_acc_from3``: the CSV list with ``accumulate_grad_batches=2`` (20 batches, the
   data-parallel reduction held back every other batch), resumed from the step-3 checkpoint (mid-epoch 1);
 * ``csv_quiet_from5`` / ``1f1b_from_csv5``: the CSV checkpoint of step 5 loaded under the CSV list again and under
@@ -52,6 +53,8 @@ SCHEDULES: dict[str, dict[str, Any]] = {
     "csv": {"schedule": str(CSV), "stages_per_rank": 2, "micro_batches": 4},
     "zbv": {"schedule": "zbvzerobubble", "stages_per_rank": 2, "micro_batches": 4},
     "dualpipev": {"schedule": "dualpipev", "stages_per_rank": 2, "micro_batches": 4},
+    # ZB-H1: torch's interleaved zero-bubble schedule over one stage per rank (split backwards, 1F1B's placement)
+    "zbh1": {"schedule": "interleavedzerobubble", "stages_per_rank": 1, "micro_batches": 4},
     "1f1b": {"schedule": "1f1b", "micro_batches": 4},
 }
 
@@ -142,7 +145,7 @@ def main() -> None:
         "listing": sorted(os.listdir(out / "csv_top")),
     }
     rec["csv_from5"] = run(args.dp, "csv", out / "csv" / "step=5.ckpt", (every_step(out / "csv_resumed"),))
-    for name in ("zbv", "dualpipev"):
+    for name in ("zbv", "dualpipev", "zbh1"):
         rec[f"{name}_saving"] = run(args.dp, name, callbacks=(every_step(out / name),))
         rec[f"{name}_from5"] = run(args.dp, name, out / name / "step=5.ckpt")
     acc = every_step(out / "csv_acc")
