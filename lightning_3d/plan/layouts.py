@@ -18,8 +18,11 @@ from .cluster import ClusterSpec
 from .model import ModelSpec
 
 SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved1f1b", "interleavedzerobubble", "zbvzerobubble")
-"""Schedule names (torch's). Interleaved and zero-bubble ones place two stages on each rank."""
+"""Schedule names (torch's). Interleaved and zero-bubble ones place two stages on each rank; the interleaved
+zero-bubble one is also considered over one stage per rank (ZB-H1: 1F1B's placement, split backwards)."""
 MULTI_STAGE: frozenset[str] = frozenset({"interleaved1f1b", "interleavedzerobubble", "zbvzerobubble"})
+#: Stages per rank considered for each schedule (two for the multi-stage ones; ZB-H1 too).
+STAGE_COUNTS: dict[str, tuple[int, ...]] = {"interleavedzerobubble": (2, 1)}
 ZERO_BUBBLE: frozenset[str] = frozenset({"interleavedzerobubble", "zbvzerobubble"})
 DATA_PARALLEL: tuple[str, ...] = ("replicate", "fsdp")
 ACTIVATION_CHECKPOINTING: tuple[str, ...] = ("none", "full")
@@ -37,7 +40,8 @@ class Layout:
         micro_batches: micro-batches per step and replica.
         micro_batch_size: samples per micro-batch.
         schedule: pipeline schedule (``"1f1b"`` also for pp = 1: no pipeline).
-        stages_per_rank: stages per pipeline rank (2 for interleaved and zero-bubble schedules).
+        stages_per_rank: stages per pipeline rank (2 for interleaved and zero-bubble schedules; 1 or 2 for
+            ``"interleavedzerobubble"``).
         data_parallel: ``"replicate"`` (DDP) or ``"fsdp"`` (parameters, gradients and optimizer states sharded).
         activation_checkpointing: ``"none"`` or ``"full"`` (each block's input kept, the block recomputed).
     """
@@ -67,7 +71,8 @@ class Layout:
     def short(self) -> str:
         """``tp2 pp4 dp8 m16x2 1f1b`` (and fsdp / ac when used)."""
         text = f"tp{self.tp} pp{self.pp} dp{self.dp} m{self.micro_batches}x{self.micro_batch_size}"
-        text += f" {self.schedule}" if self.pp > 1 else ""
+        one = self.schedule in MULTI_STAGE and self.stages_per_rank == 1  # ZB-H1: named as the benchmarks name it
+        text += f" {self.schedule}{':1' if one else ''}" if self.pp > 1 else ""
         text += " fsdp" if self.data_parallel == "fsdp" else ""
         text += " ac" if self.activation_checkpointing == "full" else ""
         return text
@@ -198,19 +203,22 @@ def _inner(
         for schedule in schedules:
             if not search.keeps("schedule", schedule) and pp > 1:
                 continue
-            v = 2 if schedule in MULTI_STAGE else 1
             if m < min_micro_batches(schedule, pp):
                 rejections.add(f"micro_batches < {schedule}'s minimum")
                 continue
-            if v > 1 and (m % pp or pp * v > model.n_layer):
-                rejections.add(f"{schedule} needs micro_batches % pp == 0 and 2 pp <= layers")
-                continue
-            for data_parallel in DATA_PARALLEL:
-                if not search.keeps("data_parallel", data_parallel) or (data_parallel == "fsdp" and dp == 1):
+            for v in STAGE_COUNTS.get(schedule, (2 if schedule in MULTI_STAGE else 1,)):
+                if v > 1 and (m % pp or pp * v > model.n_layer):
+                    rejections.add(f"{schedule} needs micro_batches % pp == 0 and 2 pp <= layers")
                     continue
-                for ac in ACTIVATION_CHECKPOINTING:
-                    if search.keeps("activation_checkpointing", ac):
-                        yield Layout(tp, pp, dp, m, mbs, schedule, v, data_parallel, ac)
+                if schedule in MULTI_STAGE and m % max(1, m // pp):  # torch's rounds of m // pp (one stage per rank)
+                    rejections.add(f"{schedule} needs whole rounds of micro_batches // pp")
+                    continue
+                for data_parallel in DATA_PARALLEL:
+                    if not search.keeps("data_parallel", data_parallel) or (data_parallel == "fsdp" and dp == 1):
+                        continue
+                    for ac in ACTIVATION_CHECKPOINTING:
+                        if search.keeps("activation_checkpointing", ac):
+                            yield Layout(tp, pp, dp, m, mbs, schedule, v, data_parallel, ac)
 
 
 def unsupported_reason(layout: Layout, features: frozenset[str]) -> str | None:

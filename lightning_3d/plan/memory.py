@@ -20,7 +20,8 @@ last holds the output projection and the logits). Per rank:
   action lists: torch's split backward frees a graph late, benchmark B3): ZB-V ``min(m, 2pp - r) + min(m, r +
   1)`` half-stages on rank ``r`` (``pp + 1/2`` stage-equivalents, every rank), interleaved zero-bubble ``min(m,
   2pp) + min(m, pp)`` (``1.5 pp`` from ``m = 2pp`` on, against 1F1B's ``pp``; exact when ``pp`` divides ``m``,
-  one micro-batch short on the first-round stage otherwise).
+  one micro-batch short on the first-round stage otherwise), and over one stage per rank (ZB-H1) ``min(m, pp)``
+  on every rank.
 - **buffers**: pipeline send/receive buffers (forward and backward, each chunk), the data-parallel gradient
   bucket, FSDP's gathered layers (under a pipeline: the stage's gathered parameters and unsharded gradients, kept
   across the micro-batches); and ``cluster.reserved_gib`` the framework keeps.
@@ -106,6 +107,8 @@ def in_flight(layout: Layout, rank: int) -> float:
         return min(m * v, (v - 1) * per_round + 2 * (pp - 1 - rank) + 1) / v
     if layout.schedule == "zbvzerobubble":  # stages r and 2 pp - 1 - r, half a rank's layers each
         return (min(m, 2 * pp - rank) + min(m, rank + 1)) / 2
+    if layout.schedule == "interleavedzerobubble" and layout.stages_per_rank == 1:  # ZB-H1: pp on every rank
+        return float(min(m, pp))
     if layout.schedule == "interleavedzerobubble":  # stages r and r + pp
         return (min(m, 2 * pp) + min(m, pp)) / 2
     return float(min(m, pp - rank)) if layout.schedule == "1f1b" else float(min(m, pp))

@@ -147,6 +147,32 @@ def test_zero_bubble_in_flight_matches_torchs_action_lists(schedule):
     assert checked >= 8
 
 
+def test_zero_bubble_over_one_stage_per_rank_is_a_layout_and_holds_what_its_action_list_says():
+    """ZB-H1 (``interleavedzerobubble`` over one stage per rank): enumerated beside the two-stage form, named apart
+    (``:1``), and counted at ``min(m, pp)`` in flight on every rank: the most micro-batches between a forward and
+    its ``W`` on torch's own action list (the strategy's count); its fill is the forwards' alone, as for ZB1P."""
+    from lightning_3d.core.pipeline import activations_in_flight, micro_batch_problem
+
+    checked = 0
+    for pp in (2, 3, 4, 8):
+        for m in (pp, 2 * pp, 3 * pp, pp + 1):
+            if micro_batch_problem("interleavedzerobubble", pp, m):
+                continue
+            held = activations_in_flight("interleavedzerobubble", pp, 1, m)
+            for r in range(pp):
+                assert in_flight(Layout(1, pp, 1, m, 1, "interleavedzerobubble", 1), r) == held[r], (pp, m, r)
+            checked += 1
+    assert checked >= 10
+    lays = list(enumerate_layouts(TINY, IDEAL, 16, Search(tp=[1], pp=[2], data_parallel=["replicate"])))
+    zb = {(lay.micro_batches, lay.stages_per_rank) for lay in lays if lay.schedule == "interleavedzerobubble"}
+    # dp 4 (8 devices), replica batch 4: m = 4 or 2 (1 is under pp); two stages per rank would need 4 layers, not 2
+    assert zb == {(4, 1), (2, 1)}
+    one = Layout(1, 2, 8, 8, 1, "interleavedzerobubble", 1)
+    assert one.short() == "tp1 pp2 dp8 m8x1 interleavedzerobubble:1"
+    f1b, zbh1 = step_time(TINY, IDEAL, Layout(1, 2, 1, 8, 1)), step_time(TINY, IDEAL, one)
+    assert zbh1.bubble < f1b.bubble
+
+
 def test_step_time_by_hand():
     # At 100% efficiency and free communication one step is the model's FLOPs over the peak.
     lay = Layout(tp=1, pp=1, dp=1, micro_batches=1, micro_batch_size=2)
