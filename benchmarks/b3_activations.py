@@ -544,14 +544,24 @@ def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
     from lightning_3d.core.csv_schedule import is_csv_schedule
     from lightning_3d.core.pipeline import is_multi_stage, schedule_class, splits_backward, stage_ranks
 
-    from .common import build_gpt, cpu_stages, gpt_loss, init_distributed, model_config, pipeline_step, token_batch
+    from .common import (
+        build_gpt,
+        cpu_stages,
+        gpt_loss,
+        init_distributed,
+        model_config,
+        pipeline_step,
+        schedule_spec,
+        token_batch,
+    )
 
     rank, pp = init_distributed()
     config = model_config(tiny)
     model = build_gpt(config)
     x, y = token_batch(config, m)
     csv = is_csv_schedule(schedule)
-    spr = 1 if not is_multi_stage(schedule) else (len(stage_ranks(schedule, pp, 1)) // pp if csv else 2)
+    schedule, given = (schedule, None) if csv else schedule_spec(schedule)  # NAME:STAGES_PER_RANK
+    spr = given or (1 if not is_multi_stage(schedule) else (len(stage_ranks(schedule, pp, 1)) // pp if csv else 2))
     placement = stage_ranks(schedule, pp, spr)
     result: dict[str, Any] = {}
     for run in ("schedule", "all_in_flight", *(("linear",) if splits_backward(schedule) else ())):
@@ -600,15 +610,30 @@ def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
     return {"runs": result, "placement": placement, "stages_per_rank": spr}
 
 
+def _check(schedule: str) -> None:
+    """Refuse a schedule (a name, ``NAME:STAGES_PER_RANK`` or a CSV action list) as the strategy would at pp = 2."""
+    from lightning_3d.core.csv_schedule import is_csv_schedule
+    from lightning_3d.core.pipeline import check_schedule_name, is_multi_stage
+    from lightning_3d.settings import ThreeDSettings
+
+    from .common import schedule_spec
+
+    if is_csv_schedule(schedule):
+        check_schedule_name(schedule)
+        return
+    name, spr = schedule_spec(schedule)
+    check_schedule_name(name)
+    spr = spr or (2 if is_multi_stage(name) else 1)
+    ThreeDSettings(pp=2, schedule=name, stages_per_rank=spr, micro_batches=8)
+
+
 def run_schedules(out: Path, schedules: str, tiny: bool = False) -> list[Record]:
     """``--schedule A,B,...``: :func:`run_schedule` for each, in one launch (one record each)."""
-    from lightning_3d.core.pipeline import check_schedule_name
-
     from .common import launch
 
     names = [n.strip() for n in schedules.split(",") if n.strip()]
     for name in names:
-        check_schedule_name(name)
+        _check(name)
     m = 4 if tiny else 8
     res = launch("b3_activations:schedule_worker", 2, {"schedules": names, "m": m, "tiny": tiny}, timeout=900)
     return [_schedule_record(name, res[name], m) for name in names]
@@ -624,11 +649,9 @@ def run_schedule(out: Path, schedule: str, tiny: bool = False) -> Record:
     stay saved until ``W``, torch keeps the graph for it) and with the linear split, the default (the graph goes in
     ``I``; the linear layers' inputs and output gradients are held until ``W``, counted with autograd's saved
     tensors by storage)."""
-    from lightning_3d.core.pipeline import check_schedule_name
-
     from .common import launch
 
-    check_schedule_name(schedule)
+    _check(schedule)
     m = 4 if tiny else 8
     res = launch("b3_activations:schedule_worker", 2, {"schedules": [schedule], "m": m, "tiny": tiny}, timeout=300)
     return _schedule_record(schedule, res[schedule], m)
@@ -639,7 +662,7 @@ def _schedule_record(schedule: str, res: dict[str, Any], m: int) -> Record:
     default split backward (the linear split where the schedule splits its backward) and under torch's split,
     against the action list's count. The ratio is the default split's lowest measured / theory."""
     runs = res["runs"]
-    label = Path(schedule).name if schedule.lower().endswith(".csv") else schedule.lower()
+    label = Path(schedule).name if schedule.lower().endswith(".csv") else schedule.lower().replace(":", "-")
     linear = "linear" in runs
     lines = [
         f"schedule {label} at pp=2, m={m} (stages per rank {res['stages_per_rank']}, placement {res['placement']})",

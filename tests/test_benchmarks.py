@@ -95,20 +95,24 @@ def test_b3_saved_bytes_follow_the_schedules(tmp_path):
 
 @pytest.mark.slow
 def test_b3_zero_bubble_holds_what_its_action_list_says_under_the_linear_split(tmp_path):
-    """``B3 --schedule zbvzerobubble``: with the default linear split each stage holds what ZB-V's action list says
-    (the graph goes in ``I``; the linear layers' inputs and output gradients, counted too, until ``W``), while torch's
-    split keeps whole graphs until they are dropped: more on the last stage."""
-    run_lightning("bench_run.py", ["B3", "--schedule", "zbvzerobubble", "--tiny", "--out", tmp_path], timeout=240)
-    record = json.loads((tmp_path / "B3_zbvzerobubble.json").read_text())
-    stages = record["details"]["per_stage"]
-    assert sorted(stages) == ["0", "1", "2", "3"] and record["details"]["rank_peak_bytes_linear"]
-    for stage, row in stages.items():
-        assert row["theory_deferred_weight"] >= 1, (stage, row)
-        assert 0.95 * row["theory_in_flight"] <= row["measured_in_flight_linear"], (stage, row)
-        assert row["measured_in_flight_linear"] <= row["theory_in_flight"] + 0.1, (stage, row)
-    last = stages["3"]
-    assert last["measured_in_flight"] > last["measured_in_flight_linear"] + 1, last
-    assert record["ratio"] == pytest.approx(min(r["ratio"] for r in stages.values()))
+    """``B3 --schedule zbvzerobubble,interleavedzerobubble:1``: with the default linear split each stage holds what
+    the action list says (ZB-V's; ZB-H1's, one stage per rank: ``pp`` on each) (the graph goes in ``I``; the linear
+    layers' inputs and output gradients, counted too, until ``W``), while torch's split keeps whole graphs until they
+    are dropped: more on the last stage."""
+    schedules = "zbvzerobubble,interleavedzerobubble:1"
+    run_lightning("bench_run.py", ["B3", "--schedule", schedules, "--tiny", "--out", tmp_path], timeout=240)
+    for label, names in [("zbvzerobubble", ["0", "1", "2", "3"]), ("interleavedzerobubble-1", ["0", "1"])]:
+        record = json.loads((tmp_path / f"B3_{label}.json").read_text())
+        stages = record["details"]["per_stage"]
+        assert sorted(stages) == names and record["details"]["rank_peak_bytes_linear"]
+        for stage, row in stages.items():
+            assert row["theory_deferred_weight"] >= 1, (label, stage, row)
+            assert 0.95 * row["theory_in_flight"] <= row["measured_in_flight_linear"], (label, stage, row)
+            assert row["measured_in_flight_linear"] <= row["theory_in_flight"] + 0.1, (label, stage, row)
+        last = stages[names[-1]]
+        assert last["measured_in_flight"] > last["measured_in_flight_linear"] + 1, (label, last)
+        assert record["ratio"] == pytest.approx(min(r["ratio"] for r in stages.values()))
+    assert [row["theory_in_flight"] for row in stages.values()] == [2, 2]  # ZB-H1 at pp2: pp on every stage
 
 
 def test_every_benchmark_module_has_the_interface():

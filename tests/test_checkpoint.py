@@ -252,8 +252,8 @@ def test_tp2_pp2_dp2_resume_and_reshard_matrix(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- CSV and V schedules
-# run names in ckpt_schedules.py: the CSV action list, torch's two V schedules, its interleaved zero-bubble schedule over
-# one stage per rank (ZB-H1)
+# run names in ckpt_schedules.py: the CSV action list, torch's two V schedules, its interleaved zero-bubble schedule
+# over one stage per rank (ZB-H1)
 SPLIT_RESUMES = ["csv", "zbv", "dualpipev", "zbh1"]
 
 
