@@ -301,15 +301,10 @@ def run(
             (``"linear"``, the default, or torch's ``"autograd"``).
     """
     from lightning_3d.core.csv_schedule import is_csv_schedule
-    from lightning_3d.settings import ThreeDSettings
 
-    from .common import launch, schedule_spec
+    from .common import checked_stages_per_rank, launch
 
-    if not is_csv_schedule(schedule):  # the name, and NAME:STAGES_PER_RANK's count, checked as the strategy does
-        name, spr = schedule_spec(schedule)
-        ThreeDSettings(pp=2, schedule=name, stages_per_rank=spr or stages_per_rank_of(name))
-    else:
-        ThreeDSettings(pp=2, schedule=schedule, stages_per_rank=stages_per_rank_of(schedule))
+    checked_stages_per_rank(schedule)  # the name, and NAME:STAGES_PER_RANK's count, as the strategy checks them
     schedule = schedule if is_csv_schedule(schedule) else schedule.lower()
     names = compared_schedules(schedule)
     ms = [1, 2, 4] if tiny else [1, 2, 4, 8, 16]

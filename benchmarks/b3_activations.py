@@ -610,30 +610,13 @@ def _one_schedule(schedule: str, m: int, tiny: bool) -> dict[str, Any]:
     return {"runs": result, "placement": placement, "stages_per_rank": spr}
 
 
-def _check(schedule: str) -> None:
-    """Refuse a schedule (a name, ``NAME:STAGES_PER_RANK`` or a CSV action list) as the strategy would at pp = 2."""
-    from lightning_3d.core.csv_schedule import is_csv_schedule
-    from lightning_3d.core.pipeline import check_schedule_name, is_multi_stage
-    from lightning_3d.settings import ThreeDSettings
-
-    from .common import schedule_spec
-
-    if is_csv_schedule(schedule):
-        check_schedule_name(schedule)
-        return
-    name, spr = schedule_spec(schedule)
-    check_schedule_name(name)
-    spr = spr or (2 if is_multi_stage(name) else 1)
-    ThreeDSettings(pp=2, schedule=name, stages_per_rank=spr, micro_batches=8)
-
-
 def run_schedules(out: Path, schedules: str, tiny: bool = False) -> list[Record]:
     """``--schedule A,B,...``: :func:`run_schedule` for each, in one launch (one record each)."""
-    from .common import launch
+    from .common import checked_stages_per_rank, launch
 
     names = [n.strip() for n in schedules.split(",") if n.strip()]
     for name in names:
-        _check(name)
+        checked_stages_per_rank(name)
     m = 4 if tiny else 8
     res = launch("b3_activations:schedule_worker", 2, {"schedules": names, "m": m, "tiny": tiny}, timeout=900)
     return [_schedule_record(name, res[name], m) for name in names]
@@ -649,9 +632,9 @@ def run_schedule(out: Path, schedule: str, tiny: bool = False) -> Record:
     stay saved until ``W``, torch keeps the graph for it) and with the linear split, the default (the graph goes in
     ``I``; the linear layers' inputs and output gradients are held until ``W``, counted with autograd's saved
     tensors by storage)."""
-    from .common import launch
+    from .common import checked_stages_per_rank, launch
 
-    _check(schedule)
+    checked_stages_per_rank(schedule)
     m = 4 if tiny else 8
     res = launch("b3_activations:schedule_worker", 2, {"schedules": [schedule], "m": m, "tiny": tiny}, timeout=300)
     return _schedule_record(schedule, res[schedule], m)

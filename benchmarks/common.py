@@ -374,6 +374,24 @@ def schedule_spec(spec: str) -> tuple[str, int | None]:
     return (head, int(tail)) if sep and tail.isdigit() else (spec, None)
 
 
+def checked_stages_per_rank(spec: str, pp: int = 2) -> int:
+    """Refuse a benchmark's schedule (a name, ``NAME:STAGES_PER_RANK`` or a CSV action list) as ``ThreeDStrategy``
+    would at this ``pp``, before any process starts; return its stages per rank (the given count, a CSV list's
+    own, else 2 for the multi-stage schedules and 1 for the others)."""
+    from lightning_3d.core.csv_schedule import is_csv_schedule, read_csv_schedule
+    from lightning_3d.core.pipeline import check_schedule_name, is_multi_stage
+    from lightning_3d.settings import ThreeDSettings
+
+    if is_csv_schedule(spec):
+        name, spr = spec, read_csv_schedule(spec).stages_per_rank
+    else:
+        name, given = schedule_spec(spec)
+        check_schedule_name(name)  # an unknown name: the list of runnable ones, before asking its class
+        spr = given or (2 if is_multi_stage(name) else 1)
+    ThreeDSettings(pp=pp, schedule=name, stages_per_rank=spr)
+    return spr
+
+
 def defers_linear(name: str, split_backward: str) -> bool:
     """Whether the strategy's stages would defer the linear layers' weight gradients under schedule ``name`` (a
     name or a CSV action list) and ``split_backward``."""
