@@ -459,8 +459,9 @@ class ThreeDSettings:
             raise ValueError(
                 f"ThreeDStrategy: {problem}. Use e.g. micro_batches={' or '.join(map(str, sorted(near)))}."
             )
-        # Only schedules that keep micro-batches of every stage in flight have a minimum above 1.
-        fixed = is_multi_stage(self.schedule) or is_csv_schedule(self.schedule)
+        # Only schedules that keep micro-batches of every stage in flight have a minimum above 1. GPipe is the way
+        # out at one stage per rank (ZB-H1 included); it runs no more than one, and a CSV list fixes its own count.
+        fixed = self.stages_per_rank > 1 or is_csv_schedule(self.schedule)
         alternative = "" if fixed else ", or schedule='gpipe' (any count, a larger bubble)"
         raise ValueError(
             f"ThreeDStrategy: {problem}. Use micro_batches >= {minimum} (more shrinks the bubble){alternative}."

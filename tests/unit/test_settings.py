@@ -157,6 +157,14 @@ def test_micro_batches_below_the_minimum_blames_the_schedule():
     assert ThreeDSettings(pp=4, micro_batches=2, schedule="gpipe").micro_batches == 2  # GPipe takes any count
 
 
+def test_zero_bubble_over_one_stage_per_rank_suggests_gpipe_below_its_minimum():
+    """ZB-H1 (``interleavedzerobubble`` at ``stages_per_rank=1``) runs one stage per rank, as GPipe does."""
+    text = _error(pp=4, schedule="interleavedzerobubble", micro_batches=2)
+    assert "under schedule='interleavedzerobubble'" in text and "micro_batches >= 4" in text
+    assert "schedule='gpipe'" in text
+    assert ThreeDSettings(pp=4, micro_batches=2, schedule="gpipe").micro_batches == 2
+
+
 def test_multi_stage_schedule_minimum_suggests_no_single_stage_schedule():
     text = _error(pp=2, stages_per_rank=2, schedule="interleaved1f1b", micro_batches=1)
     assert "under schedule='interleaved1f1b'" in text and "micro_batches >= 2" in text
