@@ -29,6 +29,14 @@ TOL = {
 }
 
 
+def schedule_tags(runs: list[tuple[str, int]]) -> list[str]:
+    """The record tag of each ``(schedule, stages_per_rank)`` that one ``parity_run.py --schedules`` launch runs:
+    case C under it writes ``OUT/C@<tag>.pt``. The tag is the name (a CSV list's file stem), followed by
+    ``-<stages per rank>`` when the launch lists that name more than once."""
+    stems = [Path(name).stem for name, _ in runs]
+    return [stem + (f"-{spr}" if stems.count(stem) > 1 else "") for stem, (_, spr) in zip(stems, runs)]
+
+
 def load(directory: Path, case: str) -> dict:
     return torch.load(Path(directory) / f"{case}.pt", weights_only=False)
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import copy_inits
 from launch import run_lightning
-from parity_check import check_replicas, compare, load
+from parity_check import check_replicas, compare, load, schedule_tags
 
 HF = (
     "llama",
@@ -243,8 +243,7 @@ def test_zero_bubble_and_v_schedules_on_split_models(any_reference, tmp_path):
         timeout=420,
     )  # fmt: skip
     problems = []
-    for name, spr in runs:
-        tag = name + (f"-{spr}" if name == "interleavedzerobubble" else "")  # listed twice: by stage count too
+    for (name, _), tag in zip(runs, schedule_tags(runs)):
         for case in cases:
             got = load(tmp_path, f"{case}@{tag}")
             found = compare(load(any_reference, case), got, "64") + check_replicas(got)

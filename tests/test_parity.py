@@ -17,7 +17,7 @@ import pytest
 
 from conftest import copy_inits
 from launch import run_lightning
-from parity_check import check_replicas, compare, load
+from parity_check import check_replicas, compare, load, schedule_tags
 
 # Which parameters the Megatron layout shards over tp (written out here, independently of the planner):
 # column-parallel weights and biases, row-parallel weights (their biases stay whole), vocabulary-parallel
@@ -150,8 +150,7 @@ def test_zero_bubble_and_v_schedules_match_single_device(parity_reference, tmp_p
         timeout=900,
     )  # fmt: skip
     problems, passes = [], []
-    for name, spr in runs:
-        tag = Path(name).stem + (f"-{spr}" if name == "interleavedzerobubble" else "")  # listed twice: by stage count
+    for (name, spr), tag in zip(runs, schedule_tags(runs)):
         for case in cases:  # (the launch runs them in this order)
             ref, got = load(parity_reference, case), load(tmp_path, f"{case}@{tag}")
             found = compare(ref, got, case[3:5]) + check_replicas(got) + check_shares(got, ref, case[:3], tp)

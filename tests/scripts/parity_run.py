@@ -43,6 +43,7 @@ from lightning_3d.core import torch_compat, weight_grad_store
 from lightning_3d.core.tied import canonical_names
 
 from models import MODELS, CutInsideBlocks, OrderedData
+from parity_check import schedule_tags
 
 # name: (model, precision, steps, clip, accumulate, build)
 CASES = {
@@ -480,11 +481,10 @@ def main() -> None:
     COUNTER = CollectiveCounter() if args.data_parallel != "replicate" or args.hsdp_cases or submodule_cases else None
     BUILD_PROBE = BuildProbe() if args.hsdp_cases or submodule_cases else None
     args.rab = False
-    # a CSV schedule (NAME is its path) is tagged by the file's stem: case C writes OUT/C@<stem>.pt; a schedule listed
-    # with several stage counts by its stage count too (OUT/C@<name>-<stages per rank>.pt)
+    # case C under each schedule writes OUT/C@<tag>.pt (parity_check.schedule_tags: a CSV list by its file's stem, a
+    # schedule listed with several stage counts by its stage count too)
     pairs = [(n, int(v)) for n, v in (s.rsplit(":", 1) for s in args.schedules.split(",") if s)]
-    stems = [Path(n).stem for n, _ in pairs]
-    runs = [(n, v, f"@{Path(n).stem}" + (f"-{v}" if stems.count(Path(n).stem) > 1 else "")) for n, v in pairs]
+    runs = [(n, v, f"@{tag}") for (n, v), tag in zip(pairs, schedule_tags(pairs))]
     for schedule, stages_per_rank, tag in runs or [(args.schedule, args.stages_per_rank, "")]:
         args.schedule, args.stages_per_rank, args.tag = schedule, stages_per_rank, tag
         for case in filter(None, args.cases.split(",")):
