@@ -71,8 +71,9 @@ def library_initializers(root: nn.Module) -> dict[int, Initializer]:
 @dataclass(frozen=True)
 class AdapterInit:
     """PEFT's initialisation of a LoRA layer's adapters, run after its children's (``lora_A`` and ``lora_B`` are
-    ``nn.Linear`` s inside a Hugging Face model, whose ``_init_weights`` draws both from a normal): ``lora_B`` zero,
-    so that the adapted model starts as the base model, ``lora_A`` as the adapter's ``init_lora_weights`` says
+    ``nn.Linear`` s inside a Hugging Face model, whose ``_init_weights`` draws both from a normal): ``lora_B`` zero
+    (on an embedding ``lora_embedding_A``), so that the adapted model starts as the base model, the other as the
+    adapter's ``init_lora_weights`` says
     (``True``: Kaiming-uniform, ``"gaussian"``; ``False`` leaves them random), by PEFT's own
     ``reset_lora_parameters``. Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, EVA, CorDA,
     DoRA's magnitudes) cannot be computed on the meta device: refused, naming the layer. A ``modules_to_save``
@@ -87,7 +88,9 @@ class AdapterInit:
             for copy_ in copies.values():
                 copy_.load_state_dict(original)
             return
-        for adapter in layer.lora_A:  # type: ignore[union-attr]
+        embedding = getattr(layer, "lora_embedding_A", None)  # a LoRA layer on an embedding keeps its adapters here
+        adapters = [*layer.lora_A, *(embedding if isinstance(embedding, nn.ParameterDict) else ())]  # type: ignore[union-attr]
+        for adapter in dict.fromkeys(adapters):
             flag = getattr(self.configs.get(adapter), "init_lora_weights", True)
             dora = bool(getattr(layer, "use_dora", {}).get(adapter, False))
             if dora or not (isinstance(flag, bool) or flag == "gaussian"):

@@ -1,5 +1,6 @@
-"""A PEFT LoRA Llama (adapters on q/v/o and the MLP's down projection: column- and row-parallel base layers; the head
-trained whole as a ``modules_to_save`` copy) built in ``configure_model``, against one device (float64).
+"""A PEFT LoRA Llama (adapters on q/v/o and the MLP's down projection: column- and row-parallel base layers; on the
+token embedding: a vocabulary-parallel base with whole adapters; the head trained whole as a ``modules_to_save``
+copy) built in ``configure_model``, against one device (float64).
 
 On fit start each rank reports whether its LoRA ``B`` matrices are zero and its ``A`` matrices not (PEFT's
 initialisation; on the meta device the model's ``_init_weights`` drew both from a normal) and whether the head's
@@ -29,7 +30,7 @@ from lightning_3d import ThreeDStrategy
 from models import LossSteps, OrderedData, hf_config, quiet_trainer
 
 LAYOUTS = {"single": None, "tp2pp2": {"tp": 2, "pp": 2}, "pp2fsdp": {"pp": 2, "data_parallel": "fsdp"}}
-TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj", "embed_tokens"]
 
 
 class LoRALlama(LossSteps):
@@ -66,6 +67,19 @@ class Start(L.Callback):
             "adapters": len(named),
             "b_zero": all(bool((p == 0).all()) for n, p in named if "lora_B" in n),
             "a_nonzero": all(bool((p != 0).any()) for n, p in named if "lora_A" in n),
+            # on the embedding PEFT does it the other way round: A zero, B drawn (on the first stage)
+            # (name, all zero, all finite, sum: the tp ranks of the first stage must draw the same B)
+            "embedding": [
+                [n.rsplit(".", 1)[0][-16:], bool((p == 0).all()), bool(p.isfinite().all()), float(p.sum())]
+                for n, p in named
+                if "lora_embedding_" in n
+            ],
+            # which of the embedding's base weight and adapters are DTensors (at tp2: the base alone, sharded)
+            "embedding_dtensors": [
+                isinstance(p, DTensor)
+                for n, p in pl_module.named_parameters()
+                if "embed_tokens.base_layer" in n or "lora_embedding_" in n
+            ],
         }
         params = {n: _local(p.detach()) for n, p in pl_module.named_parameters()}
         copies = [n for n in params if ".modules_to_save.default." in n]  # on the last stage

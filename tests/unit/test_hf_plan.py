@@ -301,12 +301,30 @@ def test_a_lora_layers_style_goes_to_its_base_and_the_adapter_on_the_sharded_sid
     assert f"{layer}.self_attn.q_proj" not in got and got[f"{layer}.self_attn.k_proj"] == "colwise"
 
 
-def test_lora_on_a_sharded_embedding_is_refused() -> None:
+def test_lora_on_a_sharded_embedding_shards_its_base_and_keeps_the_adapters_whole() -> None:
+    """PEFT's embedding adapters are parameters its forward uses directly: the vocabulary-parallel style goes to the
+    base (whose output is whole) and the adapters stay whole (refused until 2026-12-06)."""
     from peft import LoraConfig, get_peft_model
 
     peft = get_peft_model(tiny("llama"), LoraConfig(r=2, target_modules=["embed_tokens"]))
-    with pytest.raises(ValueError, match=r"is a LoRA layer on an embedding .* Leave the embedding out of the LoRA"):
-        hf_tp_plan(Root(peft), tp=2)
+    got = styles(hf_tp_plan(Root(peft), tp=2))
+    embed = "model.base_model.model.model.embed_tokens"
+    assert got[f"{embed}.base_layer"] == "embedding_rowwise"
+    assert not [name for name in got if name.startswith(embed) and name != f"{embed}.base_layer"], got
+
+
+def test_lora_on_an_embedding_under_a_style_with_a_sharded_output_is_refused() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_3d.core.tensor_parallel import hf_plan
+
+    peft = get_peft_model(tiny("llama"), LoraConfig(r=2, target_modules=["embed_tokens"]))
+    entries = {"model.base_model.model.model.embed_tokens": hf_plan.HFEntry("embedding_rowwise", "test")}
+    hf_plan._with_adapters(Root(peft), entries, "test")  # whole output: accepted
+    with pytest.MonkeyPatch.context() as patch:  # a style whose output would be sharded: refused, naming the way out
+        patch.setattr(hf_plan, "_SELF_CONTAINED", frozenset())
+        with pytest.raises(ValueError, match=r"is a LoRA layer on an embedding .* leave the embedding out of the LoRA"):
+            hf_plan._with_adapters(Root(peft), entries, "test")
 
 
 def test_a_modules_to_save_wrapper_gives_its_style_to_the_original_and_each_copy() -> None:

@@ -591,8 +591,8 @@ def _with_adapters(model: nn.Module, entries: dict[str, HFEntry], who: str) -> d
     A ``modules_to_save`` wrapper (a head trained whole beside the adapters) gives the style to its original and
     to each trained copy.
 
-    Raises:
-        ValueError: a LoRA layer on an embedding (its adapters are parameters, not modules) under a sharding style.
+    A LoRA layer on an embedding gives the style to its base alone: its adapters are parameters, not modules, and
+    stay whole (the embedding styles' outputs are whole).
     """
     modules = dict(model.named_modules())
     out: dict[str, HFEntry] = {}
@@ -609,10 +609,21 @@ def _with_adapters(model: nn.Module, entries: dict[str, HFEntry], who: str) -> d
             out[name] = entry
             continue
         if module_kind(modules[f"{name}.base_layer"]) == "embedding":
-            raise ValueError(
-                f"{who} tensor-parallel plan: {name} is a LoRA layer on an embedding ({entry.style!r}); its adapters "
-                "cannot be sharded with it. Leave the embedding out of the LoRA target_modules, or use tp=1."
+            # PEFT's embedding adapters are parameters (``lora_embedding_A`` / ``_B``) that its forward looks up and
+            # multiplies itself, not modules a style could shard. Both embedding styles hand on a whole (replicated)
+            # output, so the adapters stay whole beside the sharded base: ``base(x) + B(A[x])`` adds whole tensors,
+            # and every tp rank computes the same adapter gradients from the same whole upstream gradient.
+            if entry.style not in _SELF_CONTAINED:
+                raise ValueError(
+                    f"{who} tensor-parallel plan: {name} is a LoRA layer on an embedding ({entry.style!r}): its "
+                    "adapters stay whole, which needs a style with a whole output ('embedding_rowwise', "
+                    "'embedding_colwise'). Use one of those, leave the embedding out of the LoRA target_modules, or "
+                    "use tp=1."
+                )
+            out[f"{name}.base_layer"] = HFEntry(
+                entry.style, f"{entry.source}, on the LoRA layer's base (adapters whole)"
             )
+            continue
         source = f"{entry.source}, moved to the LoRA layer's base and adapters"
         out[f"{name}.base_layer"] = HFEntry(entry.style, source)
         for adapter in adapters:
