@@ -73,11 +73,11 @@ class AdapterInit:
     """PEFT's initialisation of a LoRA layer's adapters, run after its children's (``lora_A`` and ``lora_B`` are
     ``nn.Linear`` s inside a Hugging Face model, whose ``_init_weights`` draws both from a normal): ``lora_B`` zero
     (on an embedding ``lora_embedding_A``), so that the adapted model starts as the base model, the other as the
-    adapter's ``init_lora_weights`` says
-    (``True``: Kaiming-uniform, ``"gaussian"``; ``False`` leaves them random), by PEFT's own
-    ``reset_lora_parameters``. Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ, EVA, CorDA,
-    DoRA's magnitudes) cannot be computed on the meta device: refused, naming the layer. A ``modules_to_save``
-    wrapper's trained copies start as its original, as PEFT's deep copy makes them (each was drawn on its own)."""
+    adapter's ``init_lora_weights`` says (``True``: Kaiming-uniform, ``"gaussian"``; ``False`` leaves them random),
+    by PEFT's own ``reset_lora_parameters``. Initialisations computed from the base weights (PiSSA, OLoRA, LoftQ,
+    EVA, CorDA, DoRA's magnitudes) cannot be computed on the meta device: refused, naming the layer. A
+    ``modules_to_save`` wrapper's trained copies start as its original, as PEFT's deep copy makes them (each was
+    drawn on its own)."""
 
     configs: Mapping[str, Any]
 
