@@ -70,7 +70,7 @@ class Start(L.Callback):
             # on the embedding PEFT does it the other way round: A zero, B drawn (on the first stage)
             # (name, all zero, all finite, sum: the tp ranks of the first stage must draw the same B)
             "embedding": [
-                [n.rsplit(".", 1)[0][-16:], bool((p == 0).all()), bool(p.isfinite().all()), float(p.sum())]
+                [n.split(".")[-2], bool((p == 0).all()), bool(p.isfinite().all()), float(p.sum())]
                 for n, p in named
                 if "lora_embedding_" in n
             ],

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from lightning_3d.plan import ClusterSpec, Layout, ModelSpec, NoLayout, Search, evaluate, load_cluster, plan
-from lightning_3d.plan.layouts import enumerate_layouts, unsupported_reason
+from lightning_3d.plan.layouts import enumerate_layouts, min_micro_batches, unsupported_reason
 from lightning_3d.plan.memory import in_flight, layout_memory
 from lightning_3d.plan.model import model_from_config
 from lightning_3d.plan.timing import allreduce_s, step_time
@@ -171,6 +171,22 @@ def test_zero_bubble_over_one_stage_per_rank_is_a_layout_and_holds_what_its_acti
     assert one.short() == "tp1 pp2 dp8 m8x1 interleavedzerobubble:1"
     f1b, zbh1 = step_time(TINY, IDEAL, Layout(1, 2, 1, 8, 1)), step_time(TINY, IDEAL, one)
     assert zbh1.bubble < f1b.bubble
+
+
+def test_the_planners_schedule_tables_are_the_strategys():
+    """The planner spells its schedule rules out (it imports nothing from the strategy); they must be the
+    strategy's: which schedules run several stages per rank, and which of those also run over one."""
+    from lightning_3d.core import pipeline
+    from lightning_3d.plan.layouts import MULTI_STAGE, SCHEDULES, STAGE_COUNTS
+
+    assert {s for s in SCHEDULES if pipeline.is_multi_stage(s)} == set(MULTI_STAGE)
+    assert {s for s, counts in STAGE_COUNTS.items() if 1 in counts} == set(pipeline.ONE_STAGE_PER_RANK_TOO) & set(
+        SCHEDULES
+    )
+    for schedule in SCHEDULES:  # both take the same fewest micro-batches at one stage per rank
+        for pp in (1, 2, 4):
+            if schedule not in MULTI_STAGE or 1 in STAGE_COUNTS.get(schedule, ()):
+                assert min_micro_batches(schedule, pp) == pipeline.min_micro_batches(schedule, pp), (schedule, pp)
 
 
 def test_step_time_by_hand():
