@@ -19,6 +19,8 @@ for 1F1B at m = 8. Seven more steps of each schedule at m = 8 are recorded with 
 step into compute, waiting for the neighbour and the rest, and gives the bound that the measured stage
 imbalance alone allows,
 ``m (c0 + c1) / (c0 + c1 + (m - 1) max(c0, c1))`` with ``c_s`` the compute per micro-batch of stage ``s``.
+The record's ``details.imbalance`` is taken over all seven steps (each rank's median compute, slowest over mean:
+:func:`imbalance_over_steps`), with each step's own figure beside it for the spread.
 """
 
 from __future__ import annotations
@@ -259,6 +261,30 @@ def imbalance_bound(stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def imbalance_over_steps(stats: dict[str, Any]) -> dict[str, Any]:
+    """The imbalance from every recorded step: each rank's median compute over the steps, slowest over mean.
+
+    One step's ``max(c) / mean(c)`` takes the larger of two noisy figures, so host noise that slows either rank in
+    that step reads as imbalance (the expected maximum of noisy numbers exceeds the maximum of their expectations);
+    which rank is the slower one flips from step to step on this host. The median of each rank's own compute over
+    the recorded steps keeps a rank that is slower in every step (a heavier stage, a slower core) and drops what a
+    single step's noise adds. ``per_step`` keeps each step's own imbalance, for the spread."""
+    steps = stats.get("recorded_steps") or [stats]
+    m = stats["n_micro"]
+    keys = list(stats["ranks"])
+    per_rank = [median([st["ranks"][k]["compute_ms"] for st in steps]) / m for k in keys]
+    per_step = []
+    for st in steps:
+        c = [st["ranks"][k]["compute_ms"] for k in keys]
+        per_step.append(max(c) / (sum(c) / len(c)))
+    return {
+        "compute_per_microbatch_ms": per_rank,
+        "imbalance": max(per_rank) / (sum(per_rank) / len(per_rank)),
+        "per_step": per_step,
+        "steps": len(steps),
+    }
+
+
 def host_contention(
     pair_rounds: Sequence[Sequence[float]], baseline_ms: float, speedup: float, m: int
 ) -> dict[str, Any]:
@@ -368,6 +394,7 @@ def run(
     bounds = {}
     for name, stats in res["timeline"].items():
         bound = imbalance_bound(stats)
+        bound["over_steps"] = over = imbalance_over_steps(stats)
         bounds[name] = bound
         ranks = stats["ranks"]
         lines.append(
@@ -389,7 +416,9 @@ def run(
         stalls = sorted(st["ranks"][slow_key]["stall_ms"] for st in steps)
         lines.append(
             f"  {len(steps)} recorded steps: {spans[0]:.0f}..{spans[-1]:.0f} ms (median shown); bottleneck-stage "
-            f"stalls {stalls[0]:.1f}..{stalls[-1]:.1f} ms"
+            f"stalls {stalls[0]:.1f}..{stalls[-1]:.1f} ms; imbalance over the steps (each rank's median compute "
+            f"{', '.join(f'{c:.1f}' for c in over['compute_per_microbatch_ms'])} ms a micro-batch) "
+            f"{over['imbalance']:.3f}, single steps {min(over['per_step']):.3f}..{max(over['per_step']):.3f}"
         )
         lines.append(
             f"  bottleneck stage {slow_key}: step {stats['span_ms']:.1f} ms = fill {slow['fill_ms']:.1f} (waiting for "
@@ -421,7 +450,10 @@ def run(
         "partitioner": partitioner,
         "split_backward": split_backward,
         "stages_per_rank": stages_per_rank_of(schedule),
-        "imbalance": bounds[schedule]["imbalance"] if schedule in bounds else None,
+        # each rank's median compute over the recorded steps, slowest over mean (imbalance_over_steps)
+        "imbalance": bounds[schedule]["over_steps"]["imbalance"] if schedule in bounds else None,
+        # the same from the step of median length alone (before 2026-12-06 this was "imbalance")
+        "imbalance_median_step": bounds[schedule]["imbalance"] if schedule in bounds else None,
         "split": res["split"],  # each schedule's stages (layer names) and the partitioner's estimate of each
         "table": table,
         "timeline": res["timeline"],

@@ -344,6 +344,28 @@ def test_b8_no_host_synchronisation_per_micro_batch():
     assert layout["optimizer_per_step"] == baseline["optimizer_per_step"] > 0  # the same optimizer on both sides
 
 
+def test_b1_imbalance_over_steps_keeps_a_slower_rank_and_drops_one_steps_noise():
+    """B1's ``details.imbalance``: each rank's median compute over the recorded steps, slowest over mean."""
+    b1 = _import("benchmarks.b1_pipeline")
+
+    def step(c0: float, c1: float) -> dict:
+        return {"ranks": {"0": {"compute_ms": c0}, "1": {"compute_ms": c1}}}
+
+    # equal ranks, one of them disturbed in each step: every single step reads 1.1, the medians are equal
+    flips = [step(110, 90), step(90, 110), step(100, 100), step(110, 90), step(90, 110)]
+    over = b1.imbalance_over_steps({"n_micro": 10, "ranks": flips[2]["ranks"], "recorded_steps": flips})
+    assert over["imbalance"] == pytest.approx(1.0) and over["steps"] == 5
+    assert over["compute_per_microbatch_ms"] == pytest.approx([10.0, 10.0])
+    assert max(over["per_step"]) == pytest.approx(1.1) and min(over["per_step"]) == pytest.approx(1.0)
+    # rank 1 slower in every step (a heavier stage): kept
+    slower = [step(100, 120), step(104, 126), step(98, 118)]
+    over = b1.imbalance_over_steps({"n_micro": 2, "ranks": slower[0]["ranks"], "recorded_steps": slower})
+    assert over["imbalance"] == pytest.approx(120 / 110)
+    # a summary without recorded steps is its own single step
+    alone = b1.imbalance_over_steps({"n_micro": 1, **step(100, 300)})
+    assert alone["imbalance"] == pytest.approx(1.5) and alone["per_step"] == pytest.approx([1.5])
+
+
 @pytest.mark.slow
 def test_b1_schedule_and_partitioner_options_reach_the_record(tmp_path):
     main = _import("benchmarks.__main__").main
@@ -361,7 +383,9 @@ def test_b1_schedule_and_partitioner_options_reach_the_record(tmp_path):
     assert "zbvzerobubble" in record["unit"] and "compute" in record["unit"]
     assert record["ratio"] == pytest.approx(details["table"]["4"]["zbvzerobubble"]["ratio"])
     assert set(details["timeline"]) == {"1f1b", "zbvzerobubble"}  # timed beside 1F1B in the same run
-    assert details["imbalance"] >= 1.0
+    assert details["imbalance"] >= 1.0 and details["imbalance_median_step"] >= 1.0
+    steps = details["bounds"]["zbvzerobubble"]["over_steps"]  # one recorded step with --tiny: the two agree
+    assert steps["steps"] == 1 and details["imbalance"] == pytest.approx(details["imbalance_median_step"])
     contention = details["host_contention"]  # both ranks ran the whole model at once: one time per rank
     assert len(contention["both_ranks_ms"]) == 2 and all(t > 0 for t in contention["both_ranks_ms"])
     assert contention["alone_ms"] == pytest.approx(details["table"]["4"]["baseline_ms"])
