@@ -27,8 +27,10 @@ The events of every rank are gathered (one ``all_gather_object``) and written as
 * a Gantt chart (PNG, needs matplotlib: ``pip install 'lightning-3d[plot]'``) with one row per stage and
   the measured bubble fraction beside the theoretical ``(p - 1) / (m + p - 1)``
   (``(p - 1) / (v m + p - 1)`` with ``v`` stages per rank). For the zero-bubble schedules (``W`` actions fill
-  the 1F1B bubble, so that formula does not hold) the theory is the schedule's own: each pipeline rank's idle
-  slots over all slots of torch's action list (``schedule.pipeline_order``), one slot per action.
+  the 1F1B bubble, so that formula does not hold) and a CSV action list the theory is the schedule's own: each
+  pipeline rank's idle slots over all slots of its action list (``schedule.pipeline_order``), one slot per
+  action, the list played slot by slot so that a list written without its idle slots (as a hand-written CSV
+  file usually is) gets the ones its dependencies force (:func:`played_order`).
 
 The measured bubble of a pipeline rank is ``1 - compute / span``: ``compute`` is the union of its forward,
 backward, weight and loss intervals and ``span`` runs from the first rank's ``step`` start to the last
@@ -383,8 +385,75 @@ ZERO_BUBBLE_CLASSES = frozenset(
 )
 
 
+def _parts(action: Any) -> Sequence[Any]:
+    """An action's computations: its own, or an overlapped forward-backward's (DualPipeV) two."""
+    return getattr(action, "sub_actions", None) or (action,)
+
+
+def _kind(action: Any) -> str:
+    return str(action.computation_type.value)
+
+
+def _needs(action: Any, last_stage: int) -> list[tuple[int, str, Any]]:
+    """What a computation waits for: a forward for the previous stage's forward of its micro-batch, a full or
+    input-gradient backward for the next stage's (``"G"``: either kind) or, on the last stage, its own forward; a
+    weight gradient for its stage's input gradient."""
+    stage, kind, mb = action.stage_index, _kind(action), action.microbatch_index
+    if kind == "F":
+        return [(stage - 1, "F", mb)] if stage > 0 else []
+    if kind in ("B", "I"):
+        return [(stage, "F", mb)] if stage == last_stage else [(stage + 1, "G", mb)]
+    if kind == "W":
+        return [(stage, "G", mb)]
+    return []
+
+
+def played_order(pipeline_order: dict[int, Sequence[Any]]) -> dict[int, list[Any]]:
+    """A schedule's action list played in unit time slots: the time-aligned list it stands for.
+
+    Slot by slot, each rank runs its next action once everything it waits for (:func:`_needs`) ran in an earlier
+    slot on any rank, and otherwise idles for the slot (``None``); a ``None`` in the list is an idle slot as
+    written. torch's multi-stage schedules build their lists with their idle slots in place, and so does
+    ``csv_schedule.zero_bubble_greedy_rows``: playing them changes no rank's idle share (it may move an idle slot
+    from the end of a shorter list to where the wait is). A list written by hand or read from a CSV file usually
+    has no idle slot written; played, 1F1B's order shows its ``(p - 1) / (m + p - 1)``.
+
+    Raises:
+        ValueError: the list cannot run (some action waits for one that no rank runs before it).
+    """
+    stages = [part.stage_index for acts in pipeline_order.values() for a in acts if a is not None for part in _parts(a)]
+    last_stage = max(stages, default=0)
+    pointer = dict.fromkeys(pipeline_order, 0)
+    played: dict[int, list[Any]] = {rank: [] for rank in pipeline_order}
+    done: set[tuple[int, str, Any]] = set()
+    while any(pointer[rank] < len(actions) for rank, actions in pipeline_order.items()):
+        finished, moved = set(), False
+        for rank, actions in pipeline_order.items():
+            if pointer[rank] >= len(actions):
+                continue
+            action = actions[pointer[rank]]
+            ready = action is None or all(need in done for part in _parts(action) for need in _needs(part, last_stage))
+            played[rank].append(action if ready else None)
+            if ready:
+                pointer[rank] += 1
+                moved = True
+                for part in () if action is None else _parts(action):
+                    kind = _kind(part)
+                    finished.add((part.stage_index, "G" if kind in ("B", "I") else kind, part.microbatch_index))
+        if not moved:
+            waiting = {
+                rank: str(actions[pointer[rank]])
+                for rank, actions in pipeline_order.items()
+                if pointer[rank] < len(actions)
+            }
+            raise ValueError(f"the action list cannot run: every rank waits ({waiting})")
+        done |= finished
+    return played
+
+
 def order_bubbles(pipeline_order: dict[int, Sequence[Any]]) -> dict[int, float]:
-    """Each pipeline rank's idle share of a schedule's action list: ``None`` slots over all slots.
+    """Each pipeline rank's idle share of a schedule's action list, played in unit time slots
+    (:func:`played_order`): idle slots over all slots.
 
     Args:
         pipeline_order: ``{pp rank: [action or None per time slot]}`` (torch's ``schedule.pipeline_order``);
@@ -393,13 +462,11 @@ def order_bubbles(pipeline_order: dict[int, Sequence[Any]]) -> dict[int, float]:
     Returns:
         ``{pp rank: idle slots / slots}``, one slot per action (forward, backward, input- or weight-gradient).
     """
-    total = max((len(actions) for actions in pipeline_order.values()), default=0)
+    played = played_order(pipeline_order)
+    total = max((len(actions) for actions in played.values()), default=0)
     if total == 0:
-        return {rank: 0.0 for rank in pipeline_order}
-    return {
-        rank: (total - sum(action is not None for action in actions)) / total
-        for rank, actions in pipeline_order.items()
-    }
+        return {rank: 0.0 for rank in played}
+    return {rank: (total - sum(action is not None for action in actions)) / total for rank, actions in played.items()}
 
 
 def rank_of_stage(pipeline_order: dict[int, Sequence[Any]], stage: int) -> int | None:

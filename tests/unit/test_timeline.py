@@ -186,22 +186,66 @@ def test_p2p_labels() -> None:
     assert tl._label([("recv", "F", 3, 1), ("send", "B", 2, 1)]) == "recv F3 + send B2"
 
 
-class _Act:
-    """A stand-in for torch's ``_Action``: only ``stage_index`` is read."""
+def _order(*rows: str) -> dict:
+    """An action list from CSV-like rows: one string per pp rank, cells separated by commas ("" idles)."""
+    from lightning_3d.core import torch_compat
 
-    def __init__(self, stage: int) -> None:
-        self.stage_index = stage
+    return torch_compat.parse_schedule_actions([row.split(",") for row in rows])
+
+
+def _idle_as_written(order: dict) -> dict[int, float]:
+    """Each rank's ``None`` slots (and the slots past the end of a shorter list) over the longest list."""
+    total = max(len(actions) for actions in order.values())
+    return {rank: (total - sum(a is not None for a in actions)) / total for rank, actions in order.items()}
+
+
+def _names(actions: list) -> list[str | None]:
+    return [None if a is None else str(a) for a in actions]
+
+
+def test_an_action_list_is_played_in_unit_slots() -> None:
+    # 1F1B at pp 2, m 2, written without idle slots (as a CSV file usually is): rank 0 waits twice for the last
+    # stage's backward, rank 1 once for the first forward and once past its end: (p - 1) / (m + p - 1) each
+    compact = _order("0F0,0F1,0B0,0B1", "1F0,1B0,1F1,1B1")
+    assert _idle_as_written(compact) == {0: 0.0, 1: 0.0}
+    played = tl.played_order(compact)
+    assert _names(played[0]) == ["0F0", "0F1", None, "0B0", None, "0B1"]
+    assert _names(played[1]) == [None, "1F0", "1B0", "1F1", "1B1"]
+    assert tl.order_bubbles(compact) == {0: pytest.approx(2 / 6), 1: pytest.approx(2 / 6)}
+    # written with those idle slots, the list is played as written
+    assert tl.played_order(_order("0F0,0F1,,0B0,,0B1", ",1F0,1B0,1F1,1B1")) == played
+    # split backwards: an input gradient waits for the next stage's, a weight gradient for its own input gradient
+    assert _names(tl.played_order(_order("0F0,0I0,0W0", "1F0,1I0,1W0"))[0]) == ["0F0", None, None, "0I0", "0W0"]
+    # a list that cannot run: stage 0's backward first, waiting for a gradient that needs stage 0's forward
+    with pytest.raises(ValueError, match="cannot run"):
+        tl.order_bubbles(_order("0B0,0F0", "1F0,1B0"))
+
+
+def test_torchs_own_action_lists_keep_their_idle_slots_when_played() -> None:
+    """torch builds its multi-stage schedules' lists with their idle slots in place: playing them must change no
+    rank's idle share (the theory reported for them before lists were played)."""
+    from lightning_3d.core.pipeline import schedule_actions
+
+    for name, stages_per_rank in [
+        ("interleavedzerobubble", 1),
+        ("interleavedzerobubble", 2),
+        ("zbvzerobubble", 2),
+        ("dualpipev", 2),
+        ("interleaved1f1b", 2),
+        ("loopedbfs", 2),
+    ]:
+        for pp, m in [(2, 4), (2, 8), (4, 8), (4, 16)]:
+            order = schedule_actions(name, pp, stages_per_rank, m)
+            assert order is not None
+            assert tl.order_bubbles(order) == pytest.approx(_idle_as_written(order)), (name, pp, m)
 
 
 def test_zero_bubble_theory_comes_from_the_action_list() -> None:
-    # rank 0 holds stages 0 and 3 (a V), rank 1 stages 1 and 2; 8 slots, rank 0 idle 2, rank 1 idle 3 (one of
-    # them past the end of its shorter list)
-    order = {
-        0: [_Act(0), _Act(0), None, _Act(3), _Act(3), _Act(0), None, _Act(0)],
-        1: [None, _Act(1), _Act(2), _Act(2), None, _Act(1), _Act(1)],
-    }
-    assert tl.order_bubbles(order) == {0: pytest.approx(2 / 8), 1: pytest.approx(3 / 8)}
-    assert tl.rank_of_stage(order, 3) == 0 and tl.rank_of_stage(order, 2) == 1 and tl.rank_of_stage(order, 9) is None
+    # three stages on two ranks, one micro-batch: rank 0 runs stages 0 and 2 (4 actions), rank 1 stage 1 (2):
+    # 6 slots, rank 0 idle 2, rank 1 idle 4 (one of them past the end of its shorter list)
+    order = _order("0F0,,2F0,2B0,,0B0", ",1F0,,,1B0")
+    assert tl.order_bubbles(order) == {0: pytest.approx(2 / 6), 1: pytest.approx(4 / 6)}
+    assert tl.rank_of_stage(order, 2) == 0 and tl.rank_of_stage(order, 1) == 1 and tl.rank_of_stage(order, 9) is None
 
     class ScheduleZBVZeroBubble:  # the class name marks a zero-bubble schedule
         pipeline_order = order
@@ -209,7 +253,7 @@ def test_zero_bubble_theory_comes_from_the_action_list() -> None:
     class ScheduleInterleaved1F1B:
         pipeline_order = order
 
-    assert tl.schedule_order_bubble(ScheduleZBVZeroBubble(), 1) == pytest.approx(3 / 8)
+    assert tl.schedule_order_bubble(ScheduleZBVZeroBubble(), 1) == pytest.approx(4 / 6)
     assert tl.schedule_order_bubble(ScheduleInterleaved1F1B(), 1) is None  # the formula holds there
 
     kw = {"num_stages": 4, "pp": 2, "n_micro": 4, "schedule": "ScheduleZBVZeroBubble"}
