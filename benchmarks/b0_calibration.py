@@ -5,7 +5,9 @@ a micro-batch of 128 tokens through a 256 -> 1024 projection) while rank 1 waits
 a send/recv ping-pong (one-way time = round trip / 2) and all-reduces over several message sizes. The derived
 line is what B1 needs: the time to send one micro-batch's activations (1 x 128 x 256 fp32 = 128 KiB) next to
 the time one pipeline stage computes that micro-batch (the whole GPT's forward + backward on one micro-batch
-is timed too). No baseline: the numbers are inputs to the others.
+is timed too). A last measurement times 128 KiB to a receiver already waiting and in the send + receive exchange
+1F1B makes between its two stages at pp 2 (:func:`_exchange_latency`).
+No baseline: the numbers are inputs to the others.
 """
 
 from __future__ import annotations
@@ -98,7 +100,68 @@ def worker(reps: int = 20, seconds: float = 1.0, tiny: bool = False) -> dict[str
         t = torch.ones(max(1, size // 4))
         tm = timed_median(lambda t=t: dist.all_reduce(t))
         out["allreduce"][str(size)] = {"bytes": size, "ms": tm * 1e3, "algo_GB_per_s": size / tm / 1e9}
+    out["exchange_ms"] = _exchange_latency(rank, reps, 2.0 if tiny else 8.0)
     return out
+
+
+def _busy(ms: float) -> None:
+    """Keep this process's one core busy with matrix products for ``ms`` milliseconds."""
+    import torch
+
+    a = torch.randn(256, 256)
+    start = time.perf_counter()
+    while time.perf_counter() - start < ms / 1e3:
+        a @ a
+
+
+def _exchange_latency(rank: int, reps: int, compute_ms: float) -> dict[str, float]:
+    """One micro-batch's activations (128 KiB) from rank 0 to rank 1: to a receiver already waiting, and in the
+    exchange 1F1B's steady state makes at pp 2.
+
+    ``early``: rank 1 waits in its receive while rank 0 computes for ``compute_ms``, then sends; the figure is the
+    time from rank 0's send to rank 1 holding the tensor (both read the host's monotonic clock). ``exchange``: as
+    torch's ``Schedule1F1B`` does between its two stages in the steady state, each rank posts its send and its
+    receive together (``batch_isend_irecv``) when it needs the receive and waits for both: rank 0 at once (sending
+    an activation, receiving a gradient), then it computes for ``compute_ms``; rank 1 computes for ``compute_ms``,
+    then posts its own (sending the gradient, receiving the activation offered long before); the figure is rank
+    1's wait. gloo moves the bytes once the receiver has posted its receive, so the exchange is a round trip
+    between the two processes' transport threads, each woken from a wait. Rounds alternate the two; medians (ms)
+    over the rounds after 3 warm-up rounds."""
+    import torch
+    import torch.distributed as dist
+
+    activation, gradient = torch.ones(128 * 1024 // 4), torch.ones(128 * 1024 // 4)
+    times: dict[str, list[float]] = {"early": [], "exchange": []}
+    for i in range(reps + 3):
+        for mode in ("early", "exchange"):  # alternated, so that load drifts hit both alike
+            dist.barrier()
+            start = end = 0.0
+            if mode == "early":
+                if rank == 0:
+                    _busy(compute_ms)
+                    start = time.perf_counter()
+                    dist.send(activation, 1)
+                else:
+                    dist.recv(activation, 0)
+                    end = time.perf_counter()
+            elif rank == 0:
+                ops = [dist.P2POp(dist.isend, activation, 1), dist.P2POp(dist.irecv, gradient, 1)]
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+                _busy(compute_ms)
+            else:
+                _busy(compute_ms)
+                ops = [dist.P2POp(dist.isend, gradient, 0), dist.P2POp(dist.irecv, activation, 0)]
+                start = time.perf_counter()
+                for request in dist.batch_isend_irecv(ops):
+                    request.wait()
+                end = time.perf_counter()
+            stamps: list[Any] = [None, None]
+            dist.all_gather_object(stamps, (start, end))
+            if i >= 3:
+                begin = stamps[0][0] if mode == "early" else stamps[1][0]
+                times[mode].append((stamps[1][1] - begin) * 1e3)
+    return {mode: median(values) for mode, values in times.items()}
 
 
 def run(out: Path, tiny: bool = False) -> Record:
@@ -126,12 +189,19 @@ def run(out: Path, tiny: bool = False) -> Record:
         f"one micro-batch's activations (128 KiB) take {mb['one_way_ms']:.3f} ms one way, "
         f"{mb['one_way_ms'] / stage_ms:.1%} of the ~{stage_ms:.1f} ms a half-model pipeline stage computes it"
     )
+    late = res["exchange_ms"]
+    lines.append(
+        f"128 KiB to a receive already waiting: {late['early']:.3f} ms from send to received; in 1F1B's exchange "
+        f"at pp 2 (send + receive posted together when needed): {late['exchange']:.3f} ms"
+    )
     measured = {
         "matmul_gflops_1024": gf["1024x1024x1024"],
         "p2p_GBps_16MiB": p2p[str(16 << 20)]["GB_per_s"],
         "p2p_ms_128KiB": mb["one_way_ms"],
         "gpt_microbatch_ms": res["model_microbatch_ms"],
         "allreduce_GBps_16MiB": ar[str(16 << 20)]["algo_GB_per_s"],
+        "p2p_ms_128KiB_to_waiting_receiver": late["early"],
+        "p2p_ms_128KiB_1f1b_exchange": late["exchange"],
     }
     details = {**res, "processes": 2, "threads_per_process": 1, "model": "tiny" if tiny else "benchmark GPT"}
     return Record(ID, TITLE, measured, None, None, None, "", details, lines)
