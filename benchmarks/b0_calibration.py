@@ -122,11 +122,11 @@ def _exchange_latency(rank: int, reps: int, compute_ms: float) -> dict[str, floa
     time from rank 0's send to rank 1 holding the tensor (both read the host's monotonic clock). ``exchange``: as
     torch's ``Schedule1F1B`` does between its two stages in the steady state, each rank posts its send and its
     receive together (``batch_isend_irecv``) when it needs the receive and waits for both: rank 0 at once (sending
-    an activation, receiving a gradient), then it computes for ``compute_ms``; rank 1 computes for ``compute_ms``,
-    then posts its own (sending the gradient, receiving the activation offered long before); the figure is rank
-    1's wait. gloo moves the bytes once the receiver has posted its receive, so the exchange is a round trip
-    between the two processes' transport threads, each woken from a wait. Rounds alternate the two; medians (ms)
-    over the rounds after 3 warm-up rounds."""
+    an activation, receiving a gradient: stage 0 after a forward); rank 1 computes for ``compute_ms``, then posts
+    its own (sending the gradient, receiving the activation offered long before: stage 1 after a backward); the
+    figure is rank 1's wait. gloo moves the bytes once the receiver has posted its receive, so the exchange is a
+    round trip between the two processes' transport threads, each woken from a wait. Rounds alternate the two;
+    medians (ms) over the rounds after 3 warm-up rounds."""
     import torch
     import torch.distributed as dist
 
@@ -148,7 +148,6 @@ def _exchange_latency(rank: int, reps: int, compute_ms: float) -> dict[str, floa
                 ops = [dist.P2POp(dist.isend, activation, 1), dist.P2POp(dist.irecv, gradient, 1)]
                 for request in dist.batch_isend_irecv(ops):
                     request.wait()
-                _busy(compute_ms)
             else:
                 _busy(compute_ms)
                 ops = [dist.P2POp(dist.isend, gradient, 0), dist.P2POp(dist.irecv, activation, 0)]
@@ -189,10 +188,10 @@ def run(out: Path, tiny: bool = False) -> Record:
         f"one micro-batch's activations (128 KiB) take {mb['one_way_ms']:.3f} ms one way, "
         f"{mb['one_way_ms'] / stage_ms:.1%} of the ~{stage_ms:.1f} ms a half-model pipeline stage computes it"
     )
-    late = res["exchange_ms"]
+    exchange = res["exchange_ms"]
     lines.append(
-        f"128 KiB to a receive already waiting: {late['early']:.3f} ms from send to received; in 1F1B's exchange "
-        f"at pp 2 (send + receive posted together when needed): {late['exchange']:.3f} ms"
+        f"128 KiB to a receive already waiting: {exchange['early']:.3f} ms from send to received; in 1F1B's exchange "
+        f"at pp 2 (send + receive posted together when needed): {exchange['exchange']:.3f} ms"
     )
     measured = {
         "matmul_gflops_1024": gf["1024x1024x1024"],
@@ -200,8 +199,8 @@ def run(out: Path, tiny: bool = False) -> Record:
         "p2p_ms_128KiB": mb["one_way_ms"],
         "gpt_microbatch_ms": res["model_microbatch_ms"],
         "allreduce_GBps_16MiB": ar[str(16 << 20)]["algo_GB_per_s"],
-        "p2p_ms_128KiB_to_waiting_receiver": late["early"],
-        "p2p_ms_128KiB_1f1b_exchange": late["exchange"],
+        "p2p_ms_128KiB_to_waiting_receiver": exchange["early"],
+        "p2p_ms_128KiB_1f1b_exchange": exchange["exchange"],
     }
     details = {**res, "processes": 2, "threads_per_process": 1, "model": "tiny" if tiny else "benchmark GPT"}
     return Record(ID, TITLE, measured, None, None, None, "", details, lines)
