@@ -96,7 +96,7 @@ def _read(path: str, _mtime_ns: int) -> CsvSchedule:
     if not actions:
         raise ValueError(f"{where}: the file holds no action.")
     num_stages = 1 + max(a.stage_index for _, a in actions)
-    micro = {a.microbatch_index for _, a in actions if a.stage_index == 0 and str(a.computation_type.value) == "F"}
+    micro = {a.microbatch_index for _, a in actions if a.stage_index == 0 and torch_compat.action_kind(a) == "F"}
     n_micro = len(micro)
     pp = len(order)
     try:
@@ -120,7 +120,7 @@ def _read(path: str, _mtime_ns: int) -> CsvSchedule:
             f"{where}: with one stage per rank, stage s must run on pp rank s (row s); the file places stages on "
             f"ranks {list(placement)}."
         )
-    split = any(str(a.computation_type.value) in ("I", "W") for _, a in actions)
+    split = any(torch_compat.action_kind(a) in ("I", "W") for _, a in actions)
     return CsvSchedule(path, pp, num_stages, n_micro, placement, split, tuple(tuple(row) for row in rows))
 
 

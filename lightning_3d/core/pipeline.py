@@ -224,11 +224,11 @@ def held_micro_batches(actions: Sequence[Any], stage: int) -> tuple[int, int]:
     live = deferred = peak = peak_deferred = 0
     flat: list[Any] = []
     for action in actions:
-        flat.extend(getattr(action, "sub_actions", None) or [action])
+        flat.extend(torch_compat.action_parts(action))
     for action in flat:
         if action is None or getattr(action, "stage_index", None) != stage:
             continue
-        kind = str(action.computation_type.value)
+        kind = torch_compat.action_kind(action)
         if kind == "F":
             live += 1
         elif kind == "B":

@@ -656,6 +656,17 @@ def parse_schedule_actions(rows: Sequence[Sequence[str]]) -> dict[int, list[Any]
     return order
 
 
+def action_kind(action: Any) -> str:
+    """A schedule IR action's kind as torch writes it in CSV lists: ``"F"``, ``"B"``, ``"I"``, ``"W"``,
+    ``"OVERLAP_F_B"``, ``"REDUCE_GRAD"``..."""
+    return str(action.computation_type.value)
+
+
+def action_parts(action: Any) -> tuple[Any, ...]:
+    """A schedule IR action's computations: its own, or an overlapped forward-backward's (DualPipeV) parts."""
+    return tuple(getattr(action, "sub_actions", None) or (action,))
+
+
 def is_compute_action(action: Any) -> bool:
     """Whether a schedule IR action computes (forward, backward, input- or weight-gradient) rather than
     communicating or resharding."""

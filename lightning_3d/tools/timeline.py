@@ -385,20 +385,11 @@ ZERO_BUBBLE_CLASSES = frozenset(
 )
 
 
-def _parts(action: Any) -> Sequence[Any]:
-    """An action's computations: its own, or an overlapped forward-backward's (DualPipeV) two."""
-    return getattr(action, "sub_actions", None) or (action,)
-
-
-def _kind(action: Any) -> str:
-    return str(action.computation_type.value)
-
-
 def _needs(action: Any, last_stage: int) -> list[tuple[int, str, Any]]:
     """What a computation waits for: a forward for the previous stage's forward of its micro-batch, a full or
     input-gradient backward for the next stage's (``"G"``: either kind) or, on the last stage, its own forward; a
     weight gradient for its stage's input gradient."""
-    stage, kind, mb = action.stage_index, _kind(action), action.microbatch_index
+    stage, kind, mb = action.stage_index, torch_compat.action_kind(action), action.microbatch_index
     if kind == "F":
         return [(stage - 1, "F", mb)] if stage > 0 else []
     if kind in ("B", "I"):
@@ -421,7 +412,13 @@ def played_order(pipeline_order: dict[int, Sequence[Any]]) -> dict[int, list[Any
     Raises:
         ValueError: the list cannot run (some action waits for one that no rank runs before it).
     """
-    stages = [part.stage_index for acts in pipeline_order.values() for a in acts if a is not None for part in _parts(a)]
+    stages = [
+        part.stage_index
+        for acts in pipeline_order.values()
+        for a in acts
+        if a is not None
+        for part in torch_compat.action_parts(a)
+    ]
     last_stage = max(stages, default=0)
     pointer = dict.fromkeys(pipeline_order, 0)
     played: dict[int, list[Any]] = {rank: [] for rank in pipeline_order}
@@ -432,13 +429,15 @@ def played_order(pipeline_order: dict[int, Sequence[Any]]) -> dict[int, list[Any
             if pointer[rank] >= len(actions):
                 continue
             action = actions[pointer[rank]]
-            ready = action is None or all(need in done for part in _parts(action) for need in _needs(part, last_stage))
+            ready = action is None or all(
+                need in done for part in torch_compat.action_parts(action) for need in _needs(part, last_stage)
+            )
             played[rank].append(action if ready else None)
             if ready:
                 pointer[rank] += 1
                 moved = True
-                for part in () if action is None else _parts(action):
-                    kind = _kind(part)
+                for part in () if action is None else torch_compat.action_parts(action):
+                    kind = torch_compat.action_kind(part)
                     finished.add((part.stage_index, "G" if kind in ("B", "I") else kind, part.microbatch_index))
         if not moved:
             waiting = {
